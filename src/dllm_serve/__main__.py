@@ -1,0 +1,4 @@
+from dllm_serve.cli import main
+
+if __name__ == "__main__":
+    main()

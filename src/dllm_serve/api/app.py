@@ -1,0 +1,217 @@
+"""build_app(engine) → the FastAPI application (OpenAI-compatible routes)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dllm_serve import __version__
+from dllm_serve.api.deviations import DEVIATIONS_TABLE
+from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, error_response, server_error
+from dllm_serve.api.middleware import RequestIdMiddleware
+from dllm_serve.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from dllm_serve.api.streaming import chat_chunks, failure_message, usage_dict
+from dllm_serve.api.validation import check_context_length, parse_chat_request
+from dllm_serve.engine.engine import AsyncEngine, EngineDeadError
+from dllm_serve.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+DESCRIPTION = f"""OpenAI-compatible server for diffusion LLMs.
+
+## Diffusion vs OpenAI semantics (ADR 005)
+
+{DEVIATIONS_TABLE}"""
+
+
+def build_app(engine: AsyncEngine) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not engine.is_alive:
+            engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(
+        title="dllm-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan
+    )
+    app.state.engine = engine
+    app.state.started = int(time.time())
+    app.add_middleware(RequestIdMiddleware)
+    _install_error_handlers(app)
+
+    @app.get("/health", tags=["ops"])
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_alive else 503)
+
+    @app.get("/version", tags=["ops"])
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models", response_model=ModelList, tags=["openai"])
+    async def list_models() -> ModelList:
+        card = ModelCard(
+            id=engine.model_name, created=app.state.started, max_model_len=engine.max_length
+        )
+        return ModelList(data=[card])
+
+    @app.post(
+        "/v1/chat/completions",
+        tags=["openai"],
+        response_model=ChatCompletionResponse,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}
+                    }
+                },
+            }
+        },
+    )
+    async def chat_completions(request: Request) -> Any:
+        # The body is parsed by hand so every malformed input becomes a 400 in the OpenAI
+        # envelope (FastAPI would answer 422, and some inputs would never reach pydantic).
+        spec = parse_chat_request(await request.body(), request.headers.get("content-type"))
+        if not engine.is_alive:
+            raise _unavailable()
+        prompt_ids = await asyncio.to_thread(engine.chat_prompt_ids, spec.messages)
+        check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length)
+        request_id = request.state.request_id
+        response_id = f"chatcmpl-{request_id}"
+        created = int(time.time())
+        outputs = engine.generate(prompt_ids, spec.params)
+        if spec.stream:
+            chunks = chat_chunks(
+                outputs,
+                response_id=response_id,
+                created=created,
+                model=engine.model_name,
+                canvas_length=spec.params.gen_length,
+                include_usage=spec.include_usage,
+            )
+            return EventSourceResponse(chunks, headers={REQUEST_ID_HEADER: request_id})
+        text, last = await _collect_unless_disconnected(request, outputs)
+        if last is None:  # the client went away; its request was aborted
+            return Response(status_code=499)
+        if last.finish_reason not in ("stop", "length"):
+            message, kind = failure_message(last)
+            status = 503 if kind == "service_unavailable_error" else 500
+            raise APIError(message, status=status, type=kind)
+        return {
+            "id": response_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": engine.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": last.finish_reason,
+                }
+            ],
+            "usage": usage_dict(last, spec.params.gen_length),
+        }
+
+    _register_request_schema(app)
+    return app
+
+
+async def _collect_unless_disconnected(
+    request: Request, outputs: AsyncIterator[RequestOutput]
+) -> tuple[str, RequestOutput | None]:
+    """Collect the answer; if the client disconnects first, abort the request."""
+
+    async def collect() -> tuple[str, RequestOutput | None]:
+        parts, last = [], None
+        async for output in outputs:
+            parts.append(output.delta_text)
+            last = output
+        return "".join(parts), last
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # raises inside engine.generate(), whose finally aborts the request
+            await asyncio.gather(work, return_exceptions=True)
+    return work.result() if not work.cancelled() else ("", None)
+
+
+def _unavailable() -> APIError:
+    return APIError(
+        "The engine is not running.",
+        status=503,
+        type="service_unavailable_error",
+        code="engine_dead",
+    )
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def rid(request: Request) -> str | None:
+        return getattr(request.state, "request_id", None)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, rid(request))
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(_unavailable(), rid(request))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        err = APIError(message, status=exc.status_code, code=code)
+        return error_response(err, rid(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(APIError(f"Invalid request: {exc.errors()[0]['msg']}"), rid(request))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(server_error(), rid(request))
+
+
+def _register_request_schema(app: FastAPI) -> None:
+    """Publish ChatCompletionRequest in /openapi.json (the route parses the body itself)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = build()
+        defs = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(defs.pop("$defs", {}))
+        components["ChatCompletionRequest"] = defs
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

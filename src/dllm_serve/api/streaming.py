@@ -1,0 +1,79 @@
+"""Chat completion chunks over SSE, in the OpenAI order.
+
+role chunk → one chunk per denoising step that made text final → finish chunk →
+optional usage chunk (``stream_options.include_usage``) → ``[DONE]``. A failure after the
+200 has been sent becomes one ``{"error": ...}`` event followed by ``[DONE]``, which the
+openai SDK raises as ``APIError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from dllm_serve.engine.outputs import RequestOutput
+
+
+def usage_dict(output: RequestOutput, canvas_length: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": output.prompt_tokens,
+        "completion_tokens": output.completion_tokens,
+        "total_tokens": output.prompt_tokens + output.completion_tokens,
+        "diffusion": {"nfe": output.nfe, "canvas_length": canvas_length},
+    }
+
+
+def failure_message(output: RequestOutput) -> tuple[str, str]:
+    """(message, error type) for a request that ended without an answer."""
+    if output.finish_reason == "abort":
+        return "The request was aborted by the server.", "service_unavailable_error"
+    return f"The request failed in the engine: {output.error}", "server_error"
+
+
+async def chat_chunks(
+    outputs: AsyncIterator[RequestOutput],
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    canvas_length: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            ],
+        }
+        if include_usage:
+            body["usage"] = None
+        return json.dumps(body, ensure_ascii=False)
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for output in outputs:
+        if output.delta_text:
+            yield chunk({"content": output.delta_text})
+        if not output.finished:
+            continue
+        if output.finish_reason in ("stop", "length"):
+            yield chunk({}, output.finish_reason)
+            if include_usage:
+                final = {
+                    "id": response_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage_dict(output, canvas_length),
+                }
+                yield json.dumps(final, ensure_ascii=False)
+        else:
+            message, kind = failure_message(output)
+            error = {"message": message, "type": kind, "param": None, "code": None}
+            yield json.dumps({"error": error}, ensure_ascii=False)
+    yield "[DONE]"

@@ -1,0 +1,269 @@
+"""Turn a raw request body into a validated generation request (ADR 005).
+
+Everything here raises :class:`APIError` (HTTP 400, OpenAI envelope, ``param`` set) and never
+anything else, so a malformed request can never become a 500. The table of accepted and
+rejected requests in ``tests/unit/api/test_validation_table.py`` pins this behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from dllm_serve.api.errors import ADR_REF, APIError, invalid
+from dllm_serve.api.protocol import ChatCompletionRequest
+from dllm_serve.decoding.params import DecodingParams
+
+DEFAULT_GEN_LENGTH = 128
+DEFAULT_STEPS = 128
+MAX_STEPS = 512
+LOCAL_LEAP_PARAMS = (
+    "local_leap_anchor_threshold",
+    "local_leap_neighbor_threshold",
+    "local_leap_radius",
+)
+NOT_YET = "is not available yet in this server version"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequestSpec:
+    """A validated chat request: what the route hands to the engine."""
+
+    messages: list[dict[str, str]]
+    params: DecodingParams
+    stream: bool
+    include_usage: bool
+
+
+def parse_chat_request(raw: bytes, content_type: str | None) -> ChatRequestSpec:
+    _check_content_type(content_type)
+    try:
+        req = ChatCompletionRequest.model_validate_json(raw, strict=True)
+    except ValidationError as exc:
+        raise _from_pydantic(exc) from None
+    messages = _messages(req)
+    _reject_autoregressive_fields(req)
+    _reject_unavailable_fields(req)
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    if req.stream_options is not None and req.stream_options.include_obfuscation:
+        raise invalid(
+            "'stream_options.include_obfuscation' is not supported.",
+            "stream_options.include_obfuscation",
+        )
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return ChatRequestSpec(messages, _decoding_params(req), stream, include_usage)
+
+
+def check_context_length(prompt_tokens: int, gen_length: int, max_length: int) -> None:
+    """The prompt plus the canvas must fit the model's context."""
+    if prompt_tokens + gen_length > max_length:
+        param = "messages" if prompt_tokens >= max_length else "max_tokens"
+        raise invalid(
+            f"This model's maximum context length is {max_length} tokens. However, you "
+            f"requested {prompt_tokens + gen_length} tokens ({prompt_tokens} in the messages, "
+            f"{gen_length} in the completion canvas). Please reduce the length of the messages "
+            "or the completion.",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def _check_content_type(content_type: str | None) -> None:
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (
+        media.startswith("application/") and media.endswith("+json")
+    ):
+        shown = content_type or "none"
+        raise invalid(
+            f"Unsupported Content-Type '{shown}': the request body must be JSON sent with "
+            "'Content-Type: application/json'.",
+            code="unsupported_media_type",
+        )
+
+
+def _param_path(loc: tuple[Any, ...]) -> str | None:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or None
+
+
+def _from_pydantic(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    kind, param, msg = err["type"], _param_path(tuple(err["loc"])), err["msg"]
+    if kind == "json_invalid":
+        detail = err.get("ctx", {}).get("error", msg)
+        return invalid(f"We could not parse the JSON body of your request: {detail}.")
+    if kind == "model_type" and param is None:
+        return invalid("The request body must be a JSON object.")
+    if kind == "extra_forbidden":
+        return invalid(f"Unrecognized request argument supplied: {param}", param)
+    if kind == "missing":
+        return invalid(f"Missing required parameter: '{param}'.", param)
+    return invalid(f"Invalid value for '{param}': {msg}.", param)
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    if not req.messages:
+        raise invalid("'messages' must contain at least one message.", "messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        out.append({"role": m.role, "content": _content_text(m.content, f"messages[{i}].content")})
+    return out
+
+
+def _content_text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise invalid(
+                    f"Invalid content part at '{param}[{j}]': only text parts "
+                    '({"type": "text", "text": "..."}) are supported.',
+                    f"{param}[{j}]",
+                )
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise invalid(
+                    f"Invalid content part at '{param}[{j}]': a text part has exactly the "
+                    "keys 'type' and 'text', and 'text' is a string.",
+                    f"{param}[{j}]",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(
+        f"Invalid value for '{param}': content must be a string or a list of text parts.", param
+    )
+
+
+def _ar_only(param: str, what: str, accepted: str) -> APIError:
+    return invalid(
+        f"'{param}' is not supported by diffusion decoding: {what}. Only {accepted} is "
+        f"accepted; {ADR_REF}.",
+        param,
+        code="unsupported_parameter",
+    )
+
+
+def _reject_autoregressive_fields(req: ChatCompletionRequest) -> None:
+    if req.top_p is not None and req.top_p != 1:
+        raise _ar_only("top_p", "nucleus sampling is autoregressive-only", "top_p=1")
+    if req.top_k is not None and req.top_k > 1:
+        raise _ar_only("top_k", "top-k sampling is out of scope for v0.1", "top_k<=1")
+    if req.n is not None and req.n > 1:
+        raise _ar_only("n", "multiple completions per request are deferred", "n=1")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0):
+            raise _ar_only(name, "per-token penalties are autoregressive-only", f"{name}=0")
+    if req.logit_bias:
+        raise _ar_only("logit_bias", "logit bias is deferred", "an empty logit_bias")
+    if req.logprobs:
+        raise _ar_only("logprobs", "log probabilities are deferred", "logprobs=false")
+    if req.top_logprobs:
+        raise _ar_only("top_logprobs", "log probabilities are deferred", "top_logprobs=0")
+    if req.tools:
+        raise _ar_only("tools", "function calling is out of scope", "an empty tools list")
+    if req.functions:
+        raise _ar_only("functions", "function calling is out of scope", "an empty list")
+    for name in ("tool_choice", "function_call"):
+        if getattr(req, name) not in (None, "none"):
+            raise _ar_only(name, "function calling is out of scope", f'{name}="none"')
+
+
+def _reject_unavailable_fields(req: ChatCompletionRequest) -> None:
+    if req.response_format is not None and req.response_format != {"type": "text"}:
+        raise invalid(
+            f'Only response_format {{"type": "text"}} is supported; structured output {NOT_YET}.',
+            "response_format",
+        )
+    if req.stop:
+        raise invalid(f"'stop' {NOT_YET}.", "stop", code="not_available_yet")
+    if req.block_schedule not in (None, "uniform"):
+        raise invalid(
+            f"block_schedule '{req.block_schedule}' {NOT_YET}; use 'uniform'.",
+            "block_schedule",
+            code="not_available_yet",
+        )
+    if req.confidence_metric not in (None, "top1_prob"):
+        raise invalid(
+            f"confidence_metric '{req.confidence_metric}' {NOT_YET}; use 'top1_prob'.",
+            "confidence_metric",
+            code="not_available_yet",
+        )
+    if req.attention_backend == "fa2":
+        raise invalid(
+            "attention_backend 'fa2' is deferred until an FA2 build is in CI; 'sdpa' is the "
+            f"reference path ({ADR_REF}).",
+            "attention_backend",
+            code="not_available_yet",
+        )
+    if req.use_local_leap:
+        raise invalid(f"use_local_leap {NOT_YET}.", "use_local_leap", code="not_available_yet")
+    for name in (
+        "local_leap_anchor_threshold",
+        "local_leap_neighbor_threshold",
+        "local_leap_radius",
+    ):
+        if getattr(req, name) is not None:
+            raise invalid(
+                f"'{name}' configures LocalLeap, which {NOT_YET}.", name, code="not_available_yet"
+            )
+
+
+def _decoding_params(req: ChatCompletionRequest) -> DecodingParams:
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if req.max_tokens and req.max_completion_tokens and req.max_tokens != req.max_completion_tokens:
+        raise invalid(
+            "'max_tokens' and 'max_completion_tokens' are the same setting and were given "
+            "different values.",
+            "max_completion_tokens",
+        )
+    if req.target_length is not None and max_tokens is not None and max_tokens < req.target_length:
+        raise invalid(
+            f"'target_length' ({req.target_length}) sets the canvas length and exceeds "
+            f"max_tokens ({max_tokens}).",
+            "target_length",
+        )
+    gen_length = req.target_length or max_tokens or DEFAULT_GEN_LENGTH
+    block_length = req.block_length or gen_length
+    if block_length > gen_length or gen_length % block_length:
+        raise invalid(
+            f"'block_length' ({block_length}) must divide the canvas length ({gen_length}).",
+            "block_length",
+        )
+    num_blocks = gen_length // block_length
+    if num_blocks > MAX_STEPS:
+        raise invalid(
+            f"The canvas of {gen_length} tokens has {num_blocks} blocks of {block_length}; at "
+            f"most {MAX_STEPS} blocks are allowed (each block needs a denoising step).",
+            "block_length",
+        )
+    if req.num_denoising_steps is None:
+        # ADR default 128 capped at the canvas, rounded down to a multiple of the block count.
+        steps = max(num_blocks, min(DEFAULT_STEPS, gen_length) // num_blocks * num_blocks)
+    else:
+        steps = req.num_denoising_steps
+        if steps % num_blocks:
+            raise invalid(
+                f"'num_denoising_steps' ({steps}) must be a multiple of the number of blocks "
+                f"({num_blocks} = canvas {gen_length} / block_length {block_length}).",
+                "num_denoising_steps",
+            )
+    temperature = 0.0 if req.temperature is None else req.temperature
+    if req.top_k == 1:
+        temperature = 0.0  # top_k=1 asks for the most likely token: greedy decoding
+    return DecodingParams(
+        gen_length=gen_length,
+        steps=steps,
+        block_length=block_length,
+        temperature=temperature,
+        seed=req.seed,
+        block_schedule="uniform",
+        confidence_metric="top1_prob",
+        force_single_batch=bool(req.force_single_batch),
+    )

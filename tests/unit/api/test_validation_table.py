@@ -1,0 +1,424 @@
+"""The ADR 005 request table: every row is a body and what the server must answer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from dllm_serve.api.errors import APIError
+from dllm_serve.api.validation import check_context_length, parse_chat_request
+
+MSG = [{"role": "user", "content": "hi"}]
+JSON = "application/json"
+
+
+def body(**fields: Any) -> bytes:
+    return json.dumps({"model": "m", "messages": MSG, **fields}).encode()
+
+
+# (id, raw body, content type, expected param, substring of the message)
+BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
+    ("not-json", b"{nope", JSON, None, "could not parse the JSON body"),
+    ("truncated", b'{"messages": [', JSON, None, "could not parse the JSON body"),
+    ("empty-body", b"", JSON, None, "could not parse the JSON body"),
+    ("invalid-utf8", b'{"messages": "\xff"}', JSON, None, "could not parse the JSON body"),
+    ("deep-nesting", b"[" * 5000 + b"]" * 5000, JSON, None, "could not parse the JSON body"),
+    ("array-body", b"[1, 2]", JSON, None, "must be a JSON object"),
+    ("text-plain", body(), "text/plain", None, "Unsupported Content-Type 'text/plain'"),
+    ("form", body(), "application/x-www-form-urlencoded", None, "Unsupported Content-Type"),
+    ("no-content-type", body(), None, None, "Unsupported Content-Type 'none'"),
+    ("unknown-field", body(foo=1), JSON, "foo", "Unrecognized request argument supplied: foo"),
+    (
+        "unknown-msg-field",
+        body(messages=[{"role": "user", "content": "x", "name": "a"}]),
+        JSON,
+        "messages[0].name",
+        "Unrecognized request argument supplied: messages[0].name",
+    ),
+    (
+        "missing-messages",
+        json.dumps({"model": "m"}).encode(),
+        JSON,
+        "messages",
+        "Missing required parameter: 'messages'",
+    ),
+    ("empty-messages", body(messages=[]), JSON, "messages", "at least one message"),
+    ("messages-not-list", body(messages="hi"), JSON, "messages", "Invalid value for 'messages'"),
+    (
+        "bad-role",
+        body(messages=[{"role": "tool", "content": "x"}]),
+        JSON,
+        "messages[0].role",
+        "Invalid value for 'messages[0].role'",
+    ),
+    (
+        "missing-role",
+        body(messages=[{"content": "x"}]),
+        JSON,
+        "messages[0].role",
+        "Missing required parameter: 'messages[0].role'",
+    ),
+    (
+        "null-content",
+        body(messages=[{"role": "user", "content": None}]),
+        JSON,
+        "messages[0].content",
+        "content must be a string",
+    ),
+    (
+        "int-content",
+        body(messages=[{"role": "user", "content": 3}]),
+        JSON,
+        "messages[0].content",
+        "content must be a string",
+    ),
+    (
+        "image-part",
+        body(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        JSON,
+        "messages[0].content[0]",
+        "only text parts",
+    ),
+    (
+        "part-bad-text",
+        body(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]),
+        JSON,
+        "messages[0].content[0]",
+        "'text' is a string",
+    ),
+    ("temperature-high", body(temperature=2.5), JSON, "temperature", "less than or equal to 2"),
+    ("temperature-neg", body(temperature=-0.1), JSON, "temperature", "greater than or equal to 0"),
+    ("temperature-str", body(temperature="0.5"), JSON, "temperature", "valid number"),
+    (
+        "temperature-nan",
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+        JSON,
+        "temperature",
+        "Invalid value for 'temperature'",
+    ),
+    ("seed-float", body(seed=1.5), JSON, "seed", "valid integer"),
+    ("seed-huge", body(seed=2**70), JSON, "seed", "less than or equal to"),
+    ("stream-str", body(stream="yes"), JSON, "stream", "valid boolean"),
+    ("max-tokens-zero", body(max_tokens=0), JSON, "max_tokens", "greater than or equal to 1"),
+    ("max-tokens-str", body(max_tokens="64"), JSON, "max_tokens", "valid integer"),
+    (
+        "max-tokens-conflict",
+        body(max_tokens=64, max_completion_tokens=32),
+        JSON,
+        "max_completion_tokens",
+        "different values",
+    ),
+    ("top-p", body(top_p=0.9), JSON, "top_p", "ADR 005"),
+    ("top-p-range", body(top_p=1.5), JSON, "top_p", "less than or equal to 1"),
+    ("top-k", body(top_k=40), JSON, "top_k", "ADR 005"),
+    ("n-2", body(n=2), JSON, "n", "ADR 005"),
+    ("n-0", body(n=0), JSON, "n", "greater than or equal to 1"),
+    ("presence-penalty", body(presence_penalty=0.5), JSON, "presence_penalty", "ADR 005"),
+    ("frequency-penalty", body(frequency_penalty=-1), JSON, "frequency_penalty", "ADR 005"),
+    ("logit-bias", body(logit_bias={"42": 5}), JSON, "logit_bias", "ADR 005"),
+    ("logprobs", body(logprobs=True), JSON, "logprobs", "ADR 005"),
+    ("top-logprobs", body(top_logprobs=3), JSON, "top_logprobs", "ADR 005"),
+    (
+        "tools",
+        body(tools=[{"type": "function", "function": {"name": "f"}}]),
+        JSON,
+        "tools",
+        "ADR 005",
+    ),
+    ("tool-choice", body(tool_choice="auto"), JSON, "tool_choice", "ADR 005"),
+    ("functions", body(functions=[{"name": "f"}]), JSON, "functions", "ADR 005"),
+    ("stop", body(stop=["\n"]), JSON, "stop", "not available yet"),
+    (
+        "json-mode",
+        body(response_format={"type": "json_object"}),
+        JSON,
+        "response_format",
+        "not available yet",
+    ),
+    (
+        "stream-options-no-stream",
+        body(stream_options={"include_usage": True}),
+        JSON,
+        "stream_options",
+        "only allowed when 'stream' is true",
+    ),
+    (
+        "stream-options-unknown",
+        body(stream=True, stream_options={"x": 1}),
+        JSON,
+        "stream_options.x",
+        "Unrecognized request argument",
+    ),
+    (
+        "steps-zero",
+        body(num_denoising_steps=0),
+        JSON,
+        "num_denoising_steps",
+        "greater than or equal to 1",
+    ),
+    (
+        "steps-513",
+        body(num_denoising_steps=513),
+        JSON,
+        "num_denoising_steps",
+        "less than or equal to 512",
+    ),
+    (
+        "block-not-dividing",
+        body(max_tokens=64, block_length=24),
+        JSON,
+        "block_length",
+        "must divide the canvas length (64)",
+    ),
+    (
+        "block-longer-than-canvas",
+        body(max_tokens=32, block_length=64),
+        JSON,
+        "block_length",
+        "must divide",
+    ),
+    (
+        "steps-not-multiple",
+        body(max_tokens=64, block_length=16, num_denoising_steps=30),
+        JSON,
+        "num_denoising_steps",
+        "multiple of the number of blocks (4",
+    ),
+    (
+        "too-many-blocks",
+        body(max_tokens=1024, block_length=1),
+        JSON,
+        "block_length",
+        "at most 512 blocks",
+    ),
+    (
+        "bad-schedule-name",
+        body(block_schedule="linear"),
+        JSON,
+        "block_schedule",
+        "Invalid value for 'block_schedule'",
+    ),
+    ("schedule-cosine", body(block_schedule="cosine"), JSON, "block_schedule", "not available yet"),
+    (
+        "metric-entropy",
+        body(confidence_metric="entropy_inverse"),
+        JSON,
+        "confidence_metric",
+        "not available yet",
+    ),
+    (
+        "metric-unknown",
+        body(confidence_metric="margin"),
+        JSON,
+        "confidence_metric",
+        "Invalid value",
+    ),
+    (
+        "target-over-max",
+        body(max_tokens=32, target_length=64),
+        JSON,
+        "target_length",
+        "exceeds max_tokens",
+    ),
+    ("target-zero", body(target_length=0), JSON, "target_length", "greater than or equal to 1"),
+    ("fa2", body(attention_backend="fa2"), JSON, "attention_backend", "deferred"),
+    (
+        "backend-unknown",
+        body(attention_backend="xformers"),
+        JSON,
+        "attention_backend",
+        "Invalid value",
+    ),
+    ("force-single-int", body(force_single_batch=1), JSON, "force_single_batch", "valid boolean"),
+    ("local-leap", body(use_local_leap=True), JSON, "use_local_leap", "not available yet"),
+    (
+        "leap-anchor-range",
+        body(local_leap_anchor_threshold=1.5),
+        JSON,
+        "local_leap_anchor_threshold",
+        "less than or equal to 1",
+    ),
+    (
+        "leap-radius-range",
+        body(local_leap_radius=17),
+        JSON,
+        "local_leap_radius",
+        "less than or equal to 16",
+    ),
+    (
+        "leap-radius-without-leap",
+        body(local_leap_radius=4),
+        JSON,
+        "local_leap_radius",
+        "configures LocalLeap",
+    ),
+    ("model-int", body(model=5), JSON, "model", "valid string"),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "ctype", "param", "message"), [r[1:] for r in BAD], ids=[r[0] for r in BAD]
+)
+def test_rejected_with_400(raw: bytes, ctype: str | None, param: str | None, message: str) -> None:
+    with pytest.raises(APIError) as info:
+        parse_chat_request(raw, ctype)
+    err = info.value
+    assert err.status == 400
+    assert err.type == "invalid_request_error"
+    assert err.param == param
+    assert message in err.message
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+# (id, body, expected (gen_length, steps, block_length, temperature, seed), stream, usage)
+GOOD: list[tuple[str, bytes, tuple[int, int, int, float, int | None], bool, bool]] = [
+    ("defaults", body(), (128, 128, 128, 0.0, None), False, False),
+    ("no-model", json.dumps({"messages": MSG}).encode(), (128, 128, 128, 0.0, None), False, False),
+    ("max-tokens", body(max_tokens=32), (32, 32, 32, 0.0, None), False, False),
+    (
+        "max-completion-tokens",
+        body(max_completion_tokens=48),
+        (48, 48, 48, 0.0, None),
+        False,
+        False,
+    ),
+    (
+        "both-max-equal",
+        body(max_tokens=16, max_completion_tokens=16),
+        (16, 16, 16, 0.0, None),
+        False,
+        False,
+    ),
+    ("big-canvas-default-steps", body(max_tokens=256), (256, 128, 256, 0.0, None), False, False),
+    (
+        "blocks-default-steps-rounded",
+        body(max_tokens=192, block_length=64),
+        (192, 126, 64, 0.0, None),
+        False,
+        False,
+    ),
+    (
+        "blocks",
+        body(max_tokens=64, block_length=16, num_denoising_steps=32),
+        (64, 32, 16, 0.0, None),
+        False,
+        False,
+    ),
+    (
+        "steps-over-canvas",
+        body(max_tokens=8, num_denoising_steps=16),
+        (8, 16, 8, 0.0, None),
+        False,
+        False,
+    ),
+    ("target-length", body(target_length=40), (40, 40, 40, 0.0, None), False, False),
+    (
+        "target-with-larger-max",
+        body(target_length=40, max_tokens=64),
+        (40, 40, 40, 0.0, None),
+        False,
+        False,
+    ),
+    ("sampling", body(temperature=0.7, seed=1234), (128, 128, 128, 0.7, 1234), False, False),
+    ("negative-seed", body(seed=-5, temperature=1), (128, 128, 128, 1.0, -5), False, False),
+    ("top-k-1-is-greedy", body(top_k=1, temperature=1.5), (128, 128, 128, 0.0, None), False, False),
+    (
+        "no-ops",
+        body(
+            top_p=1,
+            n=1,
+            presence_penalty=0,
+            frequency_penalty=0.0,
+            logit_bias={},
+            logprobs=False,
+            tools=[],
+            tool_choice="none",
+            top_k=0,
+            user="u",
+        ),
+        (128, 128, 128, 0.0, None),
+        False,
+        False,
+    ),
+    (
+        "nulls",
+        body(top_p=None, n=None, stop=None, seed=None, temperature=None),
+        (128, 128, 128, 0.0, None),
+        False,
+        False,
+    ),
+    (
+        "text-format",
+        body(response_format={"type": "text"}),
+        (128, 128, 128, 0.0, None),
+        False,
+        False,
+    ),
+    ("stream", body(stream=True), (128, 128, 128, 0.0, None), True, False),
+    (
+        "stream-usage",
+        body(stream=True, stream_options={"include_usage": True}),
+        (128, 128, 128, 0.0, None),
+        True,
+        True,
+    ),
+    (
+        "extensions-at-defaults",
+        body(
+            block_schedule="uniform",
+            confidence_metric="top1_prob",
+            attention_backend="sdpa",
+            use_local_leap=False,
+            force_single_batch=True,
+        ),
+        (128, 128, 128, 0.0, None),
+        False,
+        False,
+    ),
+    ("charset", body(), (128, 128, 128, 0.0, None), False, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected", "stream", "usage"), [r[1:] for r in GOOD], ids=[r[0] for r in GOOD]
+)
+def test_accepted(raw: bytes, expected: tuple, stream: bool, usage: bool) -> None:
+    spec = parse_chat_request(raw, "application/json; charset=utf-8")
+    p = spec.params
+    assert (p.gen_length, p.steps, p.block_length, p.temperature, p.seed) == expected
+    assert p.gen_length % p.block_length == 0 and p.steps % p.num_blocks == 0
+    assert (spec.stream, spec.include_usage) == (stream, usage)
+
+
+def test_table_is_large_enough() -> None:
+    assert len(BAD) + len(GOOD) >= 40
+
+
+def test_content_parts_are_joined_and_roles_kept() -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "ok"},
+    ]
+    spec = parse_chat_request(body(messages=messages), JSON)
+    assert spec.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "ok"},
+    ]
+
+
+def test_force_single_batch_reaches_params() -> None:
+    assert parse_chat_request(body(force_single_batch=True), JSON).params.force_single_batch
+
+
+def test_context_length() -> None:
+    check_context_length(100, 28, 128)
+    with pytest.raises(APIError) as info:
+        check_context_length(100, 29, 128)
+    assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
+    with pytest.raises(APIError) as info:
+        check_context_length(130, 1, 128)
+    assert info.value.param == "messages"

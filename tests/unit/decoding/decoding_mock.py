@@ -1,0 +1,119 @@
+"""Shared helpers for the decoding tests: a deterministic mock LM and a driver loop.
+
+Not collected by pytest (no ``test_`` prefix); imported by the test modules next to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dllm_serve.decoding.denoise import DenoiseState, LLaDADenoiser
+from dllm_serve.decoding.forward_spec import ForwardSpec, StepResult
+
+VOCAB = 40
+MASK_ID = 39
+EOS_ID = 2
+EOT_ID = 3
+
+
+class MockLM:
+    """A tiny fixed random network whose logits depend on *every* canvas token.
+
+    Each position's hidden state is its token embedding plus a position embedding, mixed with
+    the mean over the whole canvas (bidirectional), so committing a token anywhere changes the
+    logits everywhere and confidences vary between positions and steps.
+    ``mask_logit`` overrides the mask id's logit (very low: the reference never proposes it;
+    very high: an adversarial model that always prefers it). ``bias`` ``[max_len, V]`` is added
+    to the logits (e.g. to make EOS confident at one position).
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        scale: float = 3.0,
+        vocab: int = VOCAB,
+        dim: int = 16,
+        max_len: int = 128,
+        mask_id: int = MASK_ID,
+        mask_logit: float | None = -1e4,
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tok = torch.randn(vocab, dim, generator=g)
+        self.pos = torch.randn(max_len, dim, generator=g)
+        self.mix = torch.randn(dim, dim, generator=g) / dim**0.5
+        self.head = torch.randn(dim, vocab, generator=g) * scale / dim**0.5
+        self.bias = torch.zeros(max_len, vocab)
+        self.mask_id = mask_id
+        self.mask_logit = mask_logit
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-canvas logits ``[L, V]`` (float32) for a 1-D canvas ``[L]``."""
+        n = input_ids.numel()
+        h = self.tok[input_ids] + self.pos[:n]
+        ctx = torch.tanh(h.mean(0) @ self.mix)
+        logits = torch.tanh(h + ctx) @ self.head + self.bias[:n]
+        if self.mask_logit is not None:
+            logits[:, self.mask_id] = self.mask_logit
+        return logits
+
+    def forward(self, spec: ForwardSpec) -> torch.Tensor:
+        """What the engine does: logits only at ``spec.logits_index``."""
+        return self(spec.input_ids)[spec.logits_index]
+
+
+@dataclass
+class StepRecord:
+    """One update as seen from outside: canvases around it and the block it worked on."""
+
+    before: torch.Tensor
+    after: torch.Tensor
+    block: int
+    step: int
+    lo: int
+    hi: int
+    scheduled: int
+    logits_index: torch.Tensor
+    result: StepResult
+
+
+def step(denoiser: LLaDADenoiser, state: DenoiseState, model: MockLM) -> StepResult:
+    spec = denoiser.prepare(state)
+    return denoiser.update(state, model.forward(spec))
+
+
+def run(
+    denoiser: LLaDADenoiser, state: DenoiseState, model: MockLM, max_steps: int = 10_000
+) -> list[StepRecord]:
+    """Drive ``state`` to completion and return a record per update."""
+    records: list[StepRecord] = []
+    for _ in range(max_steps):
+        if state.finished:
+            return records
+        lo, hi = state.active_block
+        block, step_i, scheduled = state.block, state.step, state.schedule[state.step]
+        spec = denoiser.prepare(state)
+        before = state.canvas.clone()
+        result = denoiser.update(state, model.forward(spec))
+        records.append(
+            StepRecord(
+                before,
+                state.canvas.clone(),
+                block,
+                step_i,
+                lo,
+                hi,
+                scheduled,
+                spec.logits_index.clone(),
+                result,
+            )
+        )
+    raise AssertionError("denoising did not finish")
+
+
+def truncate_at_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[:i]
+    return tokens

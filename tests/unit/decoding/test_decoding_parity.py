@@ -1,0 +1,92 @@
+"""Token-for-token parity with LLaDA's generate() at T = 0 (algorithms.md §1.5, §7 item 7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decoding_mock import EOS_ID, EOT_ID, MASK_ID, MockLM, run, truncate_at_stop
+
+from dllm_serve.decoding.denoise import LLaDADenoiser
+from dllm_serve.decoding.params import DecodingParams
+
+
+def reference_generate(
+    model: MockLM, prompt: list[int], steps: int, gen_length: int, block_length: int
+) -> tuple[torch.Tensor, int]:
+    """LLaDA generate() at temperature 0, low_confidence remasking, batch of one.
+
+    Written straight from the pseudocode: full-canvas logits every step, confidence of the
+    argmax, ``c[:, hi:] = -inf``, ``where(M, ...)``, ``topk``. Softmax in float64 (as LLaDA's
+    app.py / Fast-dLLM; generate.py now uses the model dtype) so rankings are not float32 ties.
+    Returns (canvas, NFE).
+    """
+    x = torch.full((1, len(prompt) + gen_length), MASK_ID, dtype=torch.long)
+    x[0, : len(prompt)] = torch.tensor(prompt)
+    assert gen_length % block_length == 0
+    num_blocks = gen_length // block_length
+    assert steps % num_blocks == 0
+    steps_per_block = steps // num_blocks
+    nfe = 0
+    for k in range(num_blocks):
+        lo = len(prompt) + k * block_length
+        hi = lo + block_length
+        n = int((x[0, lo:hi] == MASK_ID).sum())
+        base, rem = divmod(n, steps_per_block)
+        sched = [base + (i < rem) for i in range(steps_per_block)]
+        for i in range(steps_per_block):
+            masked = x == MASK_ID
+            z = model(x[0]).unsqueeze(0)  # (1, L, V)
+            nfe += 1
+            x0 = z.argmax(-1)
+            p = torch.softmax(z.to(torch.float64), -1)
+            c = torch.gather(p, -1, x0.unsqueeze(-1)).squeeze(-1)
+            c[:, hi:] = -float("inf")
+            x0 = torch.where(masked, x0, x)
+            c = torch.where(masked, c, torch.tensor(-float("inf"), dtype=torch.float64))
+            _, idx = torch.topk(c[0], k=sched[i])
+            x[0, idx] = x0[0, idx]
+    return x[0], nfe
+
+
+CONFIGS = [(16, 16, 16), (16, 8, 8), (32, 8, 16), (24, 4, 24), (16, 4, 4), (30, 10, 9)]
+
+
+@pytest.mark.parametrize("model_seed", [0, 1])
+@pytest.mark.parametrize(("gen", "block", "steps"), CONFIGS)
+def test_parity_with_reference(gen: int, block: int, steps: int, model_seed: int) -> None:
+    model = MockLM(seed=model_seed)
+    prompt = [5, 17, 8, 30, 11, 1]
+    ref, ref_nfe = reference_generate(model, prompt, steps, gen, block)
+    params = DecodingParams(gen_length=gen, block_length=block, steps=steps, seed=123)
+    denoiser = LLaDADenoiser(MASK_ID, ())
+    state = denoiser.init_state(prompt, params, "cpu")
+    run(denoiser, state, model)
+    assert torch.equal(state.canvas, ref)
+    assert state.nfe == ref_nfe == steps
+
+
+def test_parity_with_zero_commit_steps() -> None:
+    # steps_per_block (4) > block_length (2): the reference spends 16 NFE; the denoiser gives
+    # the same tokens and skips only the last block's trailing no-op steps.
+    model = MockLM(seed=3)
+    prompt = [4, 4, 9]
+    ref, ref_nfe = reference_generate(model, prompt, steps=16, gen_length=8, block_length=2)
+    params = DecodingParams(gen_length=8, block_length=2, steps=16)
+    denoiser = LLaDADenoiser(MASK_ID, ())
+    state = denoiser.init_state(prompt, params, "cpu")
+    run(denoiser, state, model)
+    assert torch.equal(state.canvas, ref)
+    assert (ref_nfe, state.nfe) == (16, 14)
+
+
+def test_parity_of_answer_with_early_stop() -> None:
+    model = MockLM(seed=2)
+    model.bias[3 + 5, EOS_ID] = 30.0
+    prompt = [12, 13, 14]
+    ref, _ = reference_generate(model, prompt, steps=16, gen_length=32, block_length=8)
+    params = DecodingParams(gen_length=32, block_length=8, steps=16)
+    denoiser = LLaDADenoiser(MASK_ID, (EOS_ID, EOT_ID))
+    state = denoiser.init_state(prompt, params, "cpu")
+    run(denoiser, state, model)
+    assert state.finish_reason == "stop" and state.nfe < 16
+    assert state.answer_tokens() == truncate_at_stop(ref[3:].tolist(), (EOS_ID, EOT_ID))

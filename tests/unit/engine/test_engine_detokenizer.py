@@ -1,0 +1,64 @@
+"""IncrementalDetokenizer: append-only deltas that always join to the final text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dllm_serve.engine.outputs import IncrementalDetokenizer
+
+
+def byte_decode(ids: Sequence[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def run(chunks: list[list[int]]) -> list[str]:
+    detok = IncrementalDetokenizer(byte_decode)
+    tokens: list[int] = []
+    deltas = []
+    for i, chunk in enumerate(chunks):
+        tokens += chunk
+        deltas.append(detok.update(tokens, final=i == len(chunks) - 1))
+    return deltas
+
+
+def test_ascii_deltas_join_to_text() -> None:
+    deltas = run([list(b"Hel"), list(b"lo"), [], list(b" world")])
+    assert deltas == ["Hel", "lo", "", " world"]
+
+
+def test_incomplete_utf8_is_held_back_until_complete() -> None:
+    euro = list("€".encode())  # 3 bytes
+    deltas = run([[*list(b"a"), euro[0]], [euro[1]], [euro[2], *list(b"b")]])
+    assert deltas == ["a", "", "€b"]
+    assert "".join(deltas) == "a€b"
+
+
+def test_invalid_bytes_are_released_at_the_end() -> None:
+    deltas = run([list(b"x") + [0xFF], []])
+    assert deltas == ["x", "\ufffd"]
+    assert "".join(deltas) == byte_decode(list(b"x") + [0xFF])
+
+
+def test_unchanged_tokens_give_empty_delta_without_decoding() -> None:
+    calls = []
+
+    def decode(ids: Sequence[int]) -> str:
+        calls.append(list(ids))
+        return byte_decode(ids)
+
+    detok = IncrementalDetokenizer(decode)
+    assert detok.update([104, 105], final=False) == "hi"
+    assert detok.update([104, 105], final=False) == ""
+    assert len(calls) == 1
+    assert detok.update([104, 105], final=True) == ""
+    assert detok.text == "hi"
+
+
+def test_redecoding_never_rewrites_sent_text() -> None:
+    outputs = iter(["ab", "aXc"])  # a tokenizer that changes its mind about an earlier span
+    detok = IncrementalDetokenizer(lambda ids: next(outputs))
+    first = detok.update([1], final=False)
+    second = detok.update([1, 2], final=True)
+    assert first == "ab"
+    assert (first + second).startswith("ab")
+    assert detok.text == first + second
