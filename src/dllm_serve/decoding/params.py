@@ -20,7 +20,7 @@ class DecodingParams:
 
     gen_length: int = 128
     steps: int = 128
-    block_length: int = 128
+    block_length: int | None = None  # None: one block covering the whole canvas
     temperature: float = 0.0
     seed: int | None = None
     block_schedule: str = "uniform"
@@ -30,6 +30,8 @@ class DecodingParams:
     def __post_init__(self) -> None:
         if self.gen_length < 1:
             raise ValueError("gen_length must be >= 1")
+        if self.block_length is None:
+            object.__setattr__(self, "block_length", self.gen_length)
         if self.steps < 1:
             raise ValueError("steps must be >= 1")
         if not 1 <= self.block_length <= self.gen_length:
@@ -47,6 +49,7 @@ class DecodingParams:
 
     @property
     def num_blocks(self) -> int:
+        assert self.block_length is not None  # resolved in __post_init__
         return self.gen_length // self.block_length
 
     @property

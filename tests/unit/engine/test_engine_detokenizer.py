@@ -34,9 +34,9 @@ def test_incomplete_utf8_is_held_back_until_complete() -> None:
 
 
 def test_invalid_bytes_are_released_at_the_end() -> None:
-    deltas = run([list(b"x") + [0xFF], []])
+    deltas = run([[*list(b"x"), 255], []])
     assert deltas == ["x", "\ufffd"]
-    assert "".join(deltas) == byte_decode(list(b"x") + [0xFF])
+    assert "".join(deltas) == byte_decode([*list(b"x"), 255])
 
 
 def test_unchanged_tokens_give_empty_delta_without_decoding() -> None:

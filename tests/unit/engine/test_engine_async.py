@@ -1,0 +1,168 @@
+"""AsyncEngine on the embedded tiny checkpoint: outputs, isolation, abort, failures."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from dllm_serve.config import EngineConfig
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.engine.engine import AsyncEngine, EngineDeadError
+from dllm_serve.engine.outputs import RequestOutput
+from dllm_serve.models.loader import LoadedModel, load_model
+
+PARAMS = DecodingParams(gen_length=16, steps=8, block_length=4)
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_model("tiny-llada", device="cpu", dtype="float32")
+
+
+@pytest.fixture
+def engine(loaded: LoadedModel) -> Iterator[AsyncEngine]:
+    eng = AsyncEngine(loaded, EngineConfig(max_running_requests=4))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+async def collect(
+    engine: AsyncEngine, prompt: list[int], params: DecodingParams
+) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params)]
+
+
+def prompt(loaded: LoadedModel, text: str) -> list[int]:
+    return loaded.chat_prompt_ids([{"role": "user", "content": text}])
+
+
+def test_outputs_are_append_only_and_end_once(engine: AsyncEngine, loaded: LoadedModel) -> None:
+    outs = asyncio.run(collect(engine, prompt(loaded, "hello"), PARAMS))
+    assert outs[-1].finished and outs[-1].finish_reason in ("stop", "length")
+    assert [o.finished for o in outs].count(True) == 1
+    assert all(o.delta_text for o in outs[:-1])  # intermediate outputs only when text grew
+    nfes = [o.nfe for o in outs]
+    assert nfes == sorted(nfes) and 1 <= nfes[-1] <= PARAMS.steps
+    text = "".join(o.delta_text for o in outs)
+    assert outs[-1].completion_tokens <= PARAMS.gen_length
+    assert outs[-1].prompt_tokens == len(prompt(loaded, "hello"))
+    assert text == loaded.decode(_answer_tokens_alone(loaded, prompt(loaded, "hello"), PARAMS))
+
+
+def _answer_tokens_alone(loaded: LoadedModel, ids: list[int], params: DecodingParams) -> list[int]:
+    """Run the denoiser directly, with no engine around it."""
+    import torch
+
+    from dllm_serve.decoding.denoise import LLaDADenoiser
+
+    algo = LLaDADenoiser(loaded.mask_id, loaded.stop_ids)
+    state = algo.init_state(ids, params, loaded.device)
+    with torch.inference_mode():
+        while not state.finished:
+            spec = algo.prepare(state)
+            hidden = loaded.model(spec.input_ids[None], spec.positions[None], None)
+            algo.update(state, loaded.model.lm_head(hidden[0, spec.logits_index]))
+    return state.answer_tokens()
+
+
+def test_concurrent_requests_match_running_alone(engine: AsyncEngine, loaded: LoadedModel) -> None:
+    cases = [
+        (prompt(loaded, "a"), DecodingParams(gen_length=16, steps=16, block_length=8)),
+        (prompt(loaded, "bb"), DecodingParams(gen_length=8, steps=4, temperature=1.0, seed=3)),
+        (
+            prompt(loaded, "ccc"),
+            DecodingParams(gen_length=12, steps=6, block_length=4, temperature=0.5, seed=9),
+        ),
+        (prompt(loaded, "a"), DecodingParams(gen_length=16, steps=8, temperature=1.0, seed=3)),
+        (prompt(loaded, "dd"), PARAMS),
+    ]
+
+    async def all_at_once() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(collect(engine, p, params) for p, params in cases))
+
+    results = asyncio.run(all_at_once())  # 5 requests, 4 running slots: one waits
+    for (ids, params), outs in zip(cases, results, strict=True):
+        expected = loaded.decode(_answer_tokens_alone(loaded, ids, params))
+        assert "".join(o.delta_text for o in outs) == expected
+
+
+def test_abort_frees_the_request(engine: AsyncEngine, loaded: LoadedModel) -> None:
+    long = DecodingParams(gen_length=64, steps=64)
+
+    async def scenario() -> RequestOutput:
+        task = asyncio.ensure_future(collect(engine, prompt(loaded, "x"), long))
+        await asyncio.sleep(0.05)
+        task.cancel()  # like a disconnected client: the generator's finally aborts
+        await asyncio.gather(task, return_exceptions=True)
+        for _ in range(200):
+            if engine.num_running == 0 and engine.num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        # the engine still serves others afterwards
+        outs = await collect(engine, prompt(loaded, "y"), PARAMS)
+        return outs[-1]
+
+    last = asyncio.run(scenario())
+    assert last.finish_reason in ("stop", "length")
+    assert engine.num_running == 0 and engine.num_waiting == 0
+
+
+def test_abort_by_id_from_another_thread(engine: AsyncEngine, loaded: LoadedModel) -> None:
+    import threading
+
+    async def scenario() -> list[RequestOutput]:
+        outs = []
+        gen = engine.generate(
+            prompt(loaded, "x"), DecodingParams(gen_length=256, steps=256), request_id="victim"
+        )
+        threading.Timer(0.05, engine.abort, args=("victim",)).start()
+        async for out in gen:
+            outs.append(out)
+        return outs
+
+    outs = asyncio.run(scenario())
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert outs[-1].nfe < 256
+
+
+def test_a_failing_request_does_not_disturb_others(
+    engine: AsyncEngine, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = engine.algorithm.update
+
+    def update(state, logits):  # type: ignore[no-untyped-def]
+        if state.params.seed == 666:
+            raise RuntimeError("boom")
+        return original(state, logits)
+
+    monkeypatch.setattr(engine.algorithm, "update", update)
+    bad = DecodingParams(gen_length=8, steps=8, temperature=1.0, seed=666)
+    good = DecodingParams(gen_length=8, steps=8, temperature=1.0, seed=5)
+    ids = prompt(loaded, "z")
+
+    async def both() -> list[list[RequestOutput]]:
+        return await asyncio.gather(collect(engine, ids, bad), collect(engine, ids, good))
+
+    bad_outs, good_outs = asyncio.run(both())
+    assert bad_outs[-1].finish_reason == "error" and "boom" in (bad_outs[-1].error or "")
+    assert good_outs[-1].finish_reason in ("stop", "length")
+    monkeypatch.undo()
+    expected = loaded.decode(_answer_tokens_alone(loaded, ids, good))
+    assert "".join(o.delta_text for o in good_outs) == expected
+
+
+def test_generate_after_shutdown_raises(loaded: LoadedModel) -> None:
+    eng = AsyncEngine(loaded)
+    eng.start()
+    eng.shutdown()
+    assert not eng.is_alive
+
+    async def go() -> None:
+        async for _ in eng.generate([1, 2], PARAMS):
+            pass
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(go())

@@ -1,0 +1,174 @@
+"""load_model on the embedded tiny-llada and on deliberately broken copies of it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dllm_serve.models.families import LLADA, UnsupportedModelError
+from dllm_serve.models.loader import (
+    EMBEDDED_MODELS,
+    ModelLoadError,
+    load_model,
+    resolve_model_path,
+)
+from dllm_serve.models.tiny import write_tiny_llada
+
+HELLO = (
+    "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llada")
+
+
+@pytest.fixture(scope="module")
+def single_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llada(tmp_path_factory.mktemp("one") / "tiny-one")
+
+
+def broken_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_embedded_model_loads(tiny) -> None:
+    assert tiny.name == "tiny-llada"
+    assert tiny.path == Path(EMBEDDED_MODELS["tiny-llada"]) == resolve_model_path("tiny-llada")
+    assert tiny.family is LLADA
+    assert tiny.device == torch.device("cpu") and tiny.dtype == torch.float32
+    assert not tiny.model.training
+    assert all(not p.requires_grad for p in tiny.model.parameters())
+    assert all(p.dtype == torch.float32 for p in tiny.model.parameters())
+
+
+def test_special_ids_come_from_config_and_tokenizer(tiny) -> None:
+    config = json.loads((tiny.path / "config.json").read_text())
+    gen = json.loads((tiny.path / "generation_config.json").read_text())
+    tok = tiny.tokenizer
+    assert tiny.mask_id == config["mask_token_id"] == tok.convert_tokens_to_ids("<|mdm_mask|>")
+    assert tiny.eos_id == config["eos_token_id"] == tok.eos_token_id
+    assert tiny.pad_id == config["pad_token_id"] == tok.pad_token_id
+    assert tiny.bos_id == gen["bos_token_id"] == tok.bos_token_id
+    assert tiny.eot_id == tok.convert_tokens_to_ids("<|eot_id|>")
+    assert tiny.stop_ids == tuple(sorted({tiny.eos_id, tiny.eot_id}))
+    assert tiny.max_length == config["max_sequence_length"]
+    assert tiny.model.config.vocab_size == config["embedding_size"]
+
+
+def test_chat_prompt_renders_exactly(tiny) -> None:
+    ids = tiny.chat_prompt_ids([{"role": "user", "content": "hello"}])
+    assert ids[0] == tiny.bos_id and ids.count(tiny.bos_id) == 1
+    assert tiny.tokenizer.decode(ids, skip_special_tokens=False) == HELLO
+    assert tiny.decode(ids) == "user\n\nhelloassistant\n\n"
+
+
+def test_decode_keeps_spacing(tiny) -> None:
+    text = "  Hello ,  world !  ünïcødé 🙂\n"
+    assert tiny.decode(tiny.tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_directory_name_and_bf16(single_dir: Path) -> None:
+    loaded = load_model(str(single_dir), dtype="bfloat16")
+    assert loaded.name == "tiny-one"
+    assert loaded.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+
+
+def test_two_shards_give_identical_logits(single_dir: Path, tmp_path: Path) -> None:
+    sharded = write_tiny_llada(tmp_path / "two", num_shards=2)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    assert not (sharded / "model.safetensors").exists()
+    a, b = load_model(str(single_dir)), load_model(str(sharded))
+    ids = torch.tensor([a.chat_prompt_ids([{"role": "user", "content": "hi there"}])])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        la = a.model.lm_head(a.model(ids, pos))
+        lb = b.model.lm_head(b.model(ids, pos))
+    assert torch.equal(la, lb)
+
+
+def rewrite_weights(path: Path, edit) -> None:
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_tensor_named(single_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(single_dir, tmp_path / "m")
+    rewrite_weights(path, lambda t: t.pop("model.transformer.blocks.1.up_proj.weight"))
+    with pytest.raises(ModelLoadError, match=r"blocks\.1\.up_proj\.weight"):
+        load_model(str(path))
+
+
+def test_unexpected_tensor_named(single_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(single_dir, tmp_path / "u")
+    rewrite_weights(path, lambda t: t.update({"model.transformer.wpe.weight": torch.zeros(4, 4)}))
+    with pytest.raises(ModelLoadError, match=r"model\.transformer\.wpe\.weight"):
+        load_model(str(path))
+
+
+def test_wrong_shape_named(single_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(single_dir, tmp_path / "s")
+    rewrite_weights(path, lambda t: t.update({"model.transformer.ln_f.weight": torch.ones(65)}))
+    with pytest.raises(ModelLoadError, match=r"ln_f\.weight: checkpoint \[65\]"):
+        load_model(str(path))
+
+
+def edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_unknown_model_type(single_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(single_dir, tmp_path / "t")
+    edit_config(path, model_type="mystery")
+    with pytest.raises(UnsupportedModelError, match="llada"):
+        load_model(str(path))
+
+
+def test_moe_config_rejected(single_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(single_dir, tmp_path / "moe")
+    edit_config(path, architectures=["LLaDAMoEModelLM"])
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+        load_model(str(path))
+
+
+def test_mask_id_falls_back_to_tokenizer(single_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(single_dir, tmp_path / "nomask")
+    config = json.loads((path / "config.json").read_text())
+    want = config.pop("mask_token_id")
+    (path / "config.json").write_text(json.dumps(config))
+    assert load_model(str(path)).mask_id == want
+
+
+def test_nonexistent_path_named(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ModelLoadError, match="no-such-model"):
+        load_model(str(missing))
+
+
+def test_directory_without_weights(single_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(single_dir, tmp_path / "nw")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"no model\.safetensors"):
+        load_model(str(path))
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("cpu", "float64"), ("tpu", "auto")])
+def test_bad_device_or_dtype(device: str, dtype: str) -> None:
+    with pytest.raises(ModelLoadError):
+        load_model("tiny-llada", device=device, dtype=dtype)
