@@ -1,3 +1,28 @@
-"""dllm-serve: an OpenAI-compatible serving engine for diffusion LLMs."""
+"""dllm-serve: an OpenAI-compatible serving engine for diffusion LLMs.
+
+``LLM`` and ``DecodingParams`` are imported lazily so that ``import dllm_serve`` (and the
+CLI's ``--help``) does not pay for torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "DecodingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from dllm_serve.decoding.params import DecodingParams
+    from dllm_serve.llm import LLM
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from dllm_serve.llm import LLM
+
+        return LLM
+    if name == "DecodingParams":
+        from dllm_serve.decoding.params import DecodingParams
+
+        return DecodingParams
+    raise AttributeError(name)

@@ -56,6 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests denoised concurrently; more wait in a queue (default: %(default)s)",
     )
     parser.add_argument(
+        "--max-tokens-per-forward",
+        type=int,
+        default=_DEFAULT.engine.max_tokens_per_forward,
+        help="padded tokens (rows x longest row) fused into one forward; larger groups are "
+        "split (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=_DEFAULT.engine.max_waiting_requests,
+        help="queued requests beyond the running ones; more get HTTP 429 with Retry-After "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--log-level",
         default=_DEFAULT.log_level,
         choices=["critical", "error", "warning", "info", "debug"],
@@ -66,15 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: Sequence[str]) -> ServerConfig:
-    args = build_parser().parse_args(argv)
-    if args.max_running_requests < 1:
-        build_parser().error("--max-running-requests must be >= 1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        engine = EngineConfig(
+            max_running_requests=args.max_running_requests,
+            max_tokens_per_forward=args.max_tokens_per_forward,
+            max_waiting_requests=args.max_waiting_requests,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     return ServerConfig(
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype),
-        engine=EngineConfig(max_running_requests=args.max_running_requests),
+        engine=engine,
     )
 
 

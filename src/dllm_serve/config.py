@@ -14,7 +14,15 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    max_running_requests: int = 16  # requests denoised concurrently (steps interleaved)
+    max_running_requests: int = 32  # rows denoised concurrently
+    max_tokens_per_forward: int = 8192  # padded tokens (rows x longest row) in one forward
+    max_waiting_requests: int = 256  # beyond this, new requests get HTTP 429
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1 or self.max_tokens_per_forward < 1:
+            raise ValueError("engine limits must be >= 1")
+        if self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

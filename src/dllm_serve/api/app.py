@@ -11,13 +11,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dllm_serve import __version__
 from dllm_serve.api.deviations import DEVIATIONS_TABLE
 from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, error_response, server_error
+from dllm_serve.api.metrics import Metrics
 from dllm_serve.api.middleware import RequestIdMiddleware
 from dllm_serve.api.protocol import (
     ChatCompletionRequest,
@@ -27,7 +29,7 @@ from dllm_serve.api.protocol import (
 )
 from dllm_serve.api.streaming import chat_chunks, failure_message, usage_dict
 from dllm_serve.api.validation import check_context_length, parse_chat_request
-from dllm_serve.engine.engine import AsyncEngine, EngineDeadError
+from dllm_serve.engine.engine import AsyncEngine, EngineDeadError, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,9 @@ def build_app(engine: AsyncEngine) -> FastAPI:
         title="dllm-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan
     )
     app.state.engine = engine
+    metrics = Metrics(lambda: engine.num_running, lambda: engine.num_waiting)
+    engine.observer = metrics
+    app.state.metrics = metrics
     app.state.started = int(time.time())
     app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
@@ -58,6 +63,10 @@ def build_app(engine: AsyncEngine) -> FastAPI:
     @app.get("/health", tags=["ops"])
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive else 503)
+
+    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version", tags=["ops"])
     async def version() -> dict[str, str]:
@@ -96,7 +105,17 @@ def build_app(engine: AsyncEngine) -> FastAPI:
         request_id = request.state.request_id
         response_id = f"chatcmpl-{request_id}"
         created = int(time.time())
-        outputs = engine.generate(prompt_ids, spec.params)
+        try:
+            outputs = engine.generate(prompt_ids, spec.params)
+        except QueueFullError as exc:
+            metrics.rejected.labels("queue_full").inc()
+            raise APIError(
+                f"The server is at capacity ({exc}); retry shortly.",
+                status=429,
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            ) from None
         if spec.stream:
             chunks = chat_chunks(
                 outputs,

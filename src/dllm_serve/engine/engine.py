@@ -1,10 +1,9 @@
 """AsyncEngine: the asyncio-facing engine and the one thread that owns the model.
 
 The event loop only enqueues requests, awaits their outputs and aborts them; every forward
-pass runs on the engine thread, so ``/health`` and other requests never wait for a step.
-The loop reads: admit → for each running request: prepare → forward → update → emit → free.
-Requests are interleaved step by step (a new request starts at the next step, a finished one
-leaves at once); fusing their rows into one batched forward comes with the batching work.
+runs on the engine thread, so ``/health`` and other requests never wait for a step. One
+iteration of the thread reads: take new requests and aborts → admit → for each group of rows:
+prepare → one batched forward → per-row update → emit → free finished rows.
 """
 
 from __future__ import annotations
@@ -23,11 +22,16 @@ import uuid6
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.engine.batch import build_batch, run_batch
+from dllm_serve.engine.observer import EngineObserver, NullObserver
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 from dllm_serve.engine.request import Request, RequestStatus
+from dllm_serve.engine.scheduler import QueueFullError, Scheduler
 from dllm_serve.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
 
 
 class EngineDeadError(RuntimeError):
@@ -37,17 +41,27 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     """submit → async stream of :class:`RequestOutput`, abort, shutdown."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        observer: EngineObserver | None = None,
+    ) -> None:
         self.loaded = loaded
         self.config = config or EngineConfig()
-        self.algorithm = LLaDADenoiser(loaded.mask_id, loaded.stop_ids)
+        self.observer: EngineObserver = observer or NullObserver()
+        family = loaded.family
+        self.algorithm = LLaDADenoiser(
+            loaded.mask_id,
+            loaded.stop_ids,
+            **_family_kwargs(family),
+        )
+        self.scheduler = Scheduler(self.config)
         self._cond = threading.Condition()
         self._inbox: deque[Request] = deque()
         self._aborts: set[str] = set()
         self._stopping = False
         self._dead: BaseException | None = None
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
         self._tokenizer_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
 
@@ -84,10 +98,27 @@ class AsyncEngine:
             return self.loaded.decode(list(ids))
 
     # ---- requests --------------------------------------------------------------------------
-    async def generate(
-        self, prompt_ids: list[int], params: DecodingParams, request_id: str | None = None
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._inbox)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: DecodingParams,
+        request_id: str | None = None,
+        stop: Sequence[str] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs; closing the iterator early aborts it."""
+        """Submit a request now and return the async iterator of its outputs.
+
+        Submission is eager, so a full queue raises :class:`QueueFullError` (and a stopped
+        engine :class:`EngineDeadError`) here, before any response has started. Closing the
+        iterator before the last output aborts the request.
+        """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -101,13 +132,14 @@ class AsyncEngine:
             prompt_ids=list(prompt_ids),
             params=params,
             sink=sink,
-            detokenizer=IncrementalDetokenizer(self._decode),
+            detokenizer=IncrementalDetokenizer(self._decode, stop=tuple(stop)),
         )
-        with self._cond:
-            if self._dead is not None or self._stopping or not self._thread.is_alive():
-                raise EngineDeadError("the engine is not running")
-            self._inbox.append(request)
-            self._cond.notify_all()
+        self._submit(request)
+        return self._outputs(request.request_id, queue)
+
+    async def _outputs(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput]
+    ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -116,7 +148,20 @@ class AsyncEngine:
                 yield output
         finally:
             if not finished:
-                self.abort(request.request_id)
+                self.abort(request_id)
+
+    def _submit(self, request: Request) -> None:
+        with self._cond:
+            if self._dead is not None or self._stopping or not self._thread.is_alive():
+                raise EngineDeadError("the engine is not running")
+            free_slots = self.config.max_running_requests - len(self.scheduler.running)
+            if self.num_waiting - max(free_slots, 0) >= self.config.max_waiting_requests:
+                raise QueueFullError(
+                    f"{self.num_waiting} requests are already waiting "
+                    f"(limit {self.config.max_waiting_requests})"
+                )
+            self._inbox.append(request)
+            self._cond.notify_all()
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its row and state are freed before the next step."""
@@ -124,19 +169,11 @@ class AsyncEngine:
             self._aborts.add(request_id)
             self._cond.notify_all()
 
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting) + len(self._inbox)
-
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
             with torch.inference_mode():
-                while self._loop_once():
+                while self._iterate():
                     pass
         except BaseException as exc:  # a bug in the loop itself: fail everyone, report dead
             logger.exception("engine loop died")
@@ -144,101 +181,144 @@ class AsyncEngine:
         finally:
             reason = "engine stopped" if self._dead is None else f"engine died: {self._dead!r}"
             with self._cond:
-                pending = [*self._inbox, *self._waiting, *self._running]
+                pending = [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]
                 self._inbox.clear()
-                self._waiting.clear()
-                self._running.clear()
+                self.scheduler.waiting.clear()
+                self.scheduler.running.clear()
             for request in pending:
-                self._finish(request, "error", error=reason)
+                self._fail(request, "error", reason)
 
-    def _loop_once(self) -> bool:
+    def _iterate(self) -> bool:
         with self._cond:
-            while not (
-                self._stopping or self._inbox or self._aborts or self._running or self._waiting
-            ):
+            while not self._has_work():
                 self._cond.wait()
             if self._stopping:
                 return False
-            self._waiting.extend(self._inbox)
+            self.scheduler.waiting.extend(self._inbox)
             self._inbox.clear()
             aborts, self._aborts = self._aborts, set()
-        self._apply_aborts(aborts)
+        started = time.perf_counter()
+        for request in [*self.scheduler.waiting, *self.scheduler.running]:
+            if request.request_id in aborts:
+                self.scheduler.remove(request)
+                self._fail(request, "abort")
         self._admit()
-        for request in list(self._running):
-            self._step(request)
-        self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+        for group in self.scheduler.groups():
+            self._forward(group)
+        self.observer.on_iteration(time.perf_counter() - started)
         return True
 
     def _has_work(self) -> bool:
-        return bool(self._stopping or self._inbox or self._aborts or self._running or self._waiting)
-
-    def _apply_aborts(self, aborts: set[str]) -> None:
-        if not aborts:
-            return
-        for queue_ in (self._waiting, self._running):
-            for request in [r for r in queue_ if r.request_id in aborts]:
-                queue_.remove(request)
-                self._finish(request, "abort")
+        sched = self.scheduler
+        return bool(self._stopping or self._inbox or self._aborts or sched.running or sched.waiting)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.config.max_running_requests:
-            request = self._waiting.popleft()
+        for request in self.scheduler.admit():
             try:
                 request.state = self.algorithm.init_state(
                     request.prompt_ids, request.params, self.loaded.device
                 )
             except Exception as exc:
                 logger.exception("request %s failed at admission", request.request_id)
-                self._finish(request, "error", error=f"{type(exc).__name__}: {exc}")
+                self._fail(request, "error", f"{type(exc).__name__}: {exc}")
                 continue
             request.status = RequestStatus.RUNNING
-            self._running.append(request)
+            self.scheduler.run(request)
 
-    def _step(self, request: Request) -> None:
+    def _forward(self, group: list[Request]) -> None:
+        """One batched forward for ``group``; a failure only fails the rows it concerns."""
+        rows, specs = [], []
+        for request in group:
+            try:
+                specs.append(self.algorithm.prepare(request.state))
+                rows.append(request)
+            except Exception as exc:
+                self._fail_exc(request, exc, "prepare")
+        if not rows:
+            return
+        try:
+            batch = build_batch(specs, pad_id=self.loaded.mask_id)
+            started = time.perf_counter()
+            logits = run_batch(self.loaded.model, batch)
+            self.observer.on_forward(
+                batch.num_rows, batch.num_tokens, time.perf_counter() - started
+            )
+        except Exception as exc:  # the forward itself: every row of this batch fails
+            for request in rows:
+                self._fail_exc(request, exc, "forward")
+            return
+        for request, row_logits in zip(rows, logits, strict=True):
+            try:
+                result = self.algorithm.update(request.state, row_logits)
+                self._emit(request, result.finished, result.finish_reason)
+            except Exception as exc:
+                self._fail_exc(request, exc, "update")
+
+    def _emit(self, request: Request, finished: bool, finish_reason: str | None) -> None:
         state = request.state
         assert state is not None
-        try:
-            spec = self.algorithm.prepare(state)
-            hidden = self.loaded.model(spec.input_ids[None], spec.positions[None], None)
-            logits = self.loaded.model.lm_head(hidden[0, spec.logits_index])
-            result = self.algorithm.update(state, logits)
-        except Exception as exc:  # this row only: the other requests keep going
-            logger.exception("request %s failed in a step", request.request_id)
-            self._finish(request, "error", error=f"{type(exc).__name__}: {exc}")
-            return
         tokens = state.answer_tokens()
-        delta = request.detokenizer.update(tokens, final=result.finished)
+        detok = request.detokenizer
+        delta = detok.update(tokens, final=finished)
+        if detok.stopped:  # a stop string ended the answer
+            finished, finish_reason = True, "stop"
         if delta and request.first_content_time is None:
             request.first_content_time = time.monotonic()
-        if result.finished:
+            self.observer.on_first_content(request.first_content_time - request.arrival_time)
+        if finished:
             request.status = RequestStatus.FINISHED
-        if delta or result.finished:
-            request.sink(
-                self._output(request, delta, result.finish_reason if result.finished else None)
-            )
+        if delta or finished:
+            output = self._output(request, delta, len(tokens), finish_reason if finished else None)
+            self._send(request, output)
 
-    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+    def _fail_exc(self, request: Request, exc: Exception, where: str) -> None:
+        logger.exception("request %s failed in %s", request.request_id, where)
+        self._fail(request, "error", f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, request: Request, reason: str, error: str | None = None) -> None:
         request.status = RequestStatus.FINISHED
-        request.sink(self._output(request, "", reason, error=error, finished=True))
+        state = request.state
+        answer = len(state.answer_tokens()) if state is not None else 0
+        self._send(request, self._output(request, "", answer, reason, error))
 
+    def _send(self, request: Request, output: RequestOutput) -> None:
+        if output.finished:
+            # Free the slot before the client hears about it, so counts are never stale.
+            self.scheduler.remove(request)
+            self.observer.on_finished(output, time.monotonic() - request.arrival_time)
+        request.sink(output)
+
+    @staticmethod
     def _output(
-        self,
         request: Request,
         delta: str,
+        completion_tokens: int,
         finish_reason: str | None,
         error: str | None = None,
-        finished: bool | None = None,
     ) -> RequestOutput:
         state = request.state
         return RequestOutput(
             request_id=request.request_id,
             delta_text=delta,
             prompt_tokens=len(request.prompt_ids),
-            completion_tokens=len(state.answer_tokens()) if state else 0,
+            completion_tokens=completion_tokens,
             nfe=state.nfe if state else 0,
+            committed=state.committed if state else 0,
             step=state.step if state else 0,
             block=state.block if state else 0,
-            finished=finish_reason is not None if finished is None else finished,
+            finished=finish_reason is not None,
             finish_reason=finish_reason,
             error=error,
         )
+
+
+def _family_kwargs(family: object) -> dict[str, bool]:
+    """Attention kind and logit shift of the served family, for the denoiser."""
+    import inspect
+
+    accepted = inspect.signature(LLaDADenoiser).parameters
+    kwargs = {
+        "logit_shift": bool(getattr(family, "logit_shift", False)),
+        "bidirectional": bool(getattr(family, "bidirectional", True)),
+    }
+    return {k: v for k, v in kwargs.items() if k in accepted}

@@ -12,7 +12,8 @@ class RequestOutput:
 
     ``delta_text`` is the text that became final in this step, contiguous with everything sent
     before it, so joining all deltas of a request gives its full answer. ``finish_reason`` is
-    ``stop`` (EOS/EOT), ``length`` (canvas ended), ``abort`` or ``error`` on the last output.
+    ``stop`` (EOS/EOT or a stop string), ``length`` (canvas full), ``abort`` or ``error`` on
+    the last output, and None before.
     """
 
     request_id: str
@@ -20,6 +21,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     nfe: int
+    committed: int
     step: int
     block: int
     finished: bool = False
@@ -30,36 +32,63 @@ class RequestOutput:
 class IncrementalDetokenizer:
     """Turns a growing list of final answer tokens into append-only text deltas.
 
-    Decoding a prefix can end inside a multi-byte UTF-8 character (shown as U+FFFD) or, for
-    some tokenizers, decode differently once more tokens follow. Text is therefore released
-    only up to the last character that is stable: trailing replacement characters are held
-    back until more tokens arrive or the request finishes.
+    Text is released only once it can no longer change:
+
+    - a prefix can end inside a multi-byte UTF-8 character (decoded as U+FFFD), so trailing
+      replacement characters are held back until more tokens arrive or the request ends;
+    - with ``stop`` strings, a tail that could be the start of a stop string is held back; when a
+      stop string appears, the text is cut before it and :attr:`stopped` becomes true (OpenAI:
+      the stop sequence is not included in the output).
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
         self._decode = decode
+        self._stop = tuple(s for s in stop if s)
         self._sent = ""
         self._num_tokens = 0
+        self.stopped = False
 
     @property
     def text(self) -> str:
         return self._sent
 
     def update(self, tokens: Sequence[int], final: bool) -> str:
-        if len(tokens) == self._num_tokens and not final:
+        if self.stopped or (len(tokens) == self._num_tokens and not final):
             return ""
         self._num_tokens = len(tokens)
         text = self._decode(tokens)
+        cut = self._find_stop(text)
+        if cut is not None:
+            text, final, self.stopped = text[:cut], True, True
         if not final:
             text = text.rstrip("\ufffd")
+            text = text[: len(text) - self._stop_prefix_len(text)]
         if not text.startswith(self._sent):
-            # The tokenizer re-decoded an earlier span differently; keep what was sent
-            # (it is already with the client) and release only the new tail.
+            # The tokenizer re-decoded an earlier span differently; what was sent is already
+            # with the client, so keep it and release only a new tail.
             common = _common_prefix_len(text, self._sent)
             text = self._sent + text[common:] if final else self._sent
         delta = text[len(self._sent) :]
         self._sent = text
         return delta
+
+    def _find_stop(self, text: str) -> int | None:
+        if not self._stop:
+            return None
+        # Sent text holds no stop string, so a new match can only end in the unsent tail.
+        start = max(0, len(self._sent) - max(map(len, self._stop)) + 1)
+        hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
 
 
 def _common_prefix_len(a: str, b: str) -> int:

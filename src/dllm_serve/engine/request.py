@@ -35,3 +35,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     state: DenoiseState | None = None  # created on admission, on the engine thread
     first_content_time: float | None = None
+
+    @property
+    def row_length(self) -> int:
+        """Tokens this request puts in a forward: prompt plus canvas."""
+        return len(self.prompt_ids) + self.params.gen_length

@@ -9,7 +9,7 @@ import pytest
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.engine.engine import AsyncEngine, EngineDeadError
+from dllm_serve.engine.engine import AsyncEngine, EngineDeadError, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.models.loader import LoadedModel, load_model
 
@@ -166,3 +166,50 @@ def test_generate_after_shutdown_raises(loaded: LoadedModel) -> None:
 
     with pytest.raises(EngineDeadError):
         asyncio.run(go())
+
+
+def test_full_waiting_queue_refuses_at_once(loaded: LoadedModel) -> None:
+    eng = AsyncEngine(loaded, EngineConfig(max_running_requests=1, max_waiting_requests=1))
+    eng.start()
+    long = DecodingParams(gen_length=512, steps=512)
+    a, b, c = (prompt(loaded, t) for t in "abc")
+
+    async def scenario() -> None:
+        # Three submissions microseconds apart: one may run, one may wait, the third is refused.
+        first = eng.generate(a, long)
+        second = eng.generate(b, long)
+        with pytest.raises(QueueFullError):
+            eng.generate(c, long)
+        for stream in (first, second):  # nothing accepted is lost
+            outs = [o async for o in stream]
+            assert outs[-1].finish_reason in ("stop", "length")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        eng.shutdown()
+
+
+def test_concurrent_rows_share_forwards(loaded: LoadedModel) -> None:
+    rows: list[int] = []
+
+    class Recorder:
+        def on_forward(self, n: int, tokens: int, seconds: float) -> None:
+            rows.append(n)
+
+        def on_iteration(self, busy_seconds: float) -> None: ...
+        def on_first_content(self, seconds: float) -> None: ...
+        def on_finished(self, output: RequestOutput, seconds: float) -> None: ...
+
+    eng = AsyncEngine(loaded, observer=Recorder())
+    eng.start()
+
+    async def scenario() -> None:
+        params = DecodingParams(gen_length=32, steps=32)
+        await asyncio.gather(*(collect(eng, prompt(loaded, t), params) for t in "abcd"))
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        eng.shutdown()
+    assert max(rows) == 4 and sum(rows) / len(rows) > 1

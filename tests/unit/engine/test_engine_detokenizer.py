@@ -62,3 +62,37 @@ def test_redecoding_never_rewrites_sent_text() -> None:
     assert first == "ab"
     assert (first + second).startswith("ab")
     assert detok.text == first + second
+
+
+def run_stop(chunks: list[str], stop: tuple[str, ...]) -> tuple[list[str], bool]:
+    detok = IncrementalDetokenizer(lambda ids: bytes(ids).decode(), stop=stop)
+    tokens: list[int] = []
+    deltas = []
+    for i, chunk in enumerate(chunks):
+        tokens += list(chunk.encode())
+        deltas.append(detok.update(tokens, final=i == len(chunks) - 1))
+        if detok.stopped:
+            break
+    return deltas, detok.stopped
+
+
+def test_stop_string_cuts_the_answer_and_is_not_included() -> None:
+    deltas, stopped = run_stop(["Hello wor", "ld. END here", " more"], ("END",))
+    assert stopped
+    assert "".join(deltas) == "Hello world. "
+
+
+def test_possible_stop_prefix_is_held_back_then_released() -> None:
+    deltas, stopped = run_stop(["abc#", "#x", "y"], ("###",))
+    assert not stopped
+    assert deltas == ["abc", "##x", "y"]
+
+
+def test_stop_split_across_steps_and_earliest_of_several() -> None:
+    deltas, stopped = run_stop(["one tw", "o three"], ("three", "two"))
+    assert stopped and "".join(deltas) == "one "
+
+
+def test_stop_prefix_at_the_end_is_released_when_final() -> None:
+    deltas, stopped = run_stop(["value: <", "/"], ("</end>",))
+    assert not stopped and "".join(deltas) == "value: </"

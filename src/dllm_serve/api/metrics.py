@@ -1,0 +1,97 @@
+"""Prometheus metrics (``/metrics``), fed by the engine through the EngineObserver hooks.
+
+Names follow vLLM's with a ``dllm:`` prefix. Each app gets its own registry, so several servers
+in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dllm_serve.engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+FORWARD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
+class Metrics:
+    """All metric objects, and the observer methods the engine calls."""
+
+    def __init__(self, num_running: Callable[[], int], num_waiting: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("dllm:num_requests_running", "Requests being denoised.", registry=r)
+        self.running.set_function(num_running)
+        self.waiting = Gauge("dllm:num_requests_waiting", "Requests queued.", registry=r)
+        self.waiting.set_function(num_waiting)
+        self.success = Counter(
+            "dllm:request_success",
+            "Finished requests by finish reason (stop, length, abort, error).",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "dllm:requests_rejected", "Requests refused before running.", ["reason"], registry=r
+        )
+        self.prompt_tokens = Counter("dllm:prompt_tokens", "Prompt tokens.", registry=r)
+        self.generation_tokens = Counter(
+            "dllm:generation_tokens", "Answer tokens (no canvas padding).", registry=r
+        )
+        self.ttfc = Histogram(
+            "dllm:time_to_first_content_seconds",
+            "Arrival to the first non-empty text delta.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "dllm:e2e_request_latency_seconds",
+            "Arrival to the last output.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.forward_rows = Histogram(
+            "dllm:forward_rows", "Rows (requests) per forward.", buckets=ROW_BUCKETS, registry=r
+        )
+        self.forward_duration = Histogram(
+            "dllm:forward_duration_seconds",
+            "Wall time of one model forward.",
+            buckets=FORWARD_BUCKETS,
+            registry=r,
+        )
+        self.padded_tokens = Counter(
+            "dllm:forward_padded_tokens", "Tokens fed to the model, padding included.", registry=r
+        )
+        self.busy = Counter(
+            "dllm:engine_busy_seconds",
+            "Wall time of engine iterations that had work; minus model time = overhead.",
+            registry=r,
+        )
+        self.request_forwards = Histogram(
+            "dllm:request_forwards",
+            "Forward passes (NFE) per finished request.",
+            buckets=COUNT_BUCKETS,
+            registry=r,
+        )
+
+    # ---- EngineObserver ----------------------------------------------------------------------
+    def on_forward(self, rows: int, padded_tokens: int, model_seconds: float) -> None:
+        self.forward_rows.observe(rows)
+        self.forward_duration.observe(model_seconds)
+        self.padded_tokens.inc(padded_tokens)
+
+    def on_iteration(self, busy_seconds: float) -> None:
+        self.busy.inc(busy_seconds)
+
+    def on_first_content(self, seconds_since_arrival: float) -> None:
+        self.ttfc.observe(seconds_since_arrival)
+
+    def on_finished(self, output: RequestOutput, seconds_since_arrival: float) -> None:
+        self.success.labels(output.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(output.prompt_tokens)
+        self.generation_tokens.inc(output.completion_tokens)
+        self.e2e.observe(seconds_since_arrival)
+        self.request_forwards.observe(output.nfe)

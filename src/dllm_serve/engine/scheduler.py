@@ -1,0 +1,64 @@
+"""Waiting and running requests, admission limits, and the grouping of rows into forwards."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from dllm_serve.config import EngineConfig
+from dllm_serve.engine.request import Request
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit; the request is refused (HTTP 429)."""
+
+
+class Scheduler:
+    """Owns ``waiting`` (FIFO) and ``running``; engine thread only.
+
+    Every engine iteration advances every running request by exactly one step: rows are grouped
+    into forwards of at most ``max_tokens_per_forward`` padded tokens (similar lengths together,
+    so little padding is wasted), and a ``force_single_batch`` request gets a forward of its own.
+    A request that arrives mid-generation joins the very next iteration, whatever step, block or
+    canvas length the others are at; a finished one leaves at once.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def admit(self) -> Iterator[Request]:
+        """Yield waiting requests that fit; the caller initialises them and calls :meth:`run`."""
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            yield self.waiting.popleft()
+
+    def run(self, request: Request) -> None:
+        self.running.append(request)
+
+    def remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def groups(self) -> list[list[Request]]:
+        """The forwards of one iteration: every running request exactly once."""
+        single = [r for r in self.running if r.params.force_single_batch]
+        shared = sorted(
+            (r for r in self.running if not r.params.force_single_batch),
+            key=lambda r: r.row_length,
+            reverse=True,
+        )
+        groups: list[list[Request]] = [[r] for r in single]
+        current: list[Request] = []
+        for request in shared:
+            # Sorted by length, so the first row of a group is its padded width.
+            width = current[0].row_length if current else request.row_length
+            if current and width * (len(current) + 1) > self.config.max_tokens_per_forward:
+                groups.append(current)
+                current = []
+            current.append(request)
+        if current:
+            groups.append(current)
+        return groups

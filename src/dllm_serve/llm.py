@@ -1,0 +1,97 @@
+"""Offline API: the same engine as the server, without HTTP, for scripts and benchmarks.
+
+from dllm_serve import LLM, DecodingParams
+with LLM("tiny-llada") as llm:
+    [out] = llm.generate([[{"role": "user", "content": "Hi"}]], DecodingParams(gen_length=32))
+    print(out.text, out.finish_reason, out.nfe)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dllm_serve.config import EngineConfig
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.models.loader import load_model
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One finished generation."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    nfe: int
+
+
+class LLM:
+    """Loads a model, owns an :class:`AsyncEngine`, and generates batches of conversations.
+
+    All conversations of one :meth:`generate` call are submitted together, so the engine
+    batches them exactly as it batches concurrent HTTP requests.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny-llada",
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        engine_config: EngineConfig | None = None,
+    ) -> None:
+        self.loaded = load_model(model, device=device, dtype=dtype)
+        self.engine = AsyncEngine(self.loaded, engine_config)
+        self.engine.start()
+
+    def generate(
+        self,
+        conversations: Sequence[Sequence[dict[str, str]]],
+        params: DecodingParams | Sequence[DecodingParams] | None = None,
+        stop: Sequence[str] = (),
+    ) -> list[Completion]:
+        """Generate one completion per conversation (``params`` per conversation or shared)."""
+        if params is None or isinstance(params, DecodingParams):
+            per_row = [params or DecodingParams()] * len(conversations)
+        else:
+            per_row = list(params)
+            if len(per_row) != len(conversations):
+                raise ValueError("give one DecodingParams per conversation, or a single one")
+        prompts = [self.engine.chat_prompt_ids(list(c)) for c in conversations]
+        return asyncio.run(self._run(prompts, per_row, tuple(stop)))
+
+    async def _run(
+        self, prompts: list[list[int]], params: list[DecodingParams], stop: tuple[str, ...]
+    ) -> list[Completion]:
+        async def one(prompt: list[int], p: DecodingParams) -> Completion:
+            parts, last = [], None
+            async for output in self.engine.generate(prompt, p, stop=stop):
+                parts.append(output.delta_text)
+                last = output
+            assert last is not None
+            if last.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"generation failed: {last.error or last.finish_reason}")
+            return Completion(
+                "".join(parts),
+                last.finish_reason,
+                last.prompt_tokens,
+                last.completion_tokens,
+                last.nfe,
+            )
+
+        return list(
+            await asyncio.gather(*(one(p, q) for p, q in zip(prompts, params, strict=True)))
+        )
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
