@@ -213,3 +213,51 @@ def test_concurrent_rows_share_forwards(loaded: LoadedModel) -> None:
     finally:
         eng.shutdown()
     assert max(rows) == 4 and sum(rows) / len(rows) > 1
+
+
+def test_a_failing_forward_fails_only_its_batch(
+    engine: AsyncEngine, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dllm_serve.engine.engine as engine_module
+
+    real_run_batch = engine_module.run_batch
+    calls = {"n": 0}
+
+    def flaky(model, batch):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("CUDA error: device-side assert (simulated)")
+        return real_run_batch(model, batch)
+
+    monkeypatch.setattr(engine_module, "run_batch", flaky)
+    params = DecodingParams(gen_length=8, steps=8)
+
+    async def scenario() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        first = await collect(engine, prompt(loaded, "a"), params)
+        second = await collect(engine, prompt(loaded, "b"), params)
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert first[-1].finish_reason == "error" and "simulated" in (first[-1].error or "")
+    assert second[-1].finish_reason in ("stop", "length")  # the engine kept serving
+    assert engine.is_alive
+
+
+def test_engine_thread_death_is_reported(loaded: LoadedModel) -> None:
+    eng = AsyncEngine(loaded)
+
+    def explode() -> None:
+        raise SystemError("loop bug (simulated)")
+
+    eng._admit = explode  # type: ignore[method-assign]
+    eng.start()
+
+    async def scenario() -> list[RequestOutput]:
+        return await collect(eng, prompt(loaded, "a"), PARAMS)
+
+    outs = asyncio.run(scenario())
+    assert outs[-1].finish_reason == "error" and "engine died" in (outs[-1].error or "")
+    eng._thread.join(5)
+    assert not eng.is_alive
+    with pytest.raises(EngineDeadError):
+        asyncio.run(scenario())
