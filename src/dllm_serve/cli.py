@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -21,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dllm-serve",
         description="OpenAI-compatible server for diffusion LLMs. "
-        "Subcommand: `dllm-serve make-tiny DIR` writes a tiny LLaDA-format checkpoint.",
+        "Subcommand: `dllm-serve make-tiny [--family llada|dream|idlm] DIR` writes a tiny "
+        "random-weight checkpoint in that family's real format.",
     )
     parser.add_argument(
         "--model",
@@ -70,6 +72,46 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--api-key",
+        default=os.environ.get("DLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $DLLM_API_KEY, else none); "
+        "/health, /metrics and /version stay open",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=_DEFAULT.max_request_bytes,
+        help="larger request bodies get HTTP 413 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take; past it the request is aborted and its client gets "
+        "504 (or an error event) (default: no limit)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=_DEFAULT.shutdown_timeout,
+        help="on SIGTERM/SIGINT, seconds in-flight requests may still finish before they are "
+        "aborted (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cors-origins",
+        default="",
+        help="comma-separated origins allowed by CORS, e.g. https://app.example.com "
+        "(default: CORS off)",
+    )
+    parser.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="log prompts and answers (off by default: they may be private)",
+    )
+    parser.add_argument(
+        "--log-format", default="text", choices=["text", "json"], help="(default: %(default)s)"
+    )
+    parser.add_argument(
         "--log-level",
         default=_DEFAULT.log_level,
         choices=["critical", "error", "warning", "info", "debug"],
@@ -90,10 +132,23 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    if args.max_request_bytes < 1:
+        parser.error("--max-request-bytes must be >= 1")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        parser.error("--request-timeout must be > 0")
+    if args.shutdown_timeout < 0:
+        parser.error("--shutdown-timeout must be >= 0")
     return ServerConfig(
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        log_format=args.log_format,
+        log_requests=args.log_requests,
+        api_key=args.api_key or None,
+        max_request_bytes=args.max_request_bytes,
+        request_timeout=args.request_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+        cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype),
         engine=engine,
     )
@@ -103,24 +158,33 @@ def serve(config: ServerConfig) -> None:
     import uvicorn
 
     from dllm_serve.api.app import build_app
+    from dllm_serve.api.server import DrainingServer
     from dllm_serve.engine.engine import AsyncEngine
+    from dllm_serve.logs import configure_logging
     from dllm_serve.models.families import UnsupportedModelError
     from dllm_serve.models.loader import ModelLoadError, load_model
 
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    log_config = configure_logging(config.log_level, config.log_format)
+    mc = config.model
     try:
-        loaded = load_model(
-            config.model.model, device=config.model.device, dtype=config.model.dtype
-        )
+        loaded = load_model(mc.model, device=mc.device, dtype=mc.dtype)
     except (ModelLoadError, UnsupportedModelError) as exc:
-        sys.exit(f"dllm-serve: cannot load model {config.model.model!r}: {exc}")
+        sys.exit(f"dllm-serve: cannot load model {mc.model!r}: {exc}")
     logging.getLogger("dllm_serve").info(
         "serving %s from %s on %s (%s)", loaded.name, loaded.path, loaded.device, loaded.dtype
     )
-    app = build_app(AsyncEngine(loaded, config.engine))
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    engine = AsyncEngine(loaded, config.engine)
+    app = build_app(engine, config)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        log_config=log_config,
+        timeout_graceful_shutdown=5,  # connections left after the drain below
+    )
+    server = DrainingServer(uv_config, engine, app.state.lifecycle, config.shutdown_timeout)
+    server.run()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -30,5 +30,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    log_format: str = "text"  # text | json
+    log_requests: bool = False  # log prompts and answers (off: they may be private)
+    api_key: str | None = None  # Bearer token required on /v1/*
+    max_request_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
+    request_timeout: float | None = None  # seconds; past it the request is aborted (504)
+    shutdown_timeout: float = 30.0  # SIGTERM: how long in-flight requests may finish
+    cors_origins: tuple[str, ...] = ()  # CORS is off unless origins are given
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)

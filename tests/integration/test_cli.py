@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from remote_server import RemoteServer
 
 
@@ -30,20 +31,36 @@ def test_unknown_model_fails_fast_with_message(tmp_path: Path) -> None:
     assert str(missing) in proc.stderr
 
 
-def test_serves_local_checkpoint_directory(tmp_path: Path) -> None:
-    ckpt = tmp_path / "my-llada"
+@pytest.mark.parametrize("family", ["llada", "dream", "idlm"])
+def test_serves_local_checkpoint_of_each_family(tmp_path: Path, family: str) -> None:
+    ckpt = tmp_path / f"my-{family}"
     subprocess.run(
-        [sys.executable, "-m", "dllm_serve", "make-tiny", str(ckpt)], check=True, timeout=120
+        [sys.executable, "-m", "dllm_serve", "make-tiny", "--family", family, str(ckpt)],
+        check=True,
+        timeout=120,
     )
     assert (ckpt / "config.json").exists()
     server = RemoteServer.start(["--model", str(ckpt), "--log-level", "warning"], tmp_path / "log")
     try:
         client = server.client()
-        assert [m.id for m in client.models.list().data] == ["my-llada"]
-        out = client.chat.completions.create(
-            model="my-llada", messages=[{"role": "user", "content": "hello"}], max_tokens=16
-        )
-        assert out.model == "my-llada"
+        assert [m.id for m in client.models.list().data] == [f"my-{family}"]
+        messages = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello"},
+        ]
+        out = client.chat.completions.create(model="x", messages=messages, max_tokens=16)
+        assert out.model == f"my-{family}"
         assert out.choices[0].finish_reason in ("stop", "length")
+        assert out.usage.completion_tokens <= 16
+        text, chunks = (
+            "",
+            list(
+                client.chat.completions.create(
+                    model="x", messages=messages, max_tokens=16, stream=True
+                )
+            ),
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == out.choices[0].message.content
     finally:
         server.stop()

@@ -20,15 +20,21 @@ from dllm_serve import __version__
 from dllm_serve.api.deviations import DEVIATIONS_TABLE
 from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, error_response, server_error
 from dllm_serve.api.metrics import Metrics
-from dllm_serve.api.middleware import RequestIdMiddleware
+from dllm_serve.api.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    DrainGate,
+    RequestIdMiddleware,
+)
 from dllm_serve.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ModelCard,
     ModelList,
 )
-from dllm_serve.api.streaming import chat_chunks, failure_message, usage_dict
+from dllm_serve.api.streaming import chat_chunks, failure, usage_dict
 from dllm_serve.api.validation import check_context_length, parse_chat_request
+from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine, EngineDeadError, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
 
@@ -41,7 +47,23 @@ DESCRIPTION = f"""OpenAI-compatible server for diffusion LLMs.
 {DEVIATIONS_TABLE}"""
 
 
-def build_app(engine: AsyncEngine) -> FastAPI:
+class Lifecycle:
+    """Server-wide state the routes and middleware share (draining for shutdown)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self._counter = 0
+
+    def engine_request_id(self, request_id: str) -> str:
+        # Clients may reuse an X-Request-ID; the engine id must stay unique (abort is by id).
+        self._counter += 1
+        return f"{request_id}#{self._counter}"
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    lifecycle = Lifecycle()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not engine.is_alive:
@@ -53,10 +75,27 @@ def build_app(engine: AsyncEngine) -> FastAPI:
         title="dllm-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan
     )
     app.state.engine = engine
+    app.state.config = config
+    app.state.lifecycle = lifecycle
     metrics = Metrics(lambda: engine.num_running, lambda: engine.num_waiting)
     engine.observer = metrics
     app.state.metrics = metrics
     app.state.started = int(time.time())
+    # Added innermost first: RequestId → DrainGate → ApiKey → BodyLimit → routes.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
+            expose_headers=["X-Request-ID"],
+        )
+    app.add_middleware(DrainGate, is_draining=lambda: lifecycle.draining)
     app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
 
@@ -105,8 +144,18 @@ def build_app(engine: AsyncEngine) -> FastAPI:
         request_id = request.state.request_id
         response_id = f"chatcmpl-{request_id}"
         created = int(time.time())
+        if config.log_requests:
+            logger.info("messages=%r params=%r", spec.messages, spec.params)
+        if lifecycle.draining:  # drain began while this request was being read
+            raise _unavailable("The server is shutting down.", "server_shutting_down")
         try:
-            outputs = engine.generate(prompt_ids, spec.params)
+            outputs = engine.generate(
+                prompt_ids,
+                spec.params,
+                request_id=lifecycle.engine_request_id(request_id),
+                stop=spec.stop,
+                timeout=config.request_timeout,
+            )
         except QueueFullError as exc:
             metrics.rejected.labels("queue_full").inc()
             raise APIError(
@@ -129,10 +178,11 @@ def build_app(engine: AsyncEngine) -> FastAPI:
         text, last = await _collect_unless_disconnected(request, outputs)
         if last is None:  # the client went away; its request was aborted
             return Response(status_code=499)
+        if config.log_requests:
+            logger.info("answer=%r finish_reason=%s", text, last.finish_reason)
         if last.finish_reason not in ("stop", "length"):
-            message, kind = failure_message(last)
-            status = 503 if kind == "service_unavailable_error" else 500
-            raise APIError(message, status=status, type=kind)
+            status, message, kind, code = failure(last)
+            raise APIError(message, status=status, type=kind, code=code)
         return {
             "id": response_id,
             "object": "chat.completion",
@@ -181,13 +231,10 @@ async def _collect_unless_disconnected(
     return work.result() if not work.cancelled() else ("", None)
 
 
-def _unavailable() -> APIError:
-    return APIError(
-        "The engine is not running.",
-        status=503,
-        type="service_unavailable_error",
-        code="engine_dead",
-    )
+def _unavailable(
+    message: str = "The engine is not running.", code: str = "engine_dead"
+) -> APIError:
+    return APIError(message, status=503, type="service_unavailable_error", code=code)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -1,14 +1,21 @@
-"""X-Request-ID: honoured when sent, else a UUIDv7; echoed on every response."""
+"""Pure ASGI middleware: request ids, API key, body-size limit, draining gate.
+
+Pure ASGI (not BaseHTTPMiddleware) so they also cover streamed responses and never buffer.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
+from collections.abc import Callable
 
 import uuid6
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dllm_serve.api.errors import REQUEST_ID_HEADER, error_response, invalid
+from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, error_response, invalid
+from dllm_serve.logs import request_id_var
 
 # Visible ASCII only: the id is echoed in a header and written into logs.
 _VALID_ID = re.compile(r"[\x21-\x7e]{1,256}")
@@ -35,6 +42,7 @@ class RequestIdMiddleware:
         sent = Headers(scope=scope).get("x-request-id")
         request_id = sent if sent and _VALID_ID.fullmatch(sent) else new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
+        request_id_var.set(request_id)
         if sent is not None and sent != request_id:
             error = invalid(
                 f"Invalid {REQUEST_ID_HEADER} header: use 1 to 256 visible ASCII characters.",
@@ -51,3 +59,102 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def _request_id(scope: Scope) -> str | None:
+    return scope.get("state", {}).get("request_id")
+
+
+# Paths that stay open without an API key and while draining: probes and scrapers use them.
+OPS_PATHS = ("/health", "/metrics", "/version")
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` on the API routes; probes, metrics and docs stay open.
+
+    The comparison is constant-time over SHA-256 digests, so neither the key's content nor its
+    length leaks through timing.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        auth = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        given = hashlib.sha256(token.strip().encode()).digest()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._digest):
+            error = APIError(
+                "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                status=401,
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await error_response(error, _request_id(scope))(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes``: by Content-Length up front, else while streaming in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error(self) -> APIError:
+        return APIError(
+            f"Request body too large: the limit is {self.max_bytes} bytes.",
+            status=413,
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await error_response(self._error(), _request_id(scope))(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._error()  # turned into the 413 envelope by the app's handler
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+class DrainGate:
+    """While the server drains for shutdown: 503 for new API requests and for /health.
+
+    Readiness probes fail, so load balancers stop routing here; /metrics and /version stay up.
+    """
+
+    def __init__(self, app: ASGIApp, is_draining: Callable[[], bool]) -> None:
+        self.app = app
+        self.is_draining = is_draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.is_draining() and path not in OPS_PATHS[1:]:
+            error = APIError(
+                "The server is shutting down; retry on another replica.",
+                status=503,
+                type="service_unavailable_error",
+                code="server_shutting_down",
+                headers={"Connection": "close", "Retry-After": "1"},
+            )
+            await error_response(error, _request_id(scope))(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -45,7 +45,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
     user: str | None = Field(None, description="Informational only, as in OpenAI.")
     response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
-    stop: str | list[str] | None = None
+    stop: Any = Field(None, description="A string or up to 4 strings; checked in validation.py.")
     # Autoregressive-only OpenAI fields: accepted only with their no-op values (ADR 005).
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -68,9 +68,18 @@ class ChatCompletionRequest(BaseModel):
     attention_backend: Literal["sdpa", "fa2"] | None = None
     force_single_batch: bool | None = None
     use_local_leap: bool | None = None
-    local_leap_anchor_threshold: float | None = Field(None, ge=0, le=1)
-    local_leap_neighbor_threshold: float | None = Field(None, ge=0, le=1)
-    local_leap_radius: int | None = Field(None, ge=1, le=16)
+    local_leap_anchor_threshold: float | None = Field(
+        None, ge=0, le=1, description="LocalLeap anchor threshold κ (default 0.9)."
+    )
+    local_leap_neighbor_threshold: float | None = Field(
+        None, ge=0, le=1, description="LocalLeap neighbour threshold τ ≤ κ (default 0.75)."
+    )
+    local_leap_radius: int | None = Field(
+        None, ge=1, le=16, description="LocalLeap radius W (default 4)."
+    )
+    confidence_threshold: float | None = Field(
+        None, gt=0, le=1, description="Threshold (Fast-dLLM) parallel decoding; off by default."
+    )
 
 
 class DiffusionUsage(BaseModel):

@@ -24,11 +24,24 @@ def usage_dict(output: RequestOutput, canvas_length: int) -> dict[str, Any]:
     }
 
 
-def failure_message(output: RequestOutput) -> tuple[str, str]:
-    """(message, error type) for a request that ended without an answer."""
+def failure(output: RequestOutput) -> tuple[int, str, str, str | None]:
+    """(HTTP status, message, error type, code) for a request that ended without an answer."""
     if output.finish_reason == "abort":
-        return "The request was aborted by the server.", "service_unavailable_error"
-    return f"The request failed in the engine: {output.error}", "server_error"
+        detail = f": {output.error}" if output.error else "."
+        return (
+            503,
+            f"The request was aborted by the server{detail}",
+            "service_unavailable_error",
+            ("request_aborted"),
+        )
+    if output.finish_reason == "timeout":
+        return (
+            504,
+            "The request exceeded the server's time limit.",
+            "server_error",
+            ("request_timeout"),
+        )
+    return 500, f"The request failed in the engine: {output.error}", "server_error", None
 
 
 async def chat_chunks(
@@ -73,7 +86,7 @@ async def chat_chunks(
                 }
                 yield json.dumps(final, ensure_ascii=False)
         else:
-            message, kind = failure_message(output)
-            error = {"message": message, "type": kind, "param": None, "code": None}
+            _, message, kind, code = failure(output)
+            error = {"message": message, "type": kind, "param": None, "code": code}
             yield json.dumps({"error": error}, ensure_ascii=False)
     yield "[DONE]"

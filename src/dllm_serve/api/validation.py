@@ -25,6 +25,7 @@ LOCAL_LEAP_PARAMS = (
     "local_leap_radius",
 )
 NOT_YET = "is not available yet in this server version"
+DEFAULT_LEAP = DecodingParams()  # LocalLeap defaults (κ 0.9, τ 0.75, W 4) live in one place
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class ChatRequestSpec:
     params: DecodingParams
     stream: bool
     include_usage: bool
+    stop: tuple[str, ...] = ()
 
 
 def parse_chat_request(raw: bytes, content_type: str | None) -> ChatRequestSpec:
@@ -46,6 +48,7 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatRequestSpec:
     messages = _messages(req)
     _reject_autoregressive_fields(req)
     _reject_unavailable_fields(req)
+    _check_commit_rule(req)
     stream = bool(req.stream)
     if req.stream_options is not None and not stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
@@ -55,7 +58,31 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatRequestSpec:
             "stream_options.include_obfuscation",
         )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return ChatRequestSpec(messages, _decoding_params(req), stream, include_usage)
+    return ChatRequestSpec(messages, _decoding_params(req), stream, include_usage, _stop(req))
+
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+
+
+def _stop(req: ChatCompletionRequest) -> tuple[str, ...]:
+    """OpenAI's ``stop``: a string or up to 4 strings; the answer ends before the first one."""
+    if req.stop is None:
+        return ()
+    if not isinstance(req.stop, str | list):
+        raise invalid("Invalid value for 'stop': a string or a list of strings.", "stop")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid(f"'stop' accepts at most {MAX_STOP_STRINGS} strings.", "stop")
+    for i, text in enumerate(stops):
+        param = "stop" if isinstance(req.stop, str) else f"stop[{i}]"
+        if not isinstance(text, str):
+            raise invalid(f"Invalid value for '{param}': stop strings must be strings.", param)
+        if not text:
+            raise invalid("Stop strings must not be empty.", param)
+        if len(text) > MAX_STOP_CHARS:
+            raise invalid(f"Stop strings are limited to {MAX_STOP_CHARS} characters.", param)
+    return tuple(stops)
 
 
 def check_context_length(prompt_tokens: int, gen_length: int, max_length: int) -> None:
@@ -181,20 +208,6 @@ def _reject_unavailable_fields(req: ChatCompletionRequest) -> None:
             f'Only response_format {{"type": "text"}} is supported; structured output {NOT_YET}.',
             "response_format",
         )
-    if req.stop:
-        raise invalid(f"'stop' {NOT_YET}.", "stop", code="not_available_yet")
-    if req.block_schedule not in (None, "uniform"):
-        raise invalid(
-            f"block_schedule '{req.block_schedule}' {NOT_YET}; use 'uniform'.",
-            "block_schedule",
-            code="not_available_yet",
-        )
-    if req.confidence_metric not in (None, "top1_prob"):
-        raise invalid(
-            f"confidence_metric '{req.confidence_metric}' {NOT_YET}; use 'top1_prob'.",
-            "confidence_metric",
-            code="not_available_yet",
-        )
     if req.attention_backend == "fa2":
         raise invalid(
             "attention_backend 'fa2' is deferred until an FA2 build is in CI; 'sdpa' is the "
@@ -202,17 +215,50 @@ def _reject_unavailable_fields(req: ChatCompletionRequest) -> None:
             "attention_backend",
             code="not_available_yet",
         )
-    if req.use_local_leap:
-        raise invalid(f"use_local_leap {NOT_YET}.", "use_local_leap", code="not_available_yet")
-    for name in (
-        "local_leap_anchor_threshold",
-        "local_leap_neighbor_threshold",
-        "local_leap_radius",
-    ):
-        if getattr(req, name) is not None:
+
+
+def _check_commit_rule(req: ChatCompletionRequest) -> None:
+    """Combinations of the decoding extensions that would silently do nothing are 400s."""
+    if not req.use_local_leap:
+        for name in LOCAL_LEAP_PARAMS:
+            if getattr(req, name) is not None:
+                raise invalid(
+                    f"'{name}' configures LocalLeap; set 'use_local_leap': true to use it.", name
+                )
+    else:
+        if req.confidence_threshold is not None:
             raise invalid(
-                f"'{name}' configures LocalLeap, which {NOT_YET}.", name, code="not_available_yet"
+                "'confidence_threshold' and 'use_local_leap' are mutually exclusive: LocalLeap "
+                "commits every position whose confidence reaches 'local_leap_anchor_threshold' "
+                "(its threshold) plus relaxed neighbours; set that instead.",
+                "confidence_threshold",
             )
+        leap = _local_leap_settings(req)
+        kappa = leap.get("local_leap_anchor_threshold", DEFAULT_LEAP.local_leap_anchor_threshold)
+        tau = leap.get("local_leap_neighbor_threshold", DEFAULT_LEAP.local_leap_neighbor_threshold)
+        if tau > kappa:
+            raise invalid(
+                f"'local_leap_neighbor_threshold' ({tau}) must not exceed "
+                f"'local_leap_anchor_threshold' ({kappa}): neighbours of an anchor are "
+                "committed at a relaxed (lower or equal) threshold.",
+                "local_leap_neighbor_threshold",
+            )
+    data_dependent = req.use_local_leap or req.confidence_threshold is not None
+    if data_dependent and req.block_schedule not in (None, "uniform"):
+        mode = "use_local_leap" if req.use_local_leap else "confidence_threshold"
+        raise invalid(
+            f"block_schedule '{req.block_schedule}' has no effect with '{mode}': that mode "
+            "commits a data-dependent number of tokens per step instead of following a "
+            "schedule. Omit 'block_schedule' (or use 'uniform').",
+            "block_schedule",
+        )
+
+
+def _local_leap_settings(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The LocalLeap fields the client set (the rest keep DecodingParams' defaults)."""
+    return {
+        name: getattr(req, name) for name in LOCAL_LEAP_PARAMS if getattr(req, name) is not None
+    }
 
 
 def _decoding_params(req: ChatCompletionRequest) -> DecodingParams:
@@ -257,13 +303,25 @@ def _decoding_params(req: ChatCompletionRequest) -> DecodingParams:
     temperature = 0.0 if req.temperature is None else req.temperature
     if req.top_k == 1:
         temperature = 0.0  # top_k=1 asks for the most likely token: greedy decoding
+    try:
+        return _build_params(req, gen_length, steps, block_length, temperature)
+    except ValueError as exc:  # a combination the checks above missed: still a 400, never a 500
+        raise invalid(f"Invalid decoding parameters: {exc}.") from None
+
+
+def _build_params(
+    req: ChatCompletionRequest, gen_length: int, steps: int, block_length: int, temperature: float
+) -> DecodingParams:
     return DecodingParams(
         gen_length=gen_length,
         steps=steps,
         block_length=block_length,
         temperature=temperature,
         seed=req.seed,
-        block_schedule="uniform",
-        confidence_metric="top1_prob",
+        block_schedule=req.block_schedule or "uniform",
+        confidence_metric=req.confidence_metric or "top1_prob",
         force_single_batch=bool(req.force_single_batch),
+        confidence_threshold=req.confidence_threshold,
+        use_local_leap=bool(req.use_local_leap),
+        **_local_leap_settings(req),
     )

@@ -1,116 +1,75 @@
-"""LLaDA block denoising: per-request state and the top-k low-confidence commit rule."""
+"""LLaDA-style block denoising: the per-step loop shared by every commit rule."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from dllm_serve.decoding.confidence import top1_prob
+from dllm_serve.decoding.commit import threshold_commit, topk_commit
+from dllm_serve.decoding.confidence import confidence as confidence_of
 from dllm_serve.decoding.forward_spec import AttentionKind, ForwardSpec, StepResult
+from dllm_serve.decoding.local_leap import local_leap_commit
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import gumbel_argmax
 from dllm_serve.decoding.schedules import block_schedule
+from dllm_serve.decoding.state import DenoiseState
+
+__all__ = ["DenoiseState", "LLaDADenoiser"]
 
 _SEED_MODULUS = 2**64  # torch.Generator seeds are unsigned 64-bit
 
 
-@dataclass(slots=True)
-class DenoiseState:
-    """Per-request denoising state (lives in the engine's Request).
-
-    ``canvas`` is the 1-D LongTensor ``[P + G]`` on the model device: the prompt, then the
-    answer region of ``G = params.gen_length`` positions that start as ``mask_id``. A position
-    of the answer region is *committed* once it holds a token other than ``mask_id``; committed
-    tokens never change. ``mask_id`` and ``stop_ids`` are copied from the denoiser so that the
-    answer helpers below need nothing else.
-    """
-
-    canvas: torch.Tensor
-    prompt_len: int
-    params: DecodingParams
-    generator: torch.Generator | None  # None when temperature == 0
-    mask_id: int
-    stop_ids: tuple[int, ...]
-    block: int = 0  # index of the active block
-    step: int = 0  # step index within the active block
-    schedule: list[int] = field(default_factory=list)  # transfer counts of the active block
-    nfe: int = 0  # forward passes consumed
-    committed: int = 0  # canvas tokens committed so far
-    finished: bool = False
-    finish_reason: str | None = None
-
-    @property
-    def active_block(self) -> tuple[int, int]:
-        """Canvas slice ``[lo, hi)`` of the active block."""
-        lo = self.prompt_len + self.block * self.params.block_length
-        return lo, lo + self.params.block_length
-
-    def _scan_answer(self) -> tuple[int, int | None]:
-        """(length of the contiguous committed answer prefix, first stop index in it or None).
-
-        One device→host transfer: both reductions are computed on the canvas's device.
-        """
-        answer = self.canvas[self.prompt_len :]
-        g = answer.numel()
-        pos = torch.arange(g, device=answer.device)
-        sentinel = torch.full_like(pos, g)
-        final_len = torch.where(answer == self.mask_id, pos, sentinel).min()
-        is_stop = torch.zeros_like(answer, dtype=torch.bool)
-        for stop_id in self.stop_ids:
-            is_stop |= answer == stop_id
-        first_stop = torch.where(is_stop & (pos < final_len), pos, sentinel).min()
-        final, stop = torch.stack([final_len, first_stop]).tolist()
-        return final, (stop if stop < g else None)
-
-    def answer_final_len(self) -> int:
-        """Length of the contiguous committed prefix of the answer (stops at the first mask)."""
-        return self._scan_answer()[0]
-
-    def answer_tokens(self) -> list[int]:
-        """The final answer so far: the contiguous committed prefix, cut before the first stop id.
-
-        Everything returned is final (committed and contiguous from the start of the answer),
-        so it is safe to stream. Stop ids are excluded.
-        """
-        final_len, first_stop = self._scan_answer()
-        end = final_len if first_stop is None else first_stop
-        return self.canvas[self.prompt_len : self.prompt_len + end].tolist()
-
-
 class LLaDADenoiser:
-    """LLaDA semi-autoregressive sampling with low-confidence remasking (top-k commit).
+    """Semi-autoregressive masked-diffusion sampling (LLaDA), with three commit rules.
 
     The answer region of ``G`` masks is split into ``G / block_length`` blocks decoded left to
-    right; each block gets ``steps_per_block`` steps and a schedule ``k_0..k_{s-1}`` (how many
-    of its masks to commit per step, summing to the block's mask count). At every step the
-    model sees the whole canvas with bidirectional attention; for each still-masked position
-    of the active block we propose ``x0`` (argmax at T = 0, else a Gumbel-max sample from
-    ``softmax(z / T)``) and score it by its untempered probability ``softmax(z)[x0]``. The
-    ``k_i`` most confident proposals are committed; the rest stay masked ("remasked") and are
-    predicted again next step with more context. This is exactly the reference
-    ``generate()`` (ML-GSAI/LLaDA) restricted to the positions it could commit, since it sets
-    the confidence of everything outside the active block's masks to ``-inf``.
+    right. At every step the model sees the whole canvas; for each still-masked position of
+    the active block we propose ``x0`` (argmax at T = 0, else a Gumbel-max sample from
+    ``softmax(z / T)``) and score it with the request's confidence metric. Which proposals are
+    committed depends on ``params.mode``:
 
-    The denoiser holds only configuration; all mutable state lives in ``DenoiseState``, and the
-    randomness comes from the state's own generator, so interleaving requests step by step
-    gives the same result as running each alone.
+    - ``topk``: the block gets ``steps_per_block`` steps and a schedule ``k_0..k_{s-1}``
+      summing to its mask count; step ``i`` commits the ``k_i`` most confident proposals and
+      the rest stay masked ("low-confidence remasking"). With the uniform schedule and
+      ``top1_prob`` this is exactly LLaDA's reference ``generate()``, restricted to the
+      positions it could commit (it sets every other confidence to ``-inf``).
+    - ``threshold`` (Fast-dLLM) and ``local_leap``: see ``decoding/commit.py`` and
+      ``decoding/local_leap.py``; each step commits at least one token, so a block takes
+      between 1 and ``block_length`` forwards.
+
+    Family rules: with ``logit_shift`` (Dream, I-DLM) the logits that predict position ``j``
+    come from position ``j − 1``, so :meth:`prepare` asks for ``masked − 1`` while the commit
+    still writes ``j``; with ``bidirectional=False`` the forward uses causal attention.
+
+    The denoiser holds only configuration; all mutable state lives in ``DenoiseState`` and
+    the randomness comes from the state's own generator, so interleaving requests step by
+    step — whatever their parameters — gives the same result as running each alone.
     """
 
-    def __init__(self, mask_id: int, stop_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        mask_id: int,
+        stop_ids: Sequence[int],
+        *,
+        logit_shift: bool = False,
+        bidirectional: bool = True,
+    ) -> None:
         if mask_id in stop_ids:
             raise ValueError("the mask id cannot be a stop id")
         self.mask_id = mask_id
         self.stop_ids = tuple(stop_ids)
+        self.logit_shift = logit_shift
+        self.attention = AttentionKind.BIDIRECTIONAL if bidirectional else AttentionKind.CAUSAL
 
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
     ) -> DenoiseState:
         """Build the canvas ``[prompt ; mask × gen_length]`` and the request's generator."""
-        if params.confidence_metric != "top1_prob":
-            raise ValueError(f"confidence_metric {params.confidence_metric!r} is not available yet")
         prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+        if self.logit_shift and prompt.numel() == 0:
+            # The first answer position is predicted from the last prompt position.
+            raise ValueError("a model with shifted logits needs a non-empty prompt")
         canvas = torch.full(
             (prompt.numel() + params.gen_length,), self.mask_id, dtype=torch.long, device=device
         )
@@ -135,22 +94,24 @@ class LLaDADenoiser:
         return state
 
     def prepare(self, state: DenoiseState) -> ForwardSpec:
-        """The whole canvas, bidirectional; logits only at the active block's masks.
+        """The whole canvas; logits only for the active block's masks.
 
         ``input_ids`` aliases ``state.canvas`` (no copy): the forward must run before
         ``update`` mutates it.
         """
         if state.finished:
             raise RuntimeError("prepare() called on a finished request")
+        index = self._active_masked(state)
         return ForwardSpec(
             input_ids=state.canvas,
             positions=torch.arange(state.canvas.numel(), device=state.canvas.device),
-            logits_index=self._active_masked(state),
-            attention=AttentionKind.BIDIRECTIONAL,
+            # Shifted families predict position j at j − 1; j − 1 ≥ prompt_len − 1 ≥ 0.
+            logits_index=index - 1 if self.logit_shift else index,
+            attention=self.attention,
         )
 
     def update(self, state: DenoiseState, logits: torch.Tensor) -> StepResult:
-        """Commit ``schedule[step]`` tokens from ``logits`` ``[len(logits_index), V]``."""
+        """Commit proposals from ``logits`` ``[len(logits_index), V]`` (row i → masked i)."""
         if state.finished:
             raise RuntimeError("update() called on a finished request")
         index = self._active_masked(state)
@@ -159,45 +120,79 @@ class LLaDADenoiser:
                 f"expected logits [{index.numel()}, V] for the positions prepare() returned, "
                 f"got {tuple(logits.shape)}"
             )
-        k = state.schedule[state.step]
-        # The schedule sums to the block's mask count and each step commits exactly its
-        # entry, so the masks left always cover this step's count.
-        assert k <= index.numel(), "schedule out of sync with the canvas"
-        if k > 0:
-            z = logits.to(torch.float64, copy=True)
-            # The mask id is a real vocabulary entry; proposing it would "commit" a mask and
-            # break the count (dInfer guards the same way). Excluding it here also removes it
-            # from the distribution the confidence is computed under.
-            z[:, self.mask_id] = float("-inf")
-            x0 = gumbel_argmax(z, state.params.temperature, state.generator)
-            confidence = top1_prob(z, x0)
-            # Stable descending sort over ascending positions: equal confidences are broken
-            # by the lowest position, deterministically (torch.topk gives no such promise).
-            chosen = torch.sort(confidence, descending=True, stable=True).indices[:k]
-            state.canvas[index[chosen]] = x0[chosen]
-        state.committed += k
+        params = state.params
+        # Top-k: this step's schedule entry. The schedule sums to the block's mask count and
+        # each step commits exactly its entry, so the masks left always cover it. Other modes:
+        # None, data-dependent (the block still has masks, so at least one commits).
+        k = state.schedule[state.step] if params.mode == "topk" else None
+        assert k is None or k <= index.numel(), "schedule out of sync with the canvas"
+        committed = 0
+        if k != 0:  # a zero-commit step draws no noise, so the generator stays in step
+            x0, score = self._propose(state, logits)
+            commit = self._commit_rule(params, score, index, k)
+            state.canvas[index[commit]] = x0[commit]
+            committed = int(commit.sum()) if k is None else k
+        state.committed += committed
         state.nfe += 1
         state.step += 1
 
-        final_len, first_stop = state._scan_answer()
+        final_len, first_stop = state.scan_answer()
         if first_stop is not None:
             # Exact early stop: the answer is the canvas cut before its first stop id. Every
             # position up to and including that stop id is committed, and committed tokens
             # never change, so no later step can alter the answer; decoding the rest of the
             # canvas would only fill positions that are discarded anyway.
-            return self._finish(state, k, "stop")
-        if final_len == state.params.gen_length:
+            return self._finish(state, committed, "stop")
+        if final_len == params.gen_length:
             # Everything is committed and no stop id appeared. Trailing zero-commit steps of
             # the last block (steps_per_block > block_length) would change nothing: skip them.
-            return self._finish(state, k, "length")
-        if state.step == len(state.schedule):
+            return self._finish(state, committed, "length")
+        block_done = (
+            state.step == len(state.schedule)
+            if params.mode == "topk"
+            else committed == index.numel()
+        )
+        if block_done:
             state.block += 1
             state.step = 0
             self._start_block(state)
-        return StepResult(committed=k, finished=False)
+        return StepResult(committed=committed, finished=False)
+
+    def _propose(
+        self, state: DenoiseState, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Proposals ``x0`` and their confidences for the rows of ``logits``."""
+        z = logits.to(torch.float64, copy=True)
+        # The mask id is a real vocabulary entry; proposing it would "commit" a mask and
+        # break the count (dInfer guards the same way). Excluding it here also removes it
+        # from the distribution the confidence is computed under.
+        z[:, self.mask_id] = float("-inf")
+        x0 = gumbel_argmax(z, state.params.temperature, state.generator)
+        return x0, confidence_of(state.params.confidence_metric, z, x0)
+
+    @staticmethod
+    def _commit_rule(
+        params: DecodingParams, score: torch.Tensor, index: torch.Tensor, k: int | None
+    ) -> torch.Tensor:
+        """Boolean mask over the masked positions ``index``: which proposals to commit."""
+        if k is not None:
+            return topk_commit(score, k)
+        if params.mode == "threshold":
+            assert params.confidence_threshold is not None  # implied by the mode
+            return threshold_commit(score, params.confidence_threshold)
+        return local_leap_commit(
+            score,
+            index,
+            params.local_leap_anchor_threshold,
+            params.local_leap_neighbor_threshold,
+            params.local_leap_radius,
+        )
 
     def _start_block(self, state: DenoiseState) -> None:
-        """Compute the active block's schedule from its masked count."""
+        """Compute the active block's schedule (top-k mode only) from its masked count."""
+        if state.params.mode != "topk":
+            state.schedule = []
+            return
         lo, hi = state.active_block
         num_masked = int((state.canvas[lo:hi] == self.mask_id).sum())
         state.schedule = block_schedule(

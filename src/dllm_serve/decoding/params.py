@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 BLOCK_SCHEDULES = ("uniform", "front_loaded", "cosine")
 CONFIDENCE_METRICS = ("top1_prob", "entropy_inverse")
+COMMIT_MODES = ("topk", "threshold", "local_leap")
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,9 +14,24 @@ class DecodingParams:
     """How one request is denoised.
 
     The canvas of ``gen_length`` masked positions is split into ``gen_length // block_length``
-    blocks decoded left to right (LLaDA's semi-autoregressive sampling); each block gets
-    ``steps // num_blocks`` denoising steps. ``temperature == 0`` is greedy (argmax);
-    otherwise tokens are drawn by Gumbel-max in float64 from a generator seeded with ``seed``.
+    blocks decoded left to right (LLaDA's semi-autoregressive sampling). ``temperature == 0``
+    is greedy (argmax); otherwise tokens are drawn by Gumbel-max in float64 from a generator
+    seeded with ``seed``. Positions are ranked by ``confidence_metric`` (both metrics are on
+    the scale ``(0, 1]``, see ``decoding/confidence.py``).
+
+    How many positions a step commits (``mode``):
+
+    - ``"topk"`` (default): each block gets ``steps // num_blocks`` steps and
+      ``block_schedule`` says how many of its masks each step commits.
+    - ``"threshold"`` (``confidence_threshold`` set; Fast-dLLM): every masked position of the
+      block with confidence ≥ the threshold, and always the most confident one.
+    - ``"local_leap"`` (``use_local_leap``; arXiv:2510.07081): the threshold rule at
+      ``local_leap_anchor_threshold`` (κ), plus positions with confidence ≥
+      ``local_leap_neighbor_threshold`` (τ ≤ κ) within ``local_leap_radius`` (W) of a κ-anchor.
+
+    In the two data-dependent modes a block ends when it has no masks left (at most
+    ``block_length`` forwards); ``steps`` only has to be a multiple of the block count (as
+    upstream) and ``block_schedule`` must stay ``"uniform"`` (it would have no effect).
     """
 
     gen_length: int = 128
@@ -26,6 +42,11 @@ class DecodingParams:
     block_schedule: str = "uniform"
     confidence_metric: str = "top1_prob"
     force_single_batch: bool = False
+    confidence_threshold: float | None = None  # None: off (fixed-step top-k decoding)
+    use_local_leap: bool = False
+    local_leap_anchor_threshold: float = 0.9  # κ
+    local_leap_neighbor_threshold: float = 0.75  # τ
+    local_leap_radius: int = 4  # W
 
     def __post_init__(self) -> None:
         if self.gen_length < 1:
@@ -46,6 +67,39 @@ class DecodingParams:
             raise ValueError(f"block_schedule must be one of {BLOCK_SCHEDULES}")
         if self.confidence_metric not in CONFIDENCE_METRICS:
             raise ValueError(f"confidence_metric must be one of {CONFIDENCE_METRICS}")
+        self._check_commit_rule()
+
+    def _check_commit_rule(self) -> None:
+        if self.confidence_threshold is not None and not 0.0 < self.confidence_threshold <= 1.0:
+            raise ValueError("confidence_threshold must be in (0, 1]")
+        kappa, tau = self.local_leap_anchor_threshold, self.local_leap_neighbor_threshold
+        if not (0.0 <= kappa <= 1.0 and 0.0 <= tau <= 1.0):
+            raise ValueError("LocalLeap thresholds must be in [0, 1]")
+        if tau > kappa:
+            # With τ > κ "commit c ≥ κ, or c ≥ τ near an anchor" and the authors' per-position
+            # form "threshold τ near an anchor, else κ" disagree; τ ≤ κ is the meaningful case.
+            raise ValueError(
+                "local_leap_neighbor_threshold must not exceed local_leap_anchor_threshold"
+            )
+        if self.local_leap_radius < 0:
+            raise ValueError("local_leap_radius must be >= 0")
+        if self.use_local_leap and self.confidence_threshold is not None:
+            raise ValueError(
+                "use_local_leap and confidence_threshold are mutually exclusive: LocalLeap's "
+                "anchor threshold is its confidence threshold"
+            )
+        if self.mode != "topk" and self.block_schedule != "uniform":
+            raise ValueError(
+                "block_schedule applies to fixed-step decoding only; threshold and LocalLeap "
+                "decoding commit a data-dependent number of tokens per step"
+            )
+
+    @property
+    def mode(self) -> str:
+        """The commit rule: ``"topk"``, ``"threshold"`` or ``"local_leap"``."""
+        if self.use_local_leap:
+            return "local_leap"
+        return "topk" if self.confidence_threshold is None else "threshold"
 
     @property
     def num_blocks(self) -> int:

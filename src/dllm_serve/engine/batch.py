@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm_serve.decoding.forward_spec import AttentionKind, ForwardSpec
+from dllm_serve.models.kv_cache import KVBatch
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class Batch:
     gather_rows: torch.Tensor  # [N] row of each requested logit
     gather_cols: torch.Tensor  # [N] position of each requested logit
     splits: list[int]  # how many of the N logits belong to each row, in row order
+    kv: KVBatch | None = None  # per-row caches to read (and append to), None: no row has one
 
     @property
     def num_rows(self) -> int:
@@ -52,6 +54,9 @@ def build_batch(specs: list[ForwardSpec], pad_id: int) -> Batch:
         device
     )
     gather_cols = torch.cat([s.logits_index for s in specs]).to(device)
+    kv = None
+    if any(s.kv_cache is not None for s in specs):
+        kv = KVBatch([s.kv_cache for s in specs], write=[s.kv_write for s in specs])
     return Batch(
         input_ids=input_ids,
         positions=positions,
@@ -59,6 +64,7 @@ def build_batch(specs: list[ForwardSpec], pad_id: int) -> Batch:
         gather_rows=gather_rows,
         gather_cols=gather_cols,
         splits=[int(s.logits_index.numel()) for s in specs],
+        kv=kv,
     )
 
 
@@ -82,7 +88,10 @@ def _attention_mask(
 
 def run_batch(model: torch.nn.Module, batch: Batch) -> list[torch.Tensor]:
     """One forward; the LM head runs only at the requested positions. Returns logits per row."""
-    hidden = model(batch.input_ids, batch.positions, batch.attn_mask)
+    if batch.kv is None:
+        hidden = model(batch.input_ids, batch.positions, batch.attn_mask)
+    else:
+        hidden = model(batch.input_ids, batch.positions, batch.attn_mask, kv_cache=batch.kv)
     selected = hidden[batch.gather_rows, batch.gather_cols]
     logits = model.lm_head(selected)
     return list(torch.split(logits, batch.splits))

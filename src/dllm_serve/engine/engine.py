@@ -50,16 +50,17 @@ class AsyncEngine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.observer: EngineObserver = observer or NullObserver()
-        family = loaded.family
         self.algorithm = LLaDADenoiser(
             loaded.mask_id,
             loaded.stop_ids,
-            **_family_kwargs(family),
+            logit_shift=loaded.family.logit_shift,
+            bidirectional=loaded.family.bidirectional,
         )
         self.scheduler = Scheduler(self.config)
         self._cond = threading.Condition()
         self._inbox: deque[Request] = deque()
         self._aborts: set[str] = set()
+        self._abort_all_reason: str | None = None
         self._stopping = False
         self._dead: BaseException | None = None
         self._tokenizer_lock = threading.Lock()
@@ -112,12 +113,14 @@ class AsyncEngine:
         params: DecodingParams,
         request_id: str | None = None,
         stop: Sequence[str] = (),
+        timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request now and return the async iterator of its outputs.
 
         Submission is eager, so a full queue raises :class:`QueueFullError` (and a stopped
         engine :class:`EngineDeadError`) here, before any response has started. Closing the
-        iterator before the last output aborts the request.
+        iterator before the last output aborts the request. With ``timeout`` (seconds), the
+        request ends with ``finish_reason == "timeout"`` at the first step boundary past it.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -134,6 +137,8 @@ class AsyncEngine:
             sink=sink,
             detokenizer=IncrementalDetokenizer(self._decode, stop=tuple(stop)),
         )
+        if timeout is not None:
+            request.deadline = request.arrival_time + timeout
         self._submit(request)
         return self._outputs(request.request_id, queue)
 
@@ -169,6 +174,12 @@ class AsyncEngine:
             self._aborts.add(request_id)
             self._cond.notify_all()
 
+    def abort_all(self, reason: str) -> None:
+        """Abort every queued and running request (shutdown); each gets ``reason`` as error."""
+        with self._cond:
+            self._abort_all_reason = reason
+            self._cond.notify_all()
+
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -197,11 +208,16 @@ class AsyncEngine:
             self.scheduler.waiting.extend(self._inbox)
             self._inbox.clear()
             aborts, self._aborts = self._aborts, set()
+            abort_all, self._abort_all_reason = self._abort_all_reason, None
         started = time.perf_counter()
+        now = time.monotonic()
         for request in [*self.scheduler.waiting, *self.scheduler.running]:
-            if request.request_id in aborts:
-                self.scheduler.remove(request)
+            if abort_all is not None:
+                self._fail(request, "abort", abort_all)
+            elif request.request_id in aborts:
                 self._fail(request, "abort")
+            elif request.deadline is not None and now >= request.deadline:
+                self._fail(request, "timeout", "the request exceeded its time limit")
         self._admit()
         for group in self.scheduler.groups():
             self._forward(group)
@@ -210,7 +226,14 @@ class AsyncEngine:
 
     def _has_work(self) -> bool:
         sched = self.scheduler
-        return bool(self._stopping or self._inbox or self._aborts or sched.running or sched.waiting)
+        return bool(
+            self._stopping
+            or self._inbox
+            or self._aborts
+            or self._abort_all_reason
+            or sched.running
+            or sched.waiting
+        )
 
     def _admit(self) -> None:
         for request in self.scheduler.admit():
@@ -219,8 +242,7 @@ class AsyncEngine:
                     request.prompt_ids, request.params, self.loaded.device
                 )
             except Exception as exc:
-                logger.exception("request %s failed at admission", request.request_id)
-                self._fail(request, "error", f"{type(exc).__name__}: {exc}")
+                self._fail_exc(request, exc, "admission")
                 continue
             request.status = RequestStatus.RUNNING
             self.scheduler.run(request)
@@ -272,7 +294,7 @@ class AsyncEngine:
             self._send(request, output)
 
     def _fail_exc(self, request: Request, exc: Exception, where: str) -> None:
-        logger.exception("request %s failed in %s", request.request_id, where)
+        logger.exception("request failed in %s", where, extra={"request_id": request.request_id})
         self._fail(request, "error", f"{type(exc).__name__}: {exc}")
 
     def _fail(self, request: Request, reason: str, error: str | None = None) -> None:
@@ -310,15 +332,3 @@ class AsyncEngine:
             finish_reason=finish_reason,
             error=error,
         )
-
-
-def _family_kwargs(family: object) -> dict[str, bool]:
-    """Attention kind and logit shift of the served family, for the denoiser."""
-    import inspect
-
-    accepted = inspect.signature(LLaDADenoiser).parameters
-    kwargs = {
-        "logit_shift": bool(getattr(family, "logit_shift", False)),
-        "bidirectional": bool(getattr(family, "bidirectional", True)),
-    }
-    return {k: v for k, v in kwargs.items() if k in accepted}

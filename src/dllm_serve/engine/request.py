@@ -35,6 +35,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     state: DenoiseState | None = None  # created on admission, on the engine thread
     first_content_time: float | None = None
+    deadline: float | None = None  # time.monotonic() past which the request times out
 
     @property
     def row_length(self) -> int:

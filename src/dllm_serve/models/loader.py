@@ -1,38 +1,53 @@
-"""Checkpoint directory -> ready-to-run model, tokenizer and special ids.
+"""Checkpoint -> ready-to-run model, tokenizer and special ids.
 
-Reads ``config.json`` (and ``generation_config.json``), picks the family, checks that the
-safetensors hold exactly the tensors the family expects with the right shapes, and loads them
-into a :class:`DecoderTransformer` without ever instantiating random weights (the module is
-built on the meta device). No remote code is executed.
+Resolves the name (embedded, local directory, or HF cache; see ``hub.py``), reads
+``config.json`` (written by transformers 4.x or 5.x) and ``generation_config.json``, picks the
+family, loads the tokenizer and ids (cheap, so a broken checkpoint fails before gigabytes are
+read), checks that the weights fit in memory, then checks that the safetensors hold exactly
+the tensors the family expects with the right shapes and loads them into a
+:class:`DecoderTransformer` built on the meta device (no random init). No remote code runs.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from dllm_serve.models.errors import InsufficientMemoryError, ModelLoadError
 from dllm_serve.models.families import Family, family_for
+from dllm_serve.models.hub import EMBEDDED_MODELS, resolve_model_path
+from dllm_serve.models.memory import check_memory
+from dllm_serve.models.tokenization import load_tokenizer, special_ids
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
 
+__all__ = [
+    "EMBEDDED_MODELS",
+    "InsufficientMemoryError",
+    "LoadedModel",
+    "ModelLoadError",
+    "load_model",
+    "resolve_model_path",
+]
 
-class ModelLoadError(RuntimeError):
-    """A checkpoint could not be found or does not match what its config describes."""
-
-
-_ASSETS = Path(__file__).resolve().parent.parent / "assets"
-EMBEDDED_MODELS: dict[str, str] = {"tiny-llada": str(_ASSETS / "tiny-llada")}
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class LoadedModel:
-    """A loaded checkpoint: the network, its tokenizer, its family and its special ids."""
+    """A loaded checkpoint: the network, its tokenizer, its family and its special ids.
+
+    ``family.bidirectional`` / ``family.logit_shift`` / ``family.positions`` tell the decoding
+    layer which attention kind and logit convention this checkpoint was trained with.
+    """
 
     name: str
     path: Path
@@ -48,9 +63,12 @@ class LoadedModel:
     max_length: int
     device: torch.device
     dtype: torch.dtype
+    config: dict[str, Any] = field(default_factory=dict)  # config.json as read
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the rendered chat prompt, ending with the assistant header."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.name!r} has no chat template")
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
@@ -62,19 +80,6 @@ class LoadedModel:
         return self.tokenizer.decode(
             ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
-
-
-def resolve_model_path(name_or_path: str) -> Path:
-    """An embedded model name or a local checkpoint directory -> its directory."""
-    if name_or_path in EMBEDDED_MODELS:
-        return Path(EMBEDDED_MODELS[name_or_path])
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    raise ModelLoadError(
-        f"model {name_or_path!r} not found: no directory at {path.resolve()} and no embedded "
-        f"model of that name (embedded: {', '.join(sorted(EMBEDDED_MODELS))})"
-    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -100,11 +105,20 @@ def _resolve_device(device: str) -> torch.device:
     return dev
 
 
-def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def checkpoint_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    """The dtype the weights were saved in: ``dtype`` (5.x) or ``torch_dtype`` (4.x)."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    return _DTYPES.get(str(name).removeprefix("torch.")) if name else None
+
+
+def _resolve_dtype(dtype: str, device: torch.device, config: dict[str, Any]) -> torch.dtype:
     if dtype == "auto":
-        # bf16 halves memory and is what the checkpoints are stored in; CPU kernels are
-        # faster and more accurate in fp32.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        # On GPUs the checkpoint's own half precision (bf16 when unknown or fp32): half the
+        # memory. On CPU fp32: its kernels are faster and more accurate there.
+        if device.type != "cuda":
+            return torch.float32
+        saved = checkpoint_dtype(config)
+        return saved if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
     if dtype not in _DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; use auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
@@ -126,7 +140,19 @@ def _weight_files(path: Path) -> dict[str, Path]:
             if not shard.is_file():
                 raise ModelLoadError(f"shard {shard} listed in {index.name} is missing")
         return files
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise ModelLoadError(
+            f"{path} holds only pickled weights (.bin/.pt); convert to safetensors"
+        )
     raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def _progress(total: int, desc: str) -> Any:
+    """A byte progress bar on stderr, only for humans: a TTY and INFO logging enabled."""
+    from tqdm import tqdm  # installed with transformers
+
+    quiet = not sys.stderr.isatty() or not logger.isEnabledFor(logging.INFO)
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=quiet, leave=False)
 
 
 def _load_weights(
@@ -135,7 +161,9 @@ def _load_weights(
     files = _weight_files(path)
     expected = family.weight_map(tcfg)
     missing = sorted(set(expected) - set(files))
-    unexpected = sorted(set(files) - set(expected))
+    unexpected = sorted(
+        n for n in set(files) - set(expected) if not family.ignorable_tensor(n, tcfg)
+    )
     if missing or unexpected:
         raise ModelLoadError(
             f"checkpoint tensors in {path} do not match its config.json: "
@@ -146,19 +174,23 @@ def _load_weights(
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     wrong: list[str] = []
-    for shard in sorted(set(files.values())):
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                if files.get(name) != shard:
-                    continue  # an index may point a name at another shard; trust the index
-                ours = expected[name]
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != shapes[ours]:
-                    wrong.append(
-                        f"{name}: checkpoint {list(shape)}, config implies {list(shapes[ours])}"
-                    )
-                    continue
-                state[ours] = f.get_tensor(name).to(device=device, dtype=dtype)
+    item = torch.empty((), dtype=dtype).element_size()
+    total = sum(torch.Size(s).numel() for s in shapes.values()) * item
+    with _progress(total, f"Loading {path.name}") as bar:
+        for shard in sorted(set(files.values())):
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    if files.get(name) != shard or name not in expected:
+                        continue  # another shard's (trust the index) or an ignorable tensor
+                    ours = expected[name]
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != shapes[ours]:
+                        wrong.append(
+                            f"{name}: checkpoint {list(shape)}, config implies {list(shapes[ours])}"
+                        )
+                        continue
+                    state[ours] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    bar.update(state[ours].numel() * item)
     if wrong:
         raise ModelLoadError(
             f"tensor shapes in {path} do not match config.json: " + "; ".join(wrong)
@@ -171,60 +203,15 @@ def _load_weights(
     return model.eval()
 
 
-def _first_id(value: Any) -> int | None:
-    if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
+def load_model(
+    name_or_path: str, device: str = "cpu", dtype: str = "auto", *, revision: str | None = None
+) -> LoadedModel:
+    """Load a checkpoint by embedded name, directory or cached HF id onto ``device`` in ``dtype``.
 
-
-def _token_id(tokenizer: Any, token: str | None) -> int | None:
-    if token is None:
-        return None
-    # convert_tokens_to_ids falls back to unk (or None) for unknown strings; the vocab does not.
-    return tokenizer.get_vocab().get(token)
-
-
-def _special_ids(
-    config: dict[str, Any], gen: dict[str, Any], tokenizer: Any, family: Family, vocab: int
-) -> dict[str, Any]:
-    """mask/eos/eot/bos/pad/stop ids, from config.json first, then generation_config, then
-    the tokenizer; never from constants, since every checkpoint family numbers them its own way.
+    Raises :class:`ModelLoadError` (bad/missing files, too little memory) or
+    ``UnsupportedModelError`` (an architecture this server does not implement).
     """
-    mask_id = _first_id(config.get("mask_token_id"))
-    if mask_id is None:
-        mask_id = _token_id(tokenizer, family.mask_token)
-    eos_raw = config.get("eos_token_id", gen.get("eos_token_id", tokenizer.eos_token_id))
-    eos_id = _first_id(eos_raw)
-    if mask_id is None or eos_id is None:
-        raise ModelLoadError(
-            f"cannot determine the mask id ({family.mask_token!r}) or the EOS id "
-            "from config.json, generation_config.json or the tokenizer"
-        )
-    eot_id = _token_id(tokenizer, family.eot_token)
-    ids = {
-        "mask_id": mask_id,
-        "eos_id": eos_id,
-        "eot_id": eot_id,
-        "bos_id": _first_id(
-            gen.get("bos_token_id", config.get("bos_token_id", tokenizer.bos_token_id))
-        ),
-        "pad_id": _first_id(config.get("pad_token_id", tokenizer.pad_token_id)),
-    }
-    bad = {k: v for k, v in ids.items() if v is not None and not 0 <= v < vocab}
-    if bad:
-        raise ModelLoadError(f"special ids {bad} lie outside the {vocab}-row vocabulary")
-    if mask_id == ids["pad_id"]:
-        raise ModelLoadError(f"the mask id {mask_id} equals the pad id")
-    extra_eos = [int(i) for i in eos_raw] if isinstance(eos_raw, list) else []
-    stops = {eos_id, *extra_eos} | ({eot_id} if eot_id is not None else set())
-    return {**ids, "stop_ids": tuple(sorted(stops))}
-
-
-def load_model(name_or_path: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
-    """Load a checkpoint by embedded name or directory onto ``device`` in ``dtype``."""
-    from transformers import AutoTokenizer, PreTrainedConfig  # heavy import, only needed here
-
-    path = resolve_model_path(name_or_path)
+    path = resolve_model_path(name_or_path, revision)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"no config.json in {path}")
     config = _read_json(path / "config.json")
@@ -233,25 +220,19 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "auto") -> L
     family = family_for(config)
     tcfg = family.transformer_config(config)
     dev = _resolve_device(device)
-    dt = _resolve_dtype(dtype, dev)
-    # Tokenizer and ids first: they are cheap, so a broken checkpoint fails before gigabytes
-    # of weights are read.
+    dt = _resolve_dtype(dtype, dev, config)
+    tokenizer = load_tokenizer(path, family)
     try:
-        # An empty config stops AutoTokenizer from parsing config.json as a transformers
-        # model config (model_type "llada" is unknown to it, and it would look for remote
-        # code); the class then comes from tokenizer_config.json alone.
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(path), config=PreTrainedConfig(), trust_remote_code=False
-        )
-    except Exception as e:  # transformers raises many types; all mean "unusable tokenizer"
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
-    try:
-        ids = _special_ids(config, gen, tokenizer, family, tcfg.vocab_size)
+        ids = special_ids(config, gen, tokenizer, family, tcfg.vocab_size)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from None
+    nbytes = check_memory(tcfg, dt, dev)
+    logger.info("loading %s (%s, %.2f GiB) from %s", family.name, dt, nbytes / 2**30, path)
     model = _load_weights(path, family, tcfg, dev, dt)
+    is_named = name_or_path in EMBEDDED_MODELS or not Path(name_or_path).expanduser().is_dir()
     return LoadedModel(
-        name=name_or_path if name_or_path in EMBEDDED_MODELS else path.resolve().name,
+        # Embedded names and HF ids are what users typed; a directory is named by its last part.
+        name=name_or_path if is_named else path.resolve().name,
         path=path,
         model=model,
         tokenizer=tokenizer,
@@ -259,5 +240,6 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "auto") -> L
         max_length=tcfg.max_sequence_length,
         device=dev,
         dtype=dt,
+        config=config,
         **ids,
     )

@@ -22,6 +22,6 @@ def test_table_mentions_every_extension_field() -> None:
         if name.startswith(("num_denoising", "block_", "confidence", "target", "attention_"))
         or name.startswith(("force_single", "use_local", "local_leap"))
     ]
-    assert len(extensions) == 11
+    assert len(extensions) == 12
     for name in extensions:
         assert f"`{name}`" in DEVIATIONS_TABLE, name

@@ -129,7 +129,9 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
     ),
     ("tool-choice", body(tool_choice="auto"), JSON, "tool_choice", "ADR 005"),
     ("functions", body(functions=[{"name": "f"}]), JSON, "functions", "ADR 005"),
-    ("stop", body(stop=["\n"]), JSON, "stop", "not available yet"),
+    ("stop-too-many", body(stop=["a", "b", "c", "d", "e"]), JSON, "stop", "at most 4"),
+    ("stop-empty", body(stop=["ok", ""]), JSON, "stop[1]", "must not be empty"),
+    ("stop-int", body(stop=5), JSON, "stop", "Invalid value for 'stop'"),
     (
         "json-mode",
         body(response_format={"type": "json_object"}),
@@ -200,14 +202,6 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
         "block_schedule",
         "Invalid value for 'block_schedule'",
     ),
-    ("schedule-cosine", body(block_schedule="cosine"), JSON, "block_schedule", "not available yet"),
-    (
-        "metric-entropy",
-        body(confidence_metric="entropy_inverse"),
-        JSON,
-        "confidence_metric",
-        "not available yet",
-    ),
     (
         "metric-unknown",
         body(confidence_metric="margin"),
@@ -232,7 +226,6 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
         "Invalid value",
     ),
     ("force-single-int", body(force_single_batch=1), JSON, "force_single_batch", "valid boolean"),
-    ("local-leap", body(use_local_leap=True), JSON, "use_local_leap", "not available yet"),
     (
         "leap-anchor-range",
         body(local_leap_anchor_threshold=1.5),
@@ -253,6 +246,92 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
         JSON,
         "local_leap_radius",
         "configures LocalLeap",
+    ),
+    (
+        "leap-anchor-with-leap-off",
+        body(use_local_leap=False, local_leap_anchor_threshold=0.8),
+        JSON,
+        "local_leap_anchor_threshold",
+        "set 'use_local_leap': true",
+    ),
+    (
+        "leap-radius-zero",
+        body(use_local_leap=True, local_leap_radius=0),
+        JSON,
+        "local_leap_radius",
+        "greater than or equal to 1",
+    ),
+    (
+        "leap-neighbor-negative",
+        body(use_local_leap=True, local_leap_neighbor_threshold=-0.1),
+        JSON,
+        "local_leap_neighbor_threshold",
+        "greater than or equal to 0",
+    ),
+    (
+        "leap-tau-over-kappa",
+        body(
+            use_local_leap=True, local_leap_anchor_threshold=0.6, local_leap_neighbor_threshold=0.7
+        ),
+        JSON,
+        "local_leap_neighbor_threshold",
+        "must not exceed 'local_leap_anchor_threshold' (0.6)",
+    ),
+    (
+        "leap-default-tau-over-kappa",
+        body(use_local_leap=True, local_leap_anchor_threshold=0.7),
+        JSON,
+        "local_leap_neighbor_threshold",
+        "(0.75) must not exceed",
+    ),
+    (
+        "leap-with-cosine",
+        body(use_local_leap=True, block_schedule="cosine"),
+        JSON,
+        "block_schedule",
+        "has no effect with 'use_local_leap'",
+    ),
+    (
+        "leap-steps-not-multiple",
+        body(use_local_leap=True, max_tokens=64, block_length=16, num_denoising_steps=6),
+        JSON,
+        "num_denoising_steps",
+        "multiple of the number of blocks",
+    ),
+    (
+        "threshold-zero",
+        body(confidence_threshold=0),
+        JSON,
+        "confidence_threshold",
+        "greater than 0",
+    ),
+    (
+        "threshold-over-one",
+        body(confidence_threshold=1.01),
+        JSON,
+        "confidence_threshold",
+        "less than or equal to 1",
+    ),
+    (
+        "threshold-str",
+        body(confidence_threshold="0.9"),
+        JSON,
+        "confidence_threshold",
+        "valid number",
+    ),
+    (
+        "threshold-with-leap",
+        body(confidence_threshold=0.9, use_local_leap=True),
+        JSON,
+        "confidence_threshold",
+        "mutually exclusive",
+    ),
+    (
+        "threshold-with-front-loaded",
+        body(confidence_threshold=0.9, block_schedule="front_loaded"),
+        JSON,
+        "block_schedule",
+        "has no effect with 'confidence_threshold'",
     ),
     ("model-int", body(model=5), JSON, "model", "valid string"),
 ]
@@ -392,8 +471,86 @@ def test_accepted(raw: bytes, expected: tuple, stream: bool, usage: bool) -> Non
     assert (spec.stream, spec.include_usage) == (stream, usage)
 
 
+LEAP_DEFAULTS = {
+    "local_leap_anchor_threshold": 0.9,
+    "local_leap_neighbor_threshold": 0.75,
+    "local_leap_radius": 4,
+}
+# (id, body, DecodingParams fields the request must produce; unnamed ones keep their defaults)
+DECODING: list[tuple[str, bytes, dict[str, Any]]] = [
+    ("default-mode", body(), {"mode": "topk", "block_schedule": "uniform"}),
+    ("schedule-cosine", body(block_schedule="cosine"), {"block_schedule": "cosine"}),
+    (
+        "schedule-front-loaded",
+        body(block_schedule="front_loaded", max_tokens=64, block_length=16),
+        {"block_schedule": "front_loaded", "steps": 64, "block_length": 16},
+    ),
+    (
+        "metric-entropy",
+        body(confidence_metric="entropy_inverse"),
+        {"confidence_metric": "entropy_inverse", "mode": "topk"},
+    ),
+    (
+        "local-leap-defaults",
+        body(use_local_leap=True),
+        {
+            "use_local_leap": True,
+            "mode": "local_leap",
+            "confidence_threshold": None,
+            **LEAP_DEFAULTS,
+        },
+    ),
+    (
+        "local-leap-custom",
+        body(
+            use_local_leap=True,
+            local_leap_anchor_threshold=0.8,
+            local_leap_neighbor_threshold=0.5,
+            local_leap_radius=16,
+            confidence_metric="entropy_inverse",
+        ),
+        {
+            "mode": "local_leap",
+            "local_leap_anchor_threshold": 0.8,
+            "local_leap_neighbor_threshold": 0.5,
+            "local_leap_radius": 16,
+            "confidence_metric": "entropy_inverse",
+        },
+    ),
+    (
+        "local-leap-tau-equals-kappa",
+        body(use_local_leap=True, local_leap_anchor_threshold=0.75, block_schedule="uniform"),
+        {"mode": "local_leap", "local_leap_anchor_threshold": 0.75},
+    ),
+    (
+        "local-leap-off-explicit",
+        body(use_local_leap=False),
+        {"use_local_leap": False, "mode": "topk", **LEAP_DEFAULTS},
+    ),
+    (
+        "threshold",
+        body(confidence_threshold=0.9, max_tokens=64, block_length=32),
+        {"confidence_threshold": 0.9, "mode": "threshold", "steps": 64, "use_local_leap": False},
+    ),
+    ("threshold-one", body(confidence_threshold=1), {"confidence_threshold": 1.0}),
+    (
+        "threshold-null",
+        body(confidence_threshold=None, use_local_leap=None),
+        {"confidence_threshold": None, "mode": "topk"},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [r[1:] for r in DECODING], ids=[r[0] for r in DECODING]
+)
+def test_decoding_fields_reach_params(raw: bytes, expected: dict[str, Any]) -> None:
+    params = parse_chat_request(raw, JSON).params
+    assert {name: getattr(params, name) for name in expected} == expected
+
+
 def test_table_is_large_enough() -> None:
-    assert len(BAD) + len(GOOD) >= 40
+    assert len(BAD) + len(GOOD) + len(DECODING) >= 40
 
 
 def test_content_parts_are_joined_and_roles_kept() -> None:
@@ -422,3 +579,9 @@ def test_context_length() -> None:
     with pytest.raises(APIError) as info:
         check_context_length(130, 1, 128)
     assert info.value.param == "messages"
+
+
+def test_stop_strings_are_accepted() -> None:
+    assert parse_chat_request(body(stop="END"), JSON).stop == ("END",)
+    assert parse_chat_request(body(stop=["\n\n", "###"]), JSON).stop == ("\n\n", "###")
+    assert parse_chat_request(body(stop=None), JSON).stop == ()

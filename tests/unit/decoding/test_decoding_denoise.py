@@ -153,25 +153,49 @@ def test_generator_only_when_sampling() -> None:
 
 
 def test_interleaving_equals_running_alone() -> None:
-    model = MockLM(seed=7, scale=1.0)
+    # Every parameter is per request: mixed temperatures, seeds, schedules, metrics, commit
+    # modes, LocalLeap settings and block lengths, stepped round-robin, give each request
+    # exactly what it gets alone.
+    model = MockLM(seed=7, scale=4.0)
     denoiser = LLaDADenoiser(MASK_ID, STOPS)
     jobs = [
         ([4, 9, 12], _params(16, 4, 8, 1.0, seed=100)),
         ([21, 6], _params(12, 12, 6, 0.7, seed=100)),
         ([8, 8, 8, 8], _params(8, 4, 8, 0.0)),
+        ([4, 9, 12], DecodingParams(16, 8, 8, 0.9, 100, block_schedule="cosine")),
+        ([4, 9], DecodingParams(24, 4, 12, block_schedule="front_loaded")),
+        ([3], DecodingParams(16, 16, 16, 1.2, 7, confidence_metric="entropy_inverse")),
+        ([4, 9, 12], DecodingParams(16, 2, 8, 1.0, 100, confidence_threshold=0.6)),
+        ([5, 5], DecodingParams(24, 8, 3, confidence_threshold=0.95)),
+        ([4, 9, 12], DecodingParams(16, 4, 4, 0.8, 100, use_local_leap=True)),
+        (
+            [7, 1, 7],
+            DecodingParams(
+                20,
+                5,
+                4,
+                confidence_metric="entropy_inverse",
+                use_local_leap=True,
+                local_leap_anchor_threshold=0.6,
+                local_leap_neighbor_threshold=0.3,
+                local_leap_radius=1,
+            ),
+        ),
     ]
     alone = []
     for prompt, params in jobs:
         state = denoiser.init_state(prompt, params, "cpu")
         run(denoiser, state, model)
-        alone.append(state.canvas)
+        alone.append(state)
     states = [denoiser.init_state(prompt, params, "cpu") for prompt, params in jobs]
     while not all(s.finished for s in states):
         for s in states:
             if not s.finished:
                 step(denoiser, s, model)
     for s, ref in zip(states, alone, strict=True):
-        assert torch.equal(s.canvas, ref)
+        assert torch.equal(s.canvas, ref.canvas)
+        assert (s.nfe, s.committed, s.finish_reason) == (ref.nfe, ref.committed, ref.finish_reason)
+    assert len({s.nfe for s in states}) > 2  # the requests really ran for different lengths
 
 
 def test_prepare_spec() -> None:
@@ -202,11 +226,6 @@ def test_errors() -> None:
     denoiser = LLaDADenoiser(MASK_ID, STOPS)
     with pytest.raises(ValueError):
         LLaDADenoiser(MASK_ID, (EOS_ID, MASK_ID))
-    with pytest.raises(ValueError, match="not available yet"):
-        denoiser.init_state(PROMPT, DecodingParams(8, 8, 8, block_schedule="cosine"), "cpu")
-    bad = DecodingParams(8, 8, 8, confidence_metric="entropy_inverse")
-    with pytest.raises(ValueError, match="not available yet"):
-        denoiser.init_state(PROMPT, bad, "cpu")
     state = denoiser.init_state(PROMPT, _params(8, 8, 8), "cpu")
     with pytest.raises(ValueError):
         denoiser.update(state, torch.zeros(3, 40))  # 8 positions were asked for

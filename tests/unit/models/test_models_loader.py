@@ -1,4 +1,4 @@
-"""load_model on the embedded tiny-llada and on deliberately broken copies of it."""
+"""load_model on the tiny checkpoints of each family, on broken copies, and via a fake HF cache."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dllm_serve.models.families import LLADA, UnsupportedModelError
+from dllm_serve.models.families import DREAM, LLADA, SDAR, UnsupportedModelError
 from dllm_serve.models.loader import (
     EMBEDDED_MODELS,
     ModelLoadError,
     load_model,
     resolve_model_path,
 )
-from dllm_serve.models.tiny import write_tiny_llada
+from dllm_serve.models.tiny import write_tiny_dream, write_tiny_idlm, write_tiny_llada
 
 HELLO = (
     "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>"
@@ -172,3 +172,136 @@ def test_directory_without_weights(single_dir: Path, tmp_path: Path) -> None:
 def test_bad_device_or_dtype(device: str, dtype: str) -> None:
     with pytest.raises(ModelLoadError):
         load_model("tiny-llada", device=device, dtype=dtype)
+
+
+# ---- Dream / I-DLM checkpoints ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dream_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_dream(tmp_path_factory.mktemp("dream") / "tiny-dream")
+
+
+@pytest.fixture(scope="module")
+def idlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_idlm(tmp_path_factory.mktemp("idlm") / "tiny-idlm", num_shards=2)
+
+
+def test_dream_loads_without_remote_code(dream_dir: Path) -> None:
+    tok_cfg = json.loads((dream_dir / "tokenizer_config.json").read_text())
+    assert tok_cfg["tokenizer_class"] == "DreamTokenizer" and "auto_map" in tok_cfg
+    loaded = load_model(str(dream_dir))
+    assert loaded.family is DREAM
+    assert type(loaded.tokenizer).__name__ == "Qwen2Tokenizer"
+    tok = loaded.tokenizer
+    assert loaded.mask_id == tok.mask_token_id == tok.convert_tokens_to_ids("<|mask|>")
+    assert loaded.eos_id == loaded.pad_id == tok.convert_tokens_to_ids("<|endoftext|>")
+    assert loaded.eot_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert loaded.stop_ids == tuple(sorted({loaded.eos_id, loaded.eot_id}))
+    assert loaded.max_length == 2048 and loaded.config["model_type"] == "Dream"
+
+
+def test_idlm_loads_sharded(idlm_dir: Path) -> None:
+    loaded = load_model(str(idlm_dir))
+    assert loaded.family is SDAR and not loaded.family.bidirectional
+    tok = loaded.tokenizer
+    assert loaded.mask_id == tok.mask_token_id == tok.convert_tokens_to_ids("<|MASK|>")
+    assert loaded.eos_id == loaded.eot_id == tok.convert_tokens_to_ids("<|im_end|>")
+    # I-DLM also stops at <|endoftext|> (Qwen3's second EOS).
+    assert loaded.stop_ids == tuple(
+        sorted({loaded.eos_id, tok.convert_tokens_to_ids("<|endoftext|>")})
+    )
+    assert loaded.model.config.qk_norm and loaded.model.config.head_dim == 16
+
+
+def rewrite_as_transformers_v5(path: Path) -> None:
+    """What transformers 5.x save_pretrained writes: dtype, rope_parameters, layer_types, and
+    the chat template in its own file."""
+    config = json.loads((path / "config.json").read_text())
+    config["dtype"] = config.pop("torch_dtype")
+    config["rope_parameters"] = {"rope_theta": config.pop("rope_theta"), "rope_type": "default"}
+    config.pop("rope_scaling")
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    config["transformers_version"] = "5.24.0"
+    (path / "config.json").write_text(json.dumps(config))
+    tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+    if "chat_template" in tok_cfg:
+        (path / "chat_template.jinja").write_text(tok_cfg.pop("chat_template"))
+    else:  # and the other way round: a 4.x file with the template inline
+        tok_cfg["chat_template"] = (path / "chat_template.jinja").read_text()
+        (path / "chat_template.jinja").unlink()
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+
+
+@pytest.mark.parametrize("which", ["dream", "idlm"])
+def test_transformers_v4_and_v5_files_load_the_same(which: str, request, tmp_path: Path) -> None:
+    src: Path = request.getfixturevalue(f"{which}_dir")
+    other = broken_copy(src, tmp_path / "v5")
+    rewrite_as_transformers_v5(other)
+    a, b = load_model(str(src)), load_model(str(other))
+    assert a.model.config == b.model.config
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "and?"}]  # fmt: skip
+    assert a.chat_prompt_ids(messages) == b.chat_prompt_ids(messages)
+
+
+def test_checkpoint_dtype_keys() -> None:
+    from dllm_serve.models.loader import checkpoint_dtype
+
+    assert checkpoint_dtype({"torch_dtype": "bfloat16"}) is torch.bfloat16
+    assert checkpoint_dtype({"dtype": "float16"}) is torch.float16
+    assert checkpoint_dtype({}) is None
+
+
+def test_ignorable_rope_buffers_accepted(idlm_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(idlm_dir, tmp_path / "buf")
+    shard = path / "model-00001-of-00002.safetensors"
+    tensors = load_file(shard)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.self_attn.rotary_emb.inv_freq"] = shard.name
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert load_model(str(path)).family is SDAR
+
+
+def test_shard_listed_but_missing(idlm_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(idlm_dir, tmp_path / "shard")
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"model-00002-of-00002\.safetensors"):
+        load_model(str(path))
+
+
+# ---- more bad checkpoints: one clear error each -------------------------------------------
+def test_missing_tokenizer(single_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(single_dir, tmp_path / "notok")
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"no tokenizer in .*notok"):
+        load_model(str(path))
+
+
+def test_remote_code_tokenizer_without_fallback(single_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(single_dir, tmp_path / "remotetok")
+    tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+    tok_cfg["tokenizer_class"] = "LLaDATokenizer"
+    tok_cfg["auto_map"] = {"AutoTokenizer": ["tokenization_llada.LLaDATokenizer", None]}
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    with pytest.raises(ModelLoadError, match=r"LLaDATokenizer.*remote code"):
+        load_model(str(path))
+
+
+def test_trust_remote_code_only_config(single_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(single_dir, tmp_path / "remote")
+    edit_config(path, model_type="mdlm", architectures=["MDLM"],
+                auto_map={"AutoModelForMaskedLM": "modeling_mdlm.MDLM"})  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="only by the checkpoint's own remote code"):
+        load_model(str(path))
+
+
+def test_progress_bar_quiet_without_tty(single_dir: Path, capfd: pytest.CaptureFixture) -> None:
+    import logging
+
+    logging.getLogger("dllm_serve.models.loader").setLevel(logging.INFO)
+    try:
+        load_model(str(single_dir))
+    finally:
+        logging.getLogger("dllm_serve.models.loader").setLevel(logging.NOTSET)
+    assert "Loading" not in capfd.readouterr().err

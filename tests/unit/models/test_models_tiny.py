@@ -1,4 +1,4 @@
-"""write_tiny_llada: real format field for field, deterministic, committed asset up to date."""
+"""Tiny checkpoints: real formats field for field, deterministic, committed asset up to date."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from dllm_serve.models.loader import EMBEDDED_MODELS
-from dllm_serve.models.tiny import main, write_tiny_llada
+from dllm_serve.models.tiny import main, write_tiny, write_tiny_llada
 
 REAL = Path(__file__).resolve().parents[2] / "fixtures" / "llada-8b-instruct"
 ASSET = Path(EMBEDDED_MODELS["tiny-llada"])
@@ -140,3 +140,110 @@ def test_cli_writes_sharded_checkpoint(tmp_path: Path, capsys: pytest.CaptureFix
                 for f in files for t in load_file(out / f).values())  # fmt: skip
     assert index["metadata"]["total_size"] == total
     assert read(out, "config.json")["d_model"] == 32
+
+
+# ---- Dream and I-DLM formats, and real ids ---------------------------------------------------
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+SIZE_KEYS = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "max_window_layers",
+    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "vocab_size",
+}  # fmt: skip
+ID_KEYS = {"bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id"}
+FORMATS = {"dream": ("dream-v0-instruct-7b", set()), "idlm": ("idlm-8b", {"head_dim"})}
+
+
+@pytest.mark.parametrize("family", ["dream", "idlm"])
+@pytest.mark.parametrize("real_ids", [False, True])
+def test_qwen_formats_reproduce_real_files(family: str, real_ids: bool, tmp_path: Path) -> None:
+    fixture, extra_sizes = FORMATS[family]
+    real_dir = FIXTURES / fixture
+    out = write_tiny(family, tmp_path / family, real_ids=real_ids)
+    real, tiny = read(real_dir, "config.json"), read(out, "config.json")
+    assert list(tiny) == list(real)
+    changed = {k for k in real if real[k] != tiny[k]}
+    assert changed <= SIZE_KEYS | extra_sizes | (set() if real_ids else ID_KEYS)
+    first = 151643 if real_ids else tiny["bos_token_id"]
+    assert tiny["mask_token_id"] - first == real["mask_token_id"] - 151643
+    assert tiny["eos_token_id"] - first == real["eos_token_id"] - 151643
+    # Tokenizer files: the real ones, ids moved by one offset.
+    real_tc, tiny_tc = read(real_dir, "tokenizer_config.json"), read(out, "tokenizer_config.json")
+    assert list(tiny_tc) == list(real_tc)
+    assert {k: v for k, v in tiny_tc.items() if k != "added_tokens_decoder"} == {
+        k: v for k, v in real_tc.items() if k != "added_tokens_decoder"
+    }
+    moved = {str(first + int(k) - 151643): v for k, v in real_tc["added_tokens_decoder"].items()}
+    assert tiny_tc["added_tokens_decoder"] == moved
+    assert read(out, "special_tokens_map.json") == read(real_dir, "special_tokens_map.json")
+    real_added = read(real_dir, "added_tokens.json")
+    assert read(out, "added_tokens.json") == {t: first + i - 151643 for t, i in real_added.items()}
+    if (real_dir / "generation_config.json").is_file():
+        gen_real, gen_tiny = (
+            read(real_dir, "generation_config.json"),
+            read(out, "generation_config.json"),
+        )
+        assert list(gen_tiny) == list(gen_real)
+        assert gen_tiny["eos_token_id"] == first + gen_real["eos_token_id"] - 151643
+    # Qwen2's tokenizer file format, no tokenizer.json (as in the real checkpoints).
+    assert (out / "vocab.json").is_file() and (out / "merges.txt").is_file()
+    assert not (out / "tokenizer.json").exists()
+    assert (out / "merges.txt").read_text().startswith("#version: 0.2\n")
+    assert max(read(out, "added_tokens.json").values()) < tiny["vocab_size"]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "idlm"])
+def test_real_ids_load_with_real_ids(family: str, tmp_path: Path) -> None:
+    from dllm_serve.models.loader import load_model
+
+    loaded = load_model(str(write_tiny(family, tmp_path / family, real_ids=True, n_layers=1)))
+    want = {"llada": (126336, 126081, 126348), "dream": (151666, 151643, 151645),
+            "idlm": (151669, 151645, 151645)}[family]  # fmt: skip
+    assert (loaded.mask_id, loaded.eos_id, loaded.eot_id) == want
+    text = f"hi {loaded.family.mask_token}"
+    assert loaded.tokenizer.encode(text, add_special_tokens=False)[-1] == want[0]
+
+
+def test_llada_real_ids_config_is_the_real_one(tmp_path: Path) -> None:
+    out = write_tiny_llada(tmp_path / "r", real_ids=True)
+    real, tiny = read(REAL, "config.json"), read(out, "config.json")
+    assert {k for k in real if real[k] != tiny[k]} == {
+        "d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size", "max_sequence_length",
+    }  # fmt: skip
+    assert read(out, "tokenizer_config.json") == read(REAL, "tokenizer_config.json")
+
+
+@pytest.mark.parametrize("family", ["dream", "idlm"])
+def test_qwen_formats_deterministic(family: str, tmp_path: Path) -> None:
+    a = load_file(write_tiny(family, tmp_path / "a") / "model.safetensors")
+    b = load_file(write_tiny(family, tmp_path / "b") / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert (tmp_path / "a" / "vocab.json").read_bytes() == (
+        tmp_path / "b" / "vocab.json"
+    ).read_bytes()
+
+
+def test_cli_family_flag(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert (
+        main(["--family", "idlm", str(tmp_path / "i"), "--num-shards", "2", "--head-dim", "8"]) == 0
+    )
+    out = Path(capsys.readouterr().out.strip())
+    assert read(out, "config.json")["model_type"] == "sdar"
+    assert read(out, "config.json")["head_dim"] == 8
+    assert (out / "model.safetensors.index.json").is_file()
+    assert main([str(tmp_path / "d"), "--family", "dream", "--real-ids"]) == 0
+    out = Path(capsys.readouterr().out.strip())
+    assert read(out, "config.json")["mask_token_id"] == 151666
+    with pytest.raises(SystemExit):
+        main(["--family", "gpt2", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="unknown family"):
+        write_tiny("gpt2", tmp_path / "x")
+
+
+def test_module_entry_point_defaults_to_llada(tmp_path: Path, monkeypatch, capsys) -> None:
+    import runpy
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["tiny", str(tmp_path / "m"), "--n-layers", "1"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("dllm_serve.models.tiny", run_name="__main__")
+    assert e.value.code == 0
+    assert read(tmp_path / "m", "config.json")["model_type"] == "llada"

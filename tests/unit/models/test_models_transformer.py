@@ -211,3 +211,27 @@ def test_config_rejects_bad_head_split() -> None:
             vocab_size=8, d_model=30, n_heads=4, n_kv_heads=4, n_layers=1, mlp_hidden_size=8,
             rope_theta=1e4, rms_norm_eps=1e-5, tie_embeddings=True, max_sequence_length=8,
         )  # fmt: skip
+
+
+@torch.no_grad()
+def test_kv_prefix_matches_llama_block_mask(tiny_pair) -> None:
+    """A block read over a cached prompt == Llama over prompt + block, where the prompt sees
+    only itself and the block sees everything (what prefix caching for LLaDA computes)."""
+    from dllm_serve.models.kv_cache import KVBatch, KVCache
+
+    ours, llama = tiny_pair
+    prefixes, blocks = [10, 6], [4, 4]
+    caches = [KVCache.for_model(ours) for _ in prefixes]
+    rows = [inputs(ours.config.vocab_size, 1, p + n, seed=30 + r)[0][0]
+            for r, (p, n) in enumerate(zip(prefixes, blocks, strict=True))]  # fmt: skip
+    for cache, p, row in zip(caches, prefixes, rows, strict=True):
+        ours(row[None, :p], torch.arange(p)[None], kv_cache=KVBatch([cache], write=p))
+    view = KVBatch(caches)
+    cur = torch.stack([row[p:] for row, p in zip(rows, prefixes, strict=True)])
+    hidden = ours(cur, view.positions(4), kv_cache=view)
+    for r, (p, n) in enumerate(zip(prefixes, blocks, strict=True)):
+        mask = torch.ones(1, 1, p + n, p + n, dtype=torch.bool)
+        mask[..., :p, p:] = False
+        ref = llama(input_ids=rows[r][None], position_ids=torch.arange(p + n)[None],
+                    attention_mask=float_mask(mask)).logits  # fmt: skip
+        assert (ours.lm_head(hidden[r]) - ref[0, p:]).abs().max().item() <= TOL

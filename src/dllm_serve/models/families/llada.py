@@ -1,8 +1,7 @@
-"""Per-family rules: which config keys mean what, which tensor names map where, and the
-diffusion conventions (attention kind, logit shift, mask/EOT token strings).
+"""LLaDA-8B (Base/Instruct) and LLaDA-1.5: OLMo-style config.json, Llama-style blocks.
 
-A family never hard-codes token ids: it names token *strings*, and the loader reads the ids
-from the checkpoint's config and tokenizer.
+Bidirectional attention, no logit shift, positions ``0..L-1`` including left padding, mask
+``<|mdm_mask|>`` (126336 in the real checkpoints), end of turn ``<|eot_id|>``.
 """
 
 from __future__ import annotations
@@ -11,43 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dllm_serve.models.families.base import Family, UnsupportedModelError, require, rope_error
+from dllm_serve.models.rope import RopeConfigError, parse_rope
 from dllm_serve.models.transformer import TransformerConfig
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture is not one this server implements."""
-
-
-@dataclass(frozen=True)
-class Family:
-    """Rules shared by every checkpoint of one model family.
-
-    Subclasses implement :meth:`check`, :meth:`transformer_config` and :meth:`weight_map`.
-    """
-
-    name: str
-    bidirectional: bool
-    logit_shift: bool
-    mask_token: str
-    eot_token: str | None
-
-    def check(self, config: Mapping[str, Any]) -> None:
-        """Raise :class:`UnsupportedModelError` unless this server implements ``config``."""
-        raise NotImplementedError
-
-    def transformer_config(self, config: Mapping[str, Any]) -> TransformerConfig:
-        """The :class:`TransformerConfig` described by a checkpoint's ``config.json``."""
-        raise NotImplementedError
-
-    def weight_map(self, tcfg: TransformerConfig) -> dict[str, str]:
-        """Every tensor name the checkpoint must contain -> its name in ``DecoderTransformer``."""
-        raise NotImplementedError
-
-
-def _require(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise UnsupportedModelError(f"config.json lacks required key {key!r}")
-    return config[key]
 
 
 @dataclass(frozen=True)
@@ -91,8 +56,8 @@ class LLaDAFamily(Family):
 
     def transformer_config(self, config: Mapping[str, Any]) -> TransformerConfig:
         self.check(config)
-        d_model = int(_require(config, "d_model"))
-        n_heads = int(_require(config, "n_heads"))
+        d_model = int(require(config, "d_model"))
+        n_heads = int(require(config, "n_heads"))
         # LLaDA's rules: multi_query_attention wins, then n_kv_heads, else MHA.
         if config.get("multi_query_attention"):
             n_kv_heads = 1
@@ -100,19 +65,29 @@ class LLaDAFamily(Family):
             n_kv_heads = int(config.get("n_kv_heads") or n_heads)
         mlp = config.get("mlp_hidden_size") or int(config.get("mlp_ratio", 4)) * d_model
         # The matrices have embedding_size rows (vocab_size padded up); ids live below vocab_size.
-        vocab = config.get("embedding_size") or _require(config, "vocab_size")
+        vocab = config.get("embedding_size") or require(config, "vocab_size")
+        max_len = int(require(config, "max_sequence_length"))
+        try:  # top-level rope_theta (as published) or a 5.x-style rope_parameters dict
+            theta, scaling = parse_rope(config, max_len)
+        except RopeConfigError as e:
+            raise rope_error(e) from None
+        if scaling is not None:
+            raise UnsupportedModelError(
+                f"LLaDA config asks for RoPE scaling {scaling.rope_type!r}; LLaDA's own code "
+                "applies none, so it is not supported"
+            )
         return TransformerConfig(
             vocab_size=int(vocab),
             d_model=d_model,
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
-            n_layers=int(_require(config, "n_layers")),
+            n_layers=int(require(config, "n_layers")),
             mlp_hidden_size=int(mlp),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_theta=theta,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             # LLaDAConfig defaults weight_tying to True, so only an explicit false unties.
             tie_embeddings=bool(config.get("weight_tying", True)),
-            max_sequence_length=int(_require(config, "max_sequence_length")),
+            max_sequence_length=max_len,
         )
 
     def weight_map(self, tcfg: TransformerConfig) -> dict[str, str]:
@@ -143,45 +118,8 @@ LLADA = LLaDAFamily(
     logit_shift=False,
     mask_token="<|mdm_mask|>",
     eot_token="<|eot_id|>",
+    positions_skip_padding=False,
+    model_types=("llada",),
+    architectures=("LLaDAModelLM",),
+    description="LLaDA-8B-Base/Instruct, LLaDA-1.5",
 )
-
-FAMILIES: dict[str, Family] = {LLADA.name: LLADA}
-
-# Keys that only mixture-of-experts configs carry.
-_MOE_KEYS = (
-    "num_experts",
-    "moe_num_experts",
-    "num_experts_per_tok",
-    "moe_topk",
-    "n_routed_experts",
-)
-
-
-def _is_moe(config: Mapping[str, Any]) -> bool:
-    archs = config.get("architectures") or []
-    model_type = str(config.get("model_type", "")).lower()
-    return (
-        any("moe" in str(a).lower() for a in archs)
-        or "moe" in model_type
-        or any(config.get(k) for k in _MOE_KEYS)
-    )
-
-
-def family_for(config: Mapping[str, Any]) -> Family:
-    """The :class:`Family` for a checkpoint's ``config.json`` contents, chosen by ``model_type``."""
-    supported = ", ".join(sorted(FAMILIES))
-    model_type = config.get("model_type")
-    # LLaDA-MoE ships with model_type "llada" too, so this check must come before the lookup.
-    if _is_moe(config):
-        raise UnsupportedModelError(
-            f"mixture-of-experts checkpoints (model_type={model_type!r}, "
-            f"architectures={config.get('architectures')!r}) are not supported; "
-            f"supported dense model types: {supported}"
-        )
-    family = FAMILIES.get(str(model_type).lower()) if model_type is not None else None
-    if family is None:
-        raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r}; supported model types: {supported}"
-        )
-    family.check(config)
-    return family

@@ -1,0 +1,110 @@
+"""The :class:`Family` contract and helpers shared by the per-family modules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dllm_serve.models.rope import RopeConfigError
+from dllm_serve.models.transformer import TransformerConfig
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not one this server implements."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """Rules shared by every checkpoint of one model family.
+
+    Fields the decoding layer and engine read:
+
+    - ``bidirectional``: True = every token attends to every other (LLaDA, Dream); False =
+      strictly causal (I-DLM), which also makes a KV prefix cache exact.
+    - ``logit_shift``: True = the distribution for position ``j`` is read from the output at
+      ``j - 1`` (Dream, I-DLM: an AR-style next-token head; Dream's own sampler lets position 0
+      reuse its own output).
+    - ``positions_skip_padding``: True = rotary positions start at 0 at the first real token
+      of a left-padded row (Dream's ``cumsum(mask) - 1``); False = positions are ``0..L-1``
+      over the whole row including pads (LLaDA has no position input). See :meth:`positions`.
+    - ``mask_token`` / ``eot_token`` / ``extra_stop_tokens``: token *strings*; the loader looks
+      their ids up in the checkpoint (config first, tokenizer second), never in constants.
+
+    Subclasses implement :meth:`check`, :meth:`transformer_config` and :meth:`weight_map`.
+    """
+
+    name: str
+    bidirectional: bool
+    logit_shift: bool
+    mask_token: str
+    eot_token: str | None
+    positions_skip_padding: bool
+    model_types: tuple[str, ...]  # lower-case config.json model_type values
+    architectures: tuple[str, ...]  # config.json "architectures" entries
+    description: str
+    extra_stop_tokens: tuple[str, ...] = ()
+    # Used instead of the class named in tokenizer_config.json when that class exists only as
+    # the checkpoint's remote code (Dream's DreamTokenizer is a plain Qwen2 BPE).
+    tokenizer_class: str | None = None
+    # Buffers some exports save next to the weights; they hold nothing this model needs.
+    ignored_tensor_suffixes: tuple[str, ...] = (".rotary_emb.inv_freq",)
+
+    @property
+    def attention(self) -> str:
+        """``"bidirectional"`` or ``"causal"`` (the names of ``decoding.AttentionKind``)."""
+        return "bidirectional" if self.bidirectional else "causal"
+
+    def matches(self, config: Mapping[str, Any]) -> bool:
+        """Whether ``config.json`` names this family: by ``model_type`` when it has one (a
+        contradicting ``architectures`` entry does not override it), else by architecture."""
+        model_type = config.get("model_type")
+        if model_type:
+            return str(model_type).lower() in self.model_types
+        return any(a in self.architectures for a in config.get("architectures") or [])
+
+    def check(self, config: Mapping[str, Any]) -> None:
+        """Raise :class:`UnsupportedModelError` unless this server implements ``config``."""
+        raise NotImplementedError
+
+    def transformer_config(self, config: Mapping[str, Any]) -> TransformerConfig:
+        """The :class:`TransformerConfig` described by a checkpoint's ``config.json``."""
+        raise NotImplementedError
+
+    def weight_map(self, tcfg: TransformerConfig) -> dict[str, str]:
+        """Every tensor name the checkpoint must contain -> its name in ``DecoderTransformer``."""
+        raise NotImplementedError
+
+    def ignorable_tensor(self, name: str, tcfg: TransformerConfig) -> bool:
+        """Tensors some exports carry that hold nothing this model needs (e.g. RoPE buffers)."""
+        return name.endswith(self.ignored_tensor_suffixes)
+
+    def positions(self, keep: torch.Tensor) -> torch.Tensor:
+        """Rotary positions [B, L] for a row mask ``keep`` [B, L] (False = left padding)."""
+        if not self.positions_skip_padding:
+            return torch.arange(keep.shape[-1], device=keep.device).expand(keep.shape).clone()
+        return (keep.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def require(config: Mapping[str, Any], key: str) -> Any:
+    """``config[key]``, or an :class:`UnsupportedModelError` naming the missing key."""
+    if config.get(key) is None:
+        raise UnsupportedModelError(f"config.json lacks required key {key!r}")
+    return config[key]
+
+
+def check_values(
+    family: str, config: Mapping[str, Any], expected: tuple[tuple[str, Any], ...]
+) -> None:
+    """Refuse keys present with a value other than the one this server implements."""
+    for key, want in expected:
+        if key in config and config[key] is not None and config[key] != want:
+            raise UnsupportedModelError(
+                f"{family} config has {key}={config[key]!r}; only {key}={want!r} is supported"
+            )
+
+
+def rope_error(exc: RopeConfigError) -> UnsupportedModelError:
+    return UnsupportedModelError(f"config.json: {exc}")

@@ -1,0 +1,165 @@
+"""Families stored in Qwen's transformers format: Dream (Qwen2) and I-DLM/SDAR (Qwen3).
+
+Both use the HF ``model.layers.N.self_attn.q_proj``… tensor names and both read logits with a
+shift (the output at ``j - 1`` predicts token ``j``). They differ in attention (Dream is
+bidirectional, I-DLM strictly causal), in q/k/v biases (Qwen2) versus per-head q/k RMSNorm
+(Qwen3), and in their mask token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dllm_serve.models.families.base import (
+    Family,
+    UnsupportedModelError,
+    check_values,
+    require,
+    rope_error,
+)
+from dllm_serve.models.rope import RopeConfigError, parse_rope
+from dllm_serve.models.transformer import TransformerConfig
+
+
+@dataclass(frozen=True)
+class QwenFamily(Family):
+    """A Qwen2/Qwen3-format checkpoint (config keys and tensor names as in transformers)."""
+
+    qkv_bias: bool = False  # Qwen2: always; Qwen3: when attention_bias
+    qk_norm: bool = False  # Qwen3
+
+    # Keys that would change the network, checked when present (absent = Qwen's default).
+    EXPECTED = (
+        ("hidden_act", "silu"),
+        ("use_sliding_window", False),
+        ("use_mrope", False),
+        ("mlp_bias", False),
+    )
+
+    def check(self, config: Mapping[str, Any]) -> None:
+        check_values(self.name, config, self.EXPECTED)
+
+    def transformer_config(self, config: Mapping[str, Any]) -> TransformerConfig:
+        self.check(config)
+        d_model = int(require(config, "hidden_size"))
+        n_heads = int(require(config, "num_attention_heads"))
+        max_len = int(config.get("max_position_embeddings") or 32768)  # Qwen2/3 default
+        try:
+            theta, scaling = parse_rope(config, max_len)
+        except RopeConfigError as e:
+            raise rope_error(e) from None
+        # Only Qwen3 reads attention_bias (then q/k/v *and* o are biased); Qwen2 always has
+        # q/k/v biases and never an o bias, whatever its config says.
+        attention_bias = self.qk_norm and bool(config.get("attention_bias", False))
+        return TransformerConfig(
+            vocab_size=int(require(config, "vocab_size")),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+            n_layers=int(require(config, "num_hidden_layers")),
+            mlp_hidden_size=int(require(config, "intermediate_size")),
+            rope_theta=theta,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_sequence_length=max_len,
+            head_dim=int(config.get("head_dim") or d_model // n_heads),
+            qkv_bias=self.qkv_bias or attention_bias,
+            o_bias=attention_bias,
+            qk_norm=self.qk_norm,
+            rope_scaling=scaling,
+        )
+
+    def weight_map(self, tcfg: TransformerConfig) -> dict[str, str]:
+        names = {"model.embed_tokens.weight": "embed_tokens.weight"}
+        per_layer = {
+            "input_layernorm.weight": "attn_norm.weight",
+            "self_attn.q_proj.weight": "attn.q_proj.weight",
+            "self_attn.k_proj.weight": "attn.k_proj.weight",
+            "self_attn.v_proj.weight": "attn.v_proj.weight",
+            "self_attn.o_proj.weight": "attn.o_proj.weight",
+            "post_attention_layernorm.weight": "mlp_norm.weight",
+            "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+            "mlp.up_proj.weight": "mlp.up_proj.weight",
+            "mlp.down_proj.weight": "mlp.down_proj.weight",
+        }
+        if tcfg.qkv_bias:
+            for p in "qkv":
+                per_layer[f"self_attn.{p}_proj.bias"] = f"attn.{p}_proj.bias"
+        if tcfg.o_bias:
+            per_layer["self_attn.o_proj.bias"] = "attn.o_proj.bias"
+        if tcfg.qk_norm:
+            per_layer["self_attn.q_norm.weight"] = "attn.q_norm.weight"
+            per_layer["self_attn.k_norm.weight"] = "attn.k_norm.weight"
+        for i in range(tcfg.n_layers):
+            for theirs, ours in per_layer.items():
+                names[f"model.layers.{i}.{theirs}"] = f"layers.{i}.{ours}"
+        names["model.norm.weight"] = "norm.weight"
+        if not tcfg.tie_embeddings:
+            names["lm_head.weight"] = "head.weight"
+        return names
+
+    def ignorable_tensor(self, name: str, tcfg: TransformerConfig) -> bool:
+        # Some exports of tied checkpoints still write the (identical) LM head.
+        return super().ignorable_tensor(name, tcfg) or (
+            tcfg.tie_embeddings and name == "lm_head.weight"
+        )
+
+
+def is_qwen3_config(config: Mapping[str, Any]) -> bool:
+    """Whether ``config.json`` describes a transformers Qwen3 model (by type, else by arch)."""
+    model_type = config.get("model_type")
+    if model_type:
+        return str(model_type).lower() == "qwen3"
+    return "Qwen3ForCausalLM" in (config.get("architectures") or [])
+
+
+@dataclass(frozen=True)
+class SDARFamily(QwenFamily):
+    """I-DLM / SDAR: Qwen3 weights, strictly causal, logit shift, mask ``<|MASK|>``."""
+
+    def matches(self, config: Mapping[str, Any]) -> bool:
+        # I-DLM may also be published as a plain Qwen3 config; the diffusion mask id is what
+        # tells it apart from an autoregressive Qwen3 (checkpoints.md §3/§7).
+        plain_qwen3 = is_qwen3_config(config)
+        return super().matches(config) or (plain_qwen3 and "mask_token_id" in config)
+
+    def check(self, config: Mapping[str, Any]) -> None:
+        super().check(config)
+        # SDAR's bidirectional-within-block training variant; ISD needs causal prefill.
+        if config.get("use_regular_causal") is False:
+            raise UnsupportedModelError(
+                "SDAR config has use_regular_causal=false (block-bidirectional); only the "
+                "strictly causal I-DLM variant (use_regular_causal=true) is supported"
+            )
+
+
+DREAM = QwenFamily(
+    name="dream",
+    bidirectional=True,
+    logit_shift=True,
+    mask_token="<|mask|>",
+    eot_token="<|im_end|>",
+    positions_skip_padding=True,
+    model_types=("dream",),
+    architectures=("DreamModel",),
+    description="Dream-v0-Base/Instruct-7B",
+    tokenizer_class="Qwen2Tokenizer",
+    qkv_bias=True,
+)
+
+SDAR = SDARFamily(
+    name="sdar",
+    bidirectional=False,
+    logit_shift=True,
+    mask_token="<|MASK|>",
+    eot_token="<|im_end|>",
+    positions_skip_padding=True,
+    model_types=("sdar",),
+    architectures=("SDARForCausalLM",),
+    description="I-DLM-8B/32B; also model_type qwen3 with mask_token_id",
+    extra_stop_tokens=("<|endoftext|>",),
+    tokenizer_class="Qwen2Tokenizer",
+    qk_norm=True,
+)
