@@ -46,6 +46,12 @@ def test_plain_completion(server: RemoteServer) -> None:
     diffusion = usage.model_extra["diffusion"]
     assert 1 <= diffusion["nfe"] <= 16
     assert diffusion["canvas_length"] == 32
+    # Top-k decoding commits the whole 32-position canvas over its forwards, unless it stopped
+    # early at EOS; tokens_per_forward is that ratio.
+    assert usage.completion_tokens <= diffusion["committed_tokens"] <= 32
+    assert diffusion["tokens_per_forward"] == round(
+        diffusion["committed_tokens"] / diffusion["nfe"], 4
+    )
 
 
 def test_generated_request_id_is_uuid7(server: RemoteServer) -> None:

@@ -27,5 +27,5 @@ DEVIATIONS_TABLE = """\
 | `force_single_batch` | Extension: `true` runs the request in forwards of its own (reproducible). |
 | `use_local_leap`, `local_leap_anchor_threshold`, `local_leap_neighbor_threshold`, `local_leap_radius` | Extensions (LocalLeap, arXiv:2510.07081), off by default: each step commits every masked position of the block with confidence ≥ κ (anchor threshold, default 0.9), neighbours within W (radius 1–16, default 4) of such an anchor with confidence ≥ τ (default 0.75, must be ≤ κ), and always the most confident one. Forwards per block are data-dependent (≤ `block_length`); `num_denoising_steps` is then only checked for divisibility. The `local_leap_*` fields without `use_local_leap: true` are a 400. |
 | `confidence_threshold` | Extension (Fast-dLLM threshold decoding), (0, 1], default off: each step commits every masked position of the block with confidence ≥ the threshold, and always the most confident one; forwards per block are data-dependent as above. Mutually exclusive with `use_local_leap` (400). |
-| `usage.diffusion` | Extension in responses: `nfe` (model forward passes) and `canvas_length`. |
+| `usage.diffusion` | Extension in responses: `nfe` (model forward passes), `canvas_length`, `committed_tokens` and `tokens_per_forward`. |
 """

@@ -70,6 +70,12 @@ class Metrics:
             "Wall time of engine iterations that had work; minus model time = overhead.",
             registry=r,
         )
+        self.tokens_per_forward = Histogram(
+            "dllm:request_tokens_per_forward",
+            "Canvas tokens committed per forward pass, per finished request.",
+            buckets=(0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32),
+            registry=r,
+        )
         self.request_forwards = Histogram(
             "dllm:request_forwards",
             "Forward passes (NFE) per finished request.",
@@ -95,3 +101,5 @@ class Metrics:
         self.generation_tokens.inc(output.completion_tokens)
         self.e2e.observe(seconds_since_arrival)
         self.request_forwards.observe(output.nfe)
+        if output.nfe:
+            self.tokens_per_forward.observe(output.committed / output.nfe)

@@ -85,6 +85,8 @@ class ChatCompletionRequest(BaseModel):
 class DiffusionUsage(BaseModel):
     nfe: int = Field(description="Model forward passes spent on this request.")
     canvas_length: int = Field(description="Masked positions the request decoded over.")
+    committed_tokens: int = Field(description="Canvas positions committed (incl. EOS padding).")
+    tokens_per_forward: float = Field(description="committed_tokens / nfe.")
 
 
 class Usage(BaseModel):

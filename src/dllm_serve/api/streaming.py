@@ -20,7 +20,12 @@ def usage_dict(output: RequestOutput, canvas_length: int) -> dict[str, Any]:
         "prompt_tokens": output.prompt_tokens,
         "completion_tokens": output.completion_tokens,
         "total_tokens": output.prompt_tokens + output.completion_tokens,
-        "diffusion": {"nfe": output.nfe, "canvas_length": canvas_length},
+        "diffusion": {
+            "nfe": output.nfe,
+            "canvas_length": canvas_length,
+            "committed_tokens": output.committed,
+            "tokens_per_forward": round(output.committed / output.nfe, 4) if output.nfe else 0.0,
+        },
     }
 
 
