@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
-class Family:
+class Family(ABC):
     """Rules shared by every checkpoint of one model family.
 
     Fields the decoding layer and engine read:
@@ -65,17 +66,17 @@ class Family:
             return str(model_type).lower() in self.model_types
         return any(a in self.architectures for a in config.get("architectures") or [])
 
+    @abstractmethod
     def check(self, config: Mapping[str, Any]) -> None:
         """Raise :class:`UnsupportedModelError` unless this server implements ``config``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def transformer_config(self, config: Mapping[str, Any]) -> TransformerConfig:
         """The :class:`TransformerConfig` described by a checkpoint's ``config.json``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def weight_map(self, tcfg: TransformerConfig) -> dict[str, str]:
         """Every tensor name the checkpoint must contain -> its name in ``DecoderTransformer``."""
-        raise NotImplementedError
 
     def ignorable_tensor(self, name: str, tcfg: TransformerConfig) -> bool:
         """Tensors some exports carry that hold nothing this model needs (e.g. RoPE buffers)."""
