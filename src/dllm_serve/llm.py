@@ -45,7 +45,9 @@ class LLM:
         engine_config: EngineConfig | None = None,
     ) -> None:
         self.loaded = load_model(model, device=device, dtype=dtype)
-        self.engine = AsyncEngine(self.loaded, engine_config)
+        # Offline callers submit whole datasets at once: queue them all instead of refusing.
+        config = engine_config or EngineConfig(max_waiting_requests=1 << 30)
+        self.engine = AsyncEngine(self.loaded, config)
         self.engine.start()
 
     def generate(

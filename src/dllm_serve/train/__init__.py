@@ -1,0 +1,1 @@
+"""Training the small demo models: checkable chat tasks and the two training objectives."""

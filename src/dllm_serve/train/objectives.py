@@ -1,0 +1,121 @@
+"""The two training objectives, as batch builders + a loss over the model's logits.
+
+- LLaDA (masked diffusion, bidirectional): the answer region — answer, EOT, EOS padding, all
+  trained as ordinary tokens as in LLaDA's SFT — is masked with a per-row ratio t ~ U(ε, 1);
+  the loss is the cross-entropy on masked positions weighted by 1/t (LLaDA's objective), the
+  prompt is never masked.
+- I-DLM (introspective causal, logit shift): the answer is cut at a random point and followed
+  by m ∈ [0, N−1] MASK tokens, the layout of an ISD round's tail. Every position (clean or
+  MASK) predicts the true next token, so the MASK positions learn to draft the next m tokens
+  that the clean causal path would produce — drafts that agree with the model's own causal
+  predictions on tasks with one right answer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dllm_serve.models.loader import LoadedModel
+from dllm_serve.train.tasks import Example
+
+EPS = 1e-3
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    input_ids: torch.Tensor  # [B, L]
+    positions: torch.Tensor  # [B, L]
+    attn_mask: torch.Tensor  # [B, 1, L, L] bool
+    targets: torch.Tensor  # [B, L] token to predict at each position (-100 = no loss)
+    weights: torch.Tensor  # [B, L] loss weight per position
+    normalizer: float  # the loss is sum(weight * CE) / normalizer
+
+
+def encode(loaded: LoadedModel, ex: Example) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids + the end-of-turn token) through the real chat template."""
+    prompt = loaded.chat_prompt_ids([{"role": "user", "content": ex.question}])
+    answer = loaded.tokenizer.encode(ex.answer, add_special_tokens=False)
+    end = loaded.eot_id if loaded.eot_id is not None else loaded.eos_id
+    return prompt, [*answer, end]
+
+
+def llada_batch(
+    loaded: LoadedModel, examples: list[Example], rng: random.Random, max_pad: int = 48
+) -> TrainBatch:
+    rows, targets, weights = [], [], []
+    for ex in examples:
+        prompt, answer = encode(loaded, ex)
+        region = answer + [loaded.eos_id] * rng.randint(0, max_pad)  # EOS padding tail
+        t = EPS + (1 - EPS) * rng.random()
+        masked = [rng.random() < t for _ in region]
+        if not any(masked):
+            masked[rng.randrange(len(region))] = True
+        rows.append(
+            prompt + [loaded.mask_id if m else tok for tok, m in zip(region, masked, strict=True)]
+        )
+        targets.append(
+            [-100] * len(prompt)
+            + [tok if m else -100 for tok, m in zip(region, masked, strict=True)]
+        )
+        weights.append([0.0] * len(prompt) + [1.0 / (t * len(region))] * len(region))
+    # LLaDA: E_t[(1/t) Σ_masked CE / |region|], averaged over the batch.
+    return _pad(rows, targets, weights, loaded, causal=False, normalizer=len(rows))
+
+
+def idlm_batch(
+    loaded: LoadedModel, examples: list[Example], rng: random.Random, max_stride: int = 8
+) -> TrainBatch:
+    rows, targets, weights = [], [], []
+    for ex in examples:
+        prompt, answer = encode(loaded, ex)
+        cut = rng.randint(0, len(answer) - 1)  # answer[:cut] is clean, then masks
+        n_masks = min(rng.randint(0, max_stride - 1), len(answer) - cut - 1)
+        clean = prompt + answer[:cut]
+        row = clean + [loaded.mask_id] * n_masks
+        full = prompt + answer
+        # Logit shift: position j predicts token j + 1.
+        tgt = [-100] * (len(prompt) - 1) + full[len(prompt) : len(row) + 1]
+        tgt += [-100] * (len(row) - len(tgt))
+        rows.append(row)
+        targets.append(tgt)
+        weights.append([1.0] * len(row))
+    n_targets = sum(t != -100 for tgt in targets for t in tgt)
+    return _pad(rows, targets, weights, loaded, causal=True, normalizer=max(n_targets, 1))
+
+
+def _pad(
+    rows: list[list[int]],
+    targets: list[list[int]],
+    weights: list[list[float]],
+    loaded: LoadedModel,
+    causal: bool,
+    normalizer: float,
+) -> TrainBatch:
+    width = max(map(len, rows))
+    b = len(rows)
+    ids = torch.full((b, width), loaded.mask_id, dtype=torch.long)
+    tgt = torch.full((b, width), -100, dtype=torch.long)
+    wts = torch.zeros((b, width))
+    valid = torch.zeros((b, width), dtype=torch.bool)
+    for i, (r, t, w) in enumerate(zip(rows, targets, weights, strict=True)):
+        ids[i, : len(r)] = torch.tensor(r)
+        tgt[i, : len(t)] = torch.tensor(t)
+        wts[i, : len(w)] = torch.tensor(w)
+        valid[i, : len(r)] = True
+    mask = valid[:, None, None, :].expand(b, 1, width, width).clone()
+    if causal:
+        mask &= torch.ones(width, width, dtype=torch.bool).tril()
+    positions = torch.arange(width).expand(b, width).contiguous()
+    return TrainBatch(ids, positions, mask, tgt, wts, float(normalizer))
+
+
+def loss(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    hidden = model(batch.input_ids, batch.positions, batch.attn_mask)
+    keep = batch.targets != -100
+    logits = model.lm_head(hidden[keep]).float()
+    ce = F.cross_entropy(logits, batch.targets[keep], reduction="none")
+    return (ce * batch.weights[keep]).sum() / batch.normalizer

@@ -1,0 +1,97 @@
+"""A deterministic generator of short chat tasks whose answers can be checked exactly.
+
+Every example is a (question, answer) pair. The held-out split is decided by a hash of the
+question, so training never sees a held-out question whatever the seed or the sample count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+HELD_OUT_PERCENT = 10
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    task: str
+    question: str
+    answer: str
+
+
+def is_held_out(question: str) -> bool:
+    digest = hashlib.sha256(question.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < HELD_OUT_PERCENT
+
+
+def _addition(rng: random.Random) -> Example:
+    a, b = rng.randint(0, 999), rng.randint(0, 999)
+    return Example("addition", f"What is {a} + {b}?", f"{a} + {b} = {a + b}")
+
+
+def _subtraction(rng: random.Random) -> Example:
+    a, b = sorted((rng.randint(0, 999), rng.randint(0, 999)), reverse=True)
+    return Example("subtraction", f"What is {a} - {b}?", f"{a} - {b} = {a - b}")
+
+
+def _word(rng: random.Random, lo: int = 3, hi: int = 6) -> str:
+    return "".join(rng.choice(LETTERS) for _ in range(rng.randint(lo, hi)))
+
+
+def _reverse(rng: random.Random) -> Example:
+    w = _word(rng)
+    return Example("reverse", f"Reverse the word {w}.", w[::-1])
+
+
+def _sort(rng: random.Random) -> Example:
+    w = _word(rng)
+    return Example("sort", f"Sort the letters of {w}.", "".join(sorted(w)))
+
+
+def _count(rng: random.Random) -> Example:
+    w, c = _word(rng, 4, 8), rng.choice(LETTERS[:6])
+    w = "".join(c if rng.random() < 0.3 else ch for ch in w)
+    return Example("count", f"How many times does {c} appear in {w}?", str(w.count(c)))
+
+
+def _lookup(rng: random.Random) -> Example:
+    keys = rng.sample(LETTERS, 3)
+    values = [rng.randint(0, 99) for _ in keys]
+    pairs = ", ".join(f"{k}={v}" for k, v in zip(keys, values, strict=True))
+    i = rng.randrange(3)
+    return Example("lookup", f"Given {pairs}, what is {keys[i]}?", str(values[i]))
+
+
+TASKS: dict[str, Callable[[random.Random], Example]] = {
+    "addition": _addition,
+    "subtraction": _subtraction,
+    "reverse": _reverse,
+    "sort": _sort,
+    "count": _count,
+    "lookup": _lookup,
+}
+# Addition is the headline task (its accuracy is what the model card reports first).
+WEIGHTS = {"addition": 4, "subtraction": 1, "reverse": 1, "sort": 1, "count": 1, "lookup": 1}
+
+
+def examples(
+    seed: int, split: str = "train", tasks: tuple[str, ...] = tuple(TASKS)
+) -> Iterator[Example]:
+    """An endless stream of examples of ``split`` ("train" or "held_out"), reproducible."""
+    if split not in ("train", "held_out"):
+        raise ValueError("split must be 'train' or 'held_out'")
+    rng = random.Random(seed)
+    names = [t for t in tasks for _ in range(WEIGHTS[t])]
+    while True:
+        ex = TASKS[rng.choice(names)](rng)
+        if is_held_out(ex.question) == (split == "held_out"):
+            yield ex
+
+
+def held_out_set(n: int, seed: int = 12345, task: str | None = None) -> list[Example]:
+    tasks = (task,) if task else tuple(TASKS)
+    stream = examples(seed, "held_out", tasks)
+    return [next(stream) for _ in range(n)]

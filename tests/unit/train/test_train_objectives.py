@@ -1,0 +1,80 @@
+"""Training batches follow each family's objective, and a few steps overfit a fixed batch."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm_serve.models.loader import LoadedModel, load_model
+from dllm_serve.models.tiny import write_tiny
+from dllm_serve.train.objectives import encode, idlm_batch, llada_batch, loss
+from dllm_serve.train.tasks import held_out_set
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
+    out = {}
+    for family in ("llada", "idlm"):
+        path = write_tiny(family, Path(tmp_path_factory.mktemp(family)) / family)
+        out[family] = load_model(str(path), device="cpu", dtype="float32")
+    return out
+
+
+def test_llada_batch_masks_only_the_answer_region(models: dict[str, LoadedModel]) -> None:
+    m = models["llada"]
+    exs = held_out_set(6)
+    batch = llada_batch(m, exs, random.Random(0))
+    for row, ex in enumerate(exs):
+        prompt, answer = encode(m, ex)
+        ids = batch.input_ids[row]
+        assert ids[: len(prompt)].tolist() == prompt  # the prompt is never masked
+        has_loss = batch.targets[row] != -100
+        assert not has_loss[: len(prompt)].any()
+        assert (ids[has_loss] == m.mask_id).all()  # loss only where the input is masked
+        tail = batch.targets[row][len(prompt) : len(prompt) + len(answer)]
+        assert all(t in (-100, a) for t, a in zip(tail.tolist(), answer, strict=True))
+    assert not batch.attn_mask[0, 0, 0, batch.input_ids.shape[1] :].any()
+
+
+def test_idlm_batch_is_causal_shifted_with_trailing_masks(models: dict[str, LoadedModel]) -> None:
+    m = models["idlm"]
+    exs = held_out_set(8)
+    batch = idlm_batch(m, exs, random.Random(1), max_stride=4)
+    assert not batch.attn_mask[0, 0, 0, 1]  # causal
+    for row, ex in enumerate(exs):
+        prompt, answer = encode(m, ex)
+        full = prompt + answer
+        row_len = int(batch.attn_mask[row, 0, -1].sum())  # keys the last query may see
+        ids = batch.input_ids[row, :row_len].tolist()
+        tgt = batch.targets[row, :row_len].tolist()
+        length = len(prompt)
+        while length < len(ids) and ids[length] != m.mask_id and length < len(full):
+            length += 1
+        masks = [i for i, t in enumerate(ids) if t == m.mask_id]
+        assert len(masks) <= 3 and masks == list(range(length, length + len(masks)))
+        for j, t in enumerate(tgt):
+            if t != -100:  # logit shift: position j predicts token j + 1 of the true sequence
+                assert t == full[j + 1] and j + 1 >= len(prompt)
+
+
+@pytest.mark.parametrize("family", ["llada", "idlm"])
+def test_a_few_steps_overfit_one_batch(models: dict[str, LoadedModel], family: str) -> None:
+    torch.manual_seed(0)
+    m = models[family]
+    model = m.model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    make = llada_batch if family == "llada" else idlm_batch
+    batch = make(m, held_out_set(8), random.Random(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = float(loss(model, batch))
+    for _ in range(30):
+        opt.zero_grad()
+        value = loss(model, batch)
+        value.backward()
+        opt.step()
+    model.eval()
+    assert float(loss(model, batch)) < 0.5 * first

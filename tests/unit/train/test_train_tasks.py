@@ -1,0 +1,48 @@
+"""The demo task generator: deterministic, checkable answers, disjoint held-out split."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+from dllm_serve.train.tasks import TASKS, examples, held_out_set, is_held_out
+
+
+def test_streams_are_reproducible_and_splits_disjoint() -> None:
+    a = list(itertools.islice(examples(7, "train"), 200))
+    b = list(itertools.islice(examples(7, "train"), 200))
+    assert a == b
+    held = held_out_set(200)
+    assert all(is_held_out(e.question) for e in held)
+    assert not any(is_held_out(e.question) for e in a)
+    assert {e.task for e in a} == set(TASKS)
+
+
+def test_answers_are_correct() -> None:
+    for ex in itertools.islice(examples(3, "train"), 500):
+        if ex.task in ("addition", "subtraction"):
+            m = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", ex.question)
+            assert m
+            x, op, y = int(m[1]), m[2], int(m[3])
+            assert 0 <= x <= 999 and 0 <= y <= 999
+            assert ex.answer == f"{x} {op} {y} = {x + y if op == '+' else x - y}"
+        elif ex.task == "reverse":
+            word = ex.question.removeprefix("Reverse the word ").removesuffix(".")
+            assert ex.answer == word[::-1]
+        elif ex.task == "sort":
+            word = ex.question.removeprefix("Sort the letters of ").removesuffix(".")
+            assert ex.answer == "".join(sorted(word))
+        elif ex.task == "count":
+            m = re.fullmatch(r"How many times does (\w) appear in (\w+)\?", ex.question)
+            assert m and ex.answer == str(m[2].count(m[1]))
+        else:
+            m = re.fullmatch(r"Given (.*), what is (\w)\?", ex.question)
+            assert m
+            table = dict(pair.split("=") for pair in m[1].split(", "))
+            assert ex.answer == table[m[2]]
+
+
+def test_addition_operands_cover_three_digits() -> None:
+    adds = held_out_set(300, task="addition")
+    three_digit = [e for e in adds if all(len(n) == 3 for n in re.findall(r"\d+", e.question)[:2])]
+    assert len(three_digit) > 200  # uniform over 0-999: ~81% are 3+3 digits
