@@ -1,18 +1,25 @@
-"""Forward passes (NFE) per answer token for each decoding mode.
+"""Forward passes (NFE) per answer token for each decoding mode, without and with KV cache.
 
     python benchmarks/decoding_modes.py            # tiny-llada on CPU, writes JSON
     python benchmarks/decoding_modes.py --model /models/LLaDA-8B-Instruct --device cuda
+    python benchmarks/decoding_modes.py --kv-cache none   # skip the prefix-cache runs
 
 Runs every prompt alone through ``LLaDADenoiser`` exactly as the engine does (prepare →
 batched forward → logits at ``logits_index`` → update), greedy, with the model's stop ids (so the
 exact EOS early stop is included), and writes ``benchmarks/results/decoding_modes.json``.
 With the embedded ``tiny-llada`` (random weights) the model is never confident, so the
 numbers only show each mode's floor/ceiling; they become meaningful with a trained model.
+
+Each mode runs with ``--kv-cache none`` and ``prefix`` side by side (same process, same
+prompts): NFE, wall time per forward, tokens fed per forward, and how many answer-region
+canvas positions the cached run decoded to the same token as the exact one (agreement).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import platform
 import time
@@ -23,6 +30,7 @@ import torch
 from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.batch import build_batch, run_batch
+from dllm_serve.models.kv_cache import KVCache
 from dllm_serve.models.loader import LoadedModel, load_model
 
 PROMPTS = [
@@ -47,17 +55,89 @@ RESULTS = Path(__file__).resolve().parent / "results" / "decoding_modes.json"
 
 def run_one(loaded: LoadedModel, denoiser: LLaDADenoiser, ids: list[int], params) -> dict:
     state = denoiser.init_state(ids, params, loaded.device)
+    fed = 0
     with torch.inference_mode():
         while not state.finished:
             # The engine's own forward path (one-row batch): attention kind and logit
             # positions are honoured exactly as in serving.
             batch = build_batch([denoiser.prepare(state)], pad_id=loaded.mask_id)
+            fed += batch.num_tokens
             denoiser.update(state, run_batch(loaded.model, batch)[0])
     return {
+        "canvas": state.canvas[len(ids) :].tolist(),
+        "fed_tokens": fed,
         "nfe": state.nfe,
         "committed": state.committed,
         "answer_tokens": len(state.answer_tokens()),
         "finish_reason": state.finish_reason,
+    }
+
+
+def forward_timing(loaded: LoadedModel, prefix: LLaDADenoiser, ids: list[int], params) -> dict:
+    """One full-canvas forward vs one cached forward of the same step, best of many.
+
+    Mid-canvas (the block at the middle): the refresh forward of that block is replayed as
+    the full forward, the block's second step as the cached one. Neither mutates anything
+    (``kv_write`` 0 for the cached one; the full one is rebuilt without a cache).
+    """
+    state = prefix.init_state(ids, params, loaded.device)
+    with torch.inference_mode():
+        while state.block < params.num_blocks // 2 or state.step < 1:
+            batch = build_batch([prefix.prepare(state)], pad_id=loaded.mask_id)
+            prefix.update(state, run_batch(loaded.model, batch)[0])
+        cached = prefix.prepare(state)
+        full = dataclasses.replace(
+            cached,
+            input_ids=state.canvas,
+            positions=torch.arange(state.canvas.numel(), device=state.canvas.device),
+            logits_index=cached.logits_index + cached.positions[0],
+            kv_cache=None,
+        )
+        best = {}
+        for name, spec in (("full", full), ("cached", cached)):
+            times = []
+            for _ in range(50):
+                start = time.perf_counter()  # a KVBatch serves one forward: build included
+                batch = build_batch([spec], pad_id=loaded.mask_id)
+                run_batch(loaded.model, batch)
+                times.append(time.perf_counter() - start)
+            best[name] = {
+                "tokens": spec.input_ids.numel(),
+                "ms_best_of_50": round(min(times) * 1e3, 3),
+            }
+    return best
+
+
+def summarise(
+    name: str, mode: dict, kv: str, runs: list[dict], seconds: float, exact: list[dict] | None
+) -> dict:
+    nfe = sum(r["nfe"] for r in runs)
+    committed = sum(r["committed"] for r in runs)
+    answer = sum(r["answer_tokens"] for r in runs)
+    agreement = None
+    if exact is not None:  # answer-region positions decoded to the same token as `none`
+        same = sum(
+            sum(a == b for a, b in zip(r["canvas"], e["canvas"], strict=True))
+            for r, e in zip(runs, exact, strict=True)
+        )
+        total = sum(len(e["canvas"]) for e in exact)
+        identical = sum(r["canvas"] == e["canvas"] for r, e in zip(runs, exact, strict=True))
+        agreement = {"positions": round(same / total, 3), "identical_answers": identical}
+    return {
+        "mode": name,
+        "kv_cache": kv,
+        "params": mode,
+        "nfe_total": nfe,
+        "committed_total": committed,
+        "answer_tokens_total": answer,
+        "nfe_per_answer_token": round(nfe / answer, 3) if answer else None,
+        "nfe_per_canvas_token": round(nfe / committed, 3) if committed else None,
+        "tokens_per_forward": round(committed / nfe, 3) if nfe else None,
+        "fed_tokens_per_forward": round(sum(r["fed_tokens"] for r in runs) / nfe, 1),
+        "seconds": round(seconds, 3),
+        "ms_per_forward": round(1000 * seconds / nfe, 2),
+        "agreement_with_none": agreement,
+        "per_prompt": runs,
     }
 
 
@@ -68,47 +148,65 @@ def main() -> None:
     parser.add_argument("--gen-length", type=int, default=64)
     parser.add_argument("--block-length", type=int, default=16)
     parser.add_argument("--steps", type=int, default=32, help="fixed-step modes only")
+    parser.add_argument("--kv-cache", choices=["none", "prefix", "both"], default="both")
+    parser.add_argument("--repeat", type=int, default=1, help="time: best of N runs")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
     loaded = load_model(args.model, device=args.device)
-    denoiser = LLaDADenoiser(
-        loaded.mask_id,
-        loaded.stop_ids,
-        logit_shift=loaded.family.logit_shift,
-        bidirectional=loaded.family.bidirectional,
-    )
+    caches = ["none", "prefix"] if args.kv_cache == "both" else [args.kv_cache]
+    denoisers = {
+        kv: LLaDADenoiser(
+            loaded.mask_id,
+            loaded.stop_ids,
+            logit_shift=loaded.family.logit_shift,
+            bidirectional=loaded.family.bidirectional,
+            kv_cache_factory=(
+                functools.partial(KVCache.for_model, loaded.model) if kv == "prefix" else None
+            ),
+        )
+        for kv in caches
+    }
     prompts = [loaded.chat_prompt_ids([{"role": "user", "content": p}]) for p in PROMPTS]
+    run_one(loaded, denoisers[caches[0]], prompts[0], DecodingParams(gen_length=8, steps=8))
     rows = []
     for name, mode in MODES.items():
         params = DecodingParams(
             gen_length=args.gen_length, block_length=args.block_length, steps=args.steps, **mode
         )
-        start = time.perf_counter()
-        runs = [run_one(loaded, denoiser, ids, params) for ids in prompts]
-        seconds = time.perf_counter() - start
-        nfe = sum(r["nfe"] for r in runs)
-        committed = sum(r["committed"] for r in runs)
-        answer = sum(r["answer_tokens"] for r in runs)
-        rows.append(
-            {
-                "mode": name,
-                "params": mode,
-                "nfe_total": nfe,
-                "committed_total": committed,
-                "answer_tokens_total": answer,
-                "nfe_per_answer_token": round(nfe / answer, 3) if answer else None,
-                "nfe_per_canvas_token": round(nfe / committed, 3) if committed else None,
-                "tokens_per_forward": round(committed / nfe, 3) if nfe else None,
-                "seconds": round(seconds, 3),
-                "per_prompt": runs,
-            }
+        # Prompt by prompt, every cache setting back to back, best of --repeat: background
+        # load on a shared machine then hits the settings alike.
+        runs: dict[str, list[dict]] = {kv: [] for kv in denoisers}
+        seconds = dict.fromkeys(denoisers, 0.0)
+        for ids in prompts:
+            for kv, denoiser in denoisers.items():
+                best = float("inf")
+                for _ in range(args.repeat):
+                    start = time.perf_counter()
+                    run = run_one(loaded, denoiser, ids, params)
+                    best = min(best, time.perf_counter() - start)
+                runs[kv].append(run)
+                seconds[kv] += best
+        for kv in denoisers:  # `none` first: the others compare with it
+            exact = runs.get("none") if kv != "none" else None
+            rows.append(summarise(name, mode, kv, runs[kv], seconds[kv], exact))
+            r = rows[-1]
+            print(
+                f"{name:20s} {kv:6s} NFE {r['nfe_total']:5d}  answer {r['answer_tokens_total']:4d}"
+                f"  NFE/answer token {r['nfe_per_answer_token']}  tok/fwd "
+                f"{r['tokens_per_forward']}  ms/fwd {r['ms_per_forward']}  fed/fwd "
+                f"{r['fed_tokens_per_forward']}  agreement {r['agreement_with_none']}"
+            )
+    timing = None
+    if "prefix" in denoisers:
+        params = DecodingParams(
+            gen_length=args.gen_length, block_length=args.block_length, steps=args.steps
         )
-        print(
-            f"{name:20s} NFE {nfe:5d}  answer tokens {answer:5d}  "
-            f"NFE/answer token {rows[-1]['nfe_per_answer_token']}  "
-            f"tokens/forward {rows[-1]['tokens_per_forward']}  {seconds:.2f}s"
-        )
+        timing = forward_timing(loaded, denoisers["prefix"], prompts[0], params)
+        print(f"one forward, mid-canvas: {timing}")
+    for row in rows:  # the canvases were only kept for the agreement
+        for run in row["per_prompt"]:
+            del run["canvas"]
     report = {
         "model": loaded.name,
         "random_weights": args.model == "tiny-llada",
@@ -118,9 +216,12 @@ def main() -> None:
         "gen_length": args.gen_length,
         "block_length": args.block_length,
         "steps_fixed_modes": args.steps,
+        "kv_cache": caches,
+        "timing": f"best of {args.repeat} per prompt, settings interleaved",
         "temperature": 0.0,
         "prompts": len(prompts),
         "modes": rows,
+        "forward_timing": timing,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

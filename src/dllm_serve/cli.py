@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 
 from dllm_serve import __version__
-from dllm_serve.config import EngineConfig, ModelConfig, ServerConfig
+from dllm_serve.config import KV_CACHE_MODES, EngineConfig, ModelConfig, ServerConfig
+from dllm_serve.engine.tiers import parse_tiers
 
 _DEFAULT = ServerConfig()
 
@@ -72,6 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--isd-stride",
+        type=int,
+        default=_DEFAULT.engine.isd_stride,
+        help="I-DLM models: self-speculative stride N (tokens per round at full acceptance; "
+        "1 = plain autoregressive decoding) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size-tiers",
+        default="",
+        help="I-DLM models: shrink the stride under load, as RUNNING:STRIDE pairs, e.g. "
+        "'1:8,8:4,32:2' (answers do not change; default: no tiers)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("DLLM_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $DLLM_API_KEY, else none); "
@@ -117,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug"],
         help="(default: %(default)s)",
     )
+    parser.add_argument(
+        "--kv-cache",
+        default=_DEFAULT.engine.kv_cache,
+        choices=list(KV_CACHE_MODES),
+        help="none: every step forwards the whole canvas (exact); prefix: Fast-dLLM's "
+        "block-level prefix KV cache, the committed prefix's keys/values computed once per "
+        "block and reused by its other steps (faster, approximate) (default: %(default)s)",
+    )
     parser.add_argument("--version", action="version", version=f"dllm-serve {__version__}")
     return parser
 
@@ -129,6 +151,9 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
             max_running_requests=args.max_running_requests,
             max_tokens_per_forward=args.max_tokens_per_forward,
             max_waiting_requests=args.max_waiting_requests,
+            isd_stride=args.isd_stride,
+            block_size_tiers=parse_tiers(args.block_size_tiers),
+            kv_cache=args.kv_cache,
         )
     except ValueError as exc:
         parser.error(str(exc))

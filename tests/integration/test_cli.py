@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 from remote_server import RemoteServer
 
@@ -62,5 +63,16 @@ def test_serves_local_checkpoint_of_each_family(tmp_path: Path, family: str) -> 
         )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == out.choices[0].message.content
+        diffusion = out.usage.model_extra["diffusion"]
+        if family == "idlm":  # exact self-speculation: denoising fields do not apply
+            assert diffusion["drafted_tokens"] >= diffusion["accepted_drafts"] >= 0
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(
+                    model="x", messages=messages, extra_body={"block_length": 8}
+                )
+            assert info.value.body["param"] == "block_length"
+            assert info.value.body["code"] == "not_applicable"
+        else:
+            assert diffusion.get("drafted_tokens") is None
     finally:
         server.stop()

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dllm_serve import __version__
 from dllm_serve.api.deviations import DEVIATIONS_TABLE
@@ -77,7 +78,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.state.engine = engine
     app.state.config = config
     app.state.lifecycle = lifecycle
-    metrics = Metrics(lambda: engine.num_running, lambda: engine.num_waiting)
+    metrics = Metrics(
+        lambda: engine.num_running, lambda: engine.num_waiting, lambda: engine.kv_cache_bytes
+    )
     engine.observer = metrics
     app.state.metrics = metrics
     app.state.started = int(time.time())
@@ -99,7 +102,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
 
-    @app.get("/health", tags=["ops"])
+    # HEAD too: probes and uptime checkers may use it (RFC 9110: HEAD wherever GET is).
+    @app.api_route("/health", methods=["GET", "HEAD"], tags=["ops"])
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive else 503)
 
@@ -137,6 +141,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         # The body is parsed by hand so every malformed input becomes a 400 in the OpenAI
         # envelope (FastAPI would answer 422, and some inputs would never reach pydantic).
         spec = parse_chat_request(await request.body(), request.headers.get("content-type"))
+        spec.check_decoding_mode(engine.decoding_mode)
         if not engine.is_alive:
             raise _unavailable()
         prompt_ids = await asyncio.to_thread(engine.chat_prompt_ids, spec.messages)
@@ -259,6 +264,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(APIError(f"Invalid request: {exc.errors()[0]['msg']}"), rid(request))
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client left while its body was being read: nothing to answer, nothing failed.
+        logger.info("client disconnected before sending the whole request body")
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -21,13 +21,24 @@ COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 class Metrics:
     """All metric objects, and the observer methods the engine calls."""
 
-    def __init__(self, num_running: Callable[[], int], num_waiting: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        num_running: Callable[[], int],
+        num_waiting: Callable[[], int],
+        kv_cache_bytes: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge("dllm:num_requests_running", "Requests being denoised.", registry=r)
         self.running.set_function(num_running)
         self.waiting = Gauge("dllm:num_requests_waiting", "Requests queued.", registry=r)
         self.waiting.set_function(num_waiting)
+        self.kv_cache_bytes = Gauge(
+            "dllm:kv_cache_bytes",
+            "Bytes held by the running requests' prefix KV caches (--kv-cache prefix).",
+            registry=r,
+        )
+        self.kv_cache_bytes.set_function(kv_cache_bytes)
         self.success = Counter(
             "dllm:request_success",
             "Finished requests by finish reason (stop, length, abort, error).",
@@ -76,6 +87,16 @@ class Metrics:
             buckets=(0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32),
             registry=r,
         )
+        self.spec_drafted = Counter(
+            "dllm:spec_decode_num_draft_tokens",
+            "I-DLM self-speculation: drafted tokens verified.",
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            "dllm:spec_decode_num_accepted_tokens",
+            "I-DLM self-speculation: drafted tokens accepted (rate = accepted / draft).",
+            registry=r,
+        )
         self.request_forwards = Histogram(
             "dllm:request_forwards",
             "Forward passes (NFE) per finished request.",
@@ -103,3 +124,6 @@ class Metrics:
         self.request_forwards.observe(output.nfe)
         if output.nfe:
             self.tokens_per_forward.observe(output.committed / output.nfe)
+        if output.drafted is not None:
+            self.spec_drafted.inc(output.drafted)
+            self.spec_accepted.inc(output.accepted_drafts or 0)

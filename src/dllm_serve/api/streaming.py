@@ -25,7 +25,20 @@ def usage_dict(output: RequestOutput, canvas_length: int) -> dict[str, Any]:
             "canvas_length": canvas_length,
             "committed_tokens": output.committed,
             "tokens_per_forward": round(output.committed / output.nfe, 4) if output.nfe else 0.0,
+            **_speculation(output),
         },
+    }
+
+
+def _speculation(output: RequestOutput) -> dict[str, Any]:
+    """I-DLM self-speculation counters; absent for diffusion decoding."""
+    if output.drafted is None:
+        return {}
+    drafted, accepted = output.drafted, output.accepted_drafts or 0
+    return {
+        "drafted_tokens": drafted,
+        "accepted_drafts": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
     }
 
 

@@ -37,6 +37,19 @@ class ChatRequestSpec:
     stream: bool
     include_usage: bool
     stop: tuple[str, ...] = ()
+    diffusion_fields: tuple[str, ...] = ()  # canvas-denoising fields the client set
+
+    def check_decoding_mode(self, mode: str) -> None:
+        """Self-speculative (I-DLM) models have no canvas to denoise: those fields are 400s."""
+        if mode == "self_speculation" and self.diffusion_fields:
+            name = self.diffusion_fields[0]
+            raise invalid(
+                f"'{name}' configures diffusion denoising, but this model decodes by exact "
+                "self-speculation (I-DLM): it has no denoising steps, blocks, schedules or commit "
+                "thresholds. Omit it; max_tokens, temperature, seed and stop apply.",
+                name,
+                code="not_applicable",
+            )
 
 
 def parse_chat_request(raw: bytes, content_type: str | None) -> ChatRequestSpec:
@@ -58,7 +71,22 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatRequestSpec:
             "stream_options.include_obfuscation",
         )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return ChatRequestSpec(messages, _decoding_params(req), stream, include_usage, _stop(req))
+    diffusion_fields = tuple(f for f in DIFFUSION_ONLY if getattr(req, f) is not None)
+    return ChatRequestSpec(
+        messages, _decoding_params(req), stream, include_usage, _stop(req), diffusion_fields
+    )
+
+
+# Fields that steer canvas denoising and mean nothing to a self-speculative model.
+DIFFUSION_ONLY = (
+    "num_denoising_steps",
+    "block_length",
+    "block_schedule",
+    "confidence_metric",
+    "confidence_threshold",
+    "use_local_leap",
+    *LOCAL_LEAP_PARAMS,
+)
 
 
 MAX_STOP_STRINGS = 4

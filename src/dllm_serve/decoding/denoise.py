@@ -11,6 +11,13 @@ from dllm_serve.decoding.confidence import confidence as confidence_of
 from dllm_serve.decoding.forward_spec import AttentionKind, ForwardSpec, StepResult
 from dllm_serve.decoding.local_leap import local_leap_commit
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.prefix_cache import (
+    KVCacheFactory,
+    max_prefix_length,
+    prefix_spec,
+    release,
+    reset_for_block,
+)
 from dllm_serve.decoding.sampling import gumbel_argmax
 from dllm_serve.decoding.schedules import block_schedule
 from dllm_serve.decoding.state import DenoiseState
@@ -42,6 +49,12 @@ class LLaDADenoiser:
     come from position ``j − 1``, so :meth:`prepare` asks for ``masked − 1`` while the commit
     still writes ``j``; with ``bidirectional=False`` the forward uses causal attention.
 
+    Prefix KV cache (``kv_cache_factory`` set; ``decoding/prefix_cache.py``): the first step
+    of each block is the full forward above and also stores the committed prefix's keys and
+    values; the block's other steps forward only the canvas from the block on, attending to
+    that (slightly stale) prefix. Commit rules, schedules and the early stop are unchanged:
+    only the logits differ (Fast-dLLM's approximation).
+
     The denoiser holds only configuration; all mutable state lives in ``DenoiseState`` and
     the randomness comes from the state's own generator, so interleaving requests step by
     step — whatever their parameters — gives the same result as running each alone.
@@ -54,6 +67,7 @@ class LLaDADenoiser:
         *,
         logit_shift: bool = False,
         bidirectional: bool = True,
+        kv_cache_factory: KVCacheFactory | None = None,
     ) -> None:
         if mask_id in stop_ids:
             raise ValueError("the mask id cannot be a stop id")
@@ -61,6 +75,8 @@ class LLaDADenoiser:
         self.stop_ids = tuple(stop_ids)
         self.logit_shift = logit_shift
         self.attention = AttentionKind.BIDIRECTIONAL if bidirectional else AttentionKind.CAUSAL
+        self.kv_cache_factory = kv_cache_factory
+        self._shift = 1 if logit_shift else 0
 
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
@@ -90,18 +106,30 @@ class LLaDADenoiser:
             mask_id=self.mask_id,
             stop_ids=self.stop_ids,
         )
+        if self.kv_cache_factory is not None:
+            assert params.block_length is not None  # resolved by DecodingParams
+            # Reserve the last block's prefix now: the buffer never grows (no copies), and
+            # the request's peak cache memory is visible from admission on.
+            state.kv_cache = self.kv_cache_factory(
+                max_prefix_length(
+                    state.prompt_len, params.gen_length, params.block_length, self._shift
+                )
+            )
         self._start_block(state)
         return state
 
     def prepare(self, state: DenoiseState) -> ForwardSpec:
         """The whole canvas; logits only for the active block's masks.
 
-        ``input_ids`` aliases ``state.canvas`` (no copy): the forward must run before
-        ``update`` mutates it.
+        With a prefix cache, the canvas from the cached prefix's end instead (except on a
+        block's first step). ``input_ids`` aliases ``state.canvas`` (no copy): the forward
+        must run before ``update`` mutates it.
         """
         if state.finished:
             raise RuntimeError("prepare() called on a finished request")
         index = self._active_masked(state)
+        if state.kv_cache is not None:
+            return prefix_spec(state, index, self._shift, self.attention)
         return ForwardSpec(
             input_ids=state.canvas,
             positions=torch.arange(state.canvas.numel(), device=state.canvas.device),
@@ -189,7 +217,9 @@ class LLaDADenoiser:
         )
 
     def _start_block(self, state: DenoiseState) -> None:
-        """Compute the active block's schedule (top-k mode only) from its masked count."""
+        """Empty the prefix cache (refreshed by the block's first forward) and compute the
+        active block's schedule (top-k mode only) from its masked count."""
+        reset_for_block(state)
         if state.params.mode != "topk":
             state.schedule = []
             return
@@ -208,4 +238,5 @@ class LLaDADenoiser:
     def _finish(state: DenoiseState, committed: int, reason: str) -> StepResult:
         state.finished = True
         state.finish_reason = reason
+        release(state)  # free the cache now, not when the engine drops the request
         return StepResult(committed=committed, finished=True, finish_reason=reason)

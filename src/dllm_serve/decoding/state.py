@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dllm_serve.decoding.params import DecodingParams
+
+if TYPE_CHECKING:
+    from dllm_serve.models.kv_cache import KVCache
 
 
 @dataclass(slots=True)
@@ -18,6 +22,10 @@ class DenoiseState:
     of the answer region is *committed* once it holds a token other than ``mask_id``; committed
     tokens never change. ``mask_id`` and ``stop_ids`` are copied from the denoiser so that the
     answer helpers below need nothing else.
+
+    ``kv_cache`` is the request's block-level prefix cache (``decoding/prefix_cache.py``), or
+    None without one (``--kv-cache none``) and once the request finished: the state is its only
+    owner, so dropping the request frees it.
 
     Counters for usage and metrics: ``nfe`` (forward passes consumed) and ``committed``
     (canvas tokens committed); :attr:`tokens_per_forward` is their ratio.
@@ -37,6 +45,13 @@ class DenoiseState:
     committed: int = 0  # canvas tokens committed so far
     finished: bool = False
     finish_reason: str | None = None
+    kv_cache: KVCache | None = None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the prefix cache (its buffer's capacity; 0 without one)."""
+        cache = self.kv_cache  # read once: a metrics scrape may race the engine's release
+        return cache.nbytes if cache is not None else 0
 
     @property
     def tokens_per_forward(self) -> float:

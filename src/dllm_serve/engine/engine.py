@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -27,6 +28,8 @@ from dllm_serve.engine.observer import EngineObserver, NullObserver
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 from dllm_serve.engine.request import Request, RequestStatus
 from dllm_serve.engine.scheduler import QueueFullError, Scheduler
+from dllm_serve.engine.tiers import isd_decoder_for
+from dllm_serve.models.kv_cache import KVCache
 from dllm_serve.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -55,7 +58,19 @@ class AsyncEngine:
             loaded.stop_ids,
             logit_shift=loaded.family.logit_shift,
             bidirectional=loaded.family.bidirectional,
+            kv_cache_factory=(
+                functools.partial(KVCache.for_model, loaded.model)
+                if self.config.kv_cache == "prefix"
+                else None
+            ),
         )
+        # I-DLM checkpoints decode by exact self-speculation (docs/isd.md), stride per tiers.
+        isd = isd_decoder_for(loaded, self.config, lambda: len(self.scheduler.running))
+        if isd is not None:
+            self.algorithm = isd  # type: ignore[assignment]
+        # "diffusion" (canvas denoising) or "self_speculation" (I-DLM ISD): the API rejects
+        # request fields that only mean something for the other one.
+        self.decoding_mode = "self_speculation" if isd is not None else "diffusion"
         self.scheduler = Scheduler(self.config)
         self._cond = threading.Condition()
         self._inbox: deque[Request] = deque()
@@ -102,6 +117,15 @@ class AsyncEngine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the running requests' prefix KV caches (0 when idle or without).
+
+        Read from other threads (metrics scrape): ``list()`` snapshots the engine thread's
+        list in one C call under the GIL, and a finished request's state holds no cache.
+        """
+        return sum(r.state.kv_cache_bytes for r in list(self.scheduler.running) if r.state)
 
     @property
     def num_waiting(self) -> int:
@@ -328,6 +352,8 @@ class AsyncEngine:
             committed=state.committed if state else 0,
             step=state.step if state else 0,
             block=state.block if state else 0,
+            drafted=getattr(state, "drafted", None),
+            accepted_drafts=getattr(state, "accepted_drafts", None),
             finished=finish_reason is not None,
             finish_reason=finish_reason,
             error=error,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from dllm_serve.decoding.denoise import DenoiseState
+from dllm_serve.decoding.isd_state import ISDState
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 
@@ -33,11 +34,18 @@ class Request:
     detokenizer: IncrementalDetokenizer
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
-    state: DenoiseState | None = None  # created on admission, on the engine thread
+    state: DenoiseState | ISDState | None = None  # created on admission, on the engine thread
     first_content_time: float | None = None
     deadline: float | None = None  # time.monotonic() past which the request times out
 
     @property
     def row_length(self) -> int:
-        """Tokens this request puts in a forward: prompt plus canvas."""
+        """Tokens this request puts in its next forward (for packing rows into forwards).
+
+        A diffusion canvas is the whole prompt plus canvas every step; an ISD row is only its
+        pending tokens, drafts and masks, which its state knows.
+        """
+        known = getattr(self.state, "row_length", None)
+        if known is not None:
+            return int(known)
         return len(self.prompt_ids) + self.params.gen_length

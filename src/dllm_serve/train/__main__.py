@@ -72,15 +72,21 @@ def train(family: str, out: Path, steps: int, batch_size: int, lr: float, seed: 
     return {"steps": steps, "seconds": round(time.monotonic() - started), "loss": history[-5:]}
 
 
-def evaluate(out: Path, n_addition: int = 300, n_other: int = 50) -> dict[str, float]:
-    """Held-out exact match at default settings (temperature 0, canvas 32 tokens)."""
+def evaluate(out: Path, family: str, n_addition: int = 300, n_other: int = 50) -> dict[str, float]:
+    """Held-out exact match at temperature 0 with a 32-token canvas.
+
+    LLaDA: one block, 32 steps. I-DLM: one token per step (block 1), which is greedy
+    autoregressive decoding — what exact self-speculative verification returns at temperature 0.
+    """
+    block = 1 if family == "idlm" else 32
+    params = DecodingParams(gen_length=32, steps=32, block_length=block)
     scores = {}
     with LLM(str(out), device="cpu", dtype="float32") as llm:
         for task in TASKS:
             exs = held_out_set(n_addition if task == "addition" else n_other, task=task)
             outs = llm.generate(
                 [[{"role": "user", "content": e.question}] for e in exs],
-                DecodingParams(gen_length=32, steps=32),
+                params,
             )
             right = sum(o.text.strip() == e.answer for o, e in zip(outs, exs, strict=True))
             scores[task] = round(right / len(exs), 4)
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = train(args.family, args.out, args.steps, args.batch_size, args.lr, args.seed)
-    report["held_out_exact_match"] = evaluate(args.out)
+    report["held_out_exact_match"] = evaluate(args.out, args.family)
     report["command"] = "python -m dllm_serve.train " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
     )

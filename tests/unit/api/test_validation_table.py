@@ -585,3 +585,14 @@ def test_stop_strings_are_accepted() -> None:
     assert parse_chat_request(body(stop="END"), JSON).stop == ("END",)
     assert parse_chat_request(body(stop=["\n\n", "###"]), JSON).stop == ("\n\n", "###")
     assert parse_chat_request(body(stop=None), JSON).stop == ()
+
+
+def test_denoising_fields_are_rejected_for_self_speculative_models() -> None:
+    plain = parse_chat_request(body(max_tokens=16, temperature=0.5, stop="x"), JSON)
+    plain.check_decoding_mode("self_speculation")  # nothing diffusion-only: fine
+    spec = parse_chat_request(body(num_denoising_steps=8, max_tokens=16), JSON)
+    spec.check_decoding_mode("diffusion")
+    with pytest.raises(APIError) as info:
+        spec.check_decoding_mode("self_speculation")
+    assert (info.value.status, info.value.param) == (400, "num_denoising_steps")
+    assert info.value.code == "not_applicable"

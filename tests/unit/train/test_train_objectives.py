@@ -70,11 +70,11 @@ def test_a_few_steps_overfit_one_batch(models: dict[str, LoadedModel], family: s
     make = llada_batch if family == "llada" else idlm_batch
     batch = make(m, held_out_set(8), random.Random(2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    first = float(loss(model, batch))
+    first = loss(model, batch).item()
     for _ in range(30):
         opt.zero_grad()
         value = loss(model, batch)
         value.backward()
         opt.step()
     model.eval()
-    assert float(loss(model, batch)) < 0.5 * first
+    assert loss(model, batch).item() < 0.5 * first

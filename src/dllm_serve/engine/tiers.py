@@ -1,0 +1,108 @@
+"""Block-size tiers: shrink the I-DLM self-speculative stride N under concurrency.
+
+SGLang's ``block_size_tiers`` idea (reference: ``idlm_selfspec.md`` §3): a wide speculative
+round costs 2N−1 query tokens per request for at most N emitted tokens, which pays off when
+the GPU is idle but wastes compute when many rows share a forward. A tier table maps the
+number of running requests to the stride: ``"1:8,8:4,32:2"`` means N = 8 from 1 running
+request, 4 from 8, 2 from 32 (below the smallest threshold the server's ``--isd-stride``
+applies).
+
+Tiers apply only to the ISD stride: ISD verification is exact, so a request's answer does not
+depend on N (greedy: token-identical; sampling: same distribution). They never touch a
+LLaDA ``block_length``, which is part of what the client asked for. The KV reservation of
+each request is sized for :attr:`BlockSizeTiers.max_stride`, so shrinking or growing the
+stride never reallocates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # keep this module torch-free for the CLI
+    from dllm_serve.config import EngineConfig
+    from dllm_serve.decoding.isd import ISDecoder
+    from dllm_serve.models.loader import LoadedModel
+
+ISD_FAMILIES = ("sdar",)  # families served by self-speculation (I-DLM)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSizeTiers:
+    """An ordered tier table ``((min_running, stride), ...)`` plus the default stride."""
+
+    default: int
+    tiers: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.default < 1:
+            raise ValueError("the ISD stride must be >= 1")
+        thresholds = [t for t, _ in self.tiers]
+        strides = [s for _, s in self.tiers]
+        if any(t < 1 for t in thresholds) or any(s < 1 for s in strides):
+            raise ValueError("block-size tiers need thresholds >= 1 and strides >= 1")
+        if thresholds != sorted(set(thresholds)):
+            raise ValueError("block-size tier thresholds must be strictly increasing")
+        if strides != sorted(strides, reverse=True):
+            # Tiers exist to shrink the stride as load grows; a growing table is a typo.
+            raise ValueError("block-size tier strides must not increase with the threshold")
+
+    @property
+    def max_stride(self) -> int:
+        """The widest stride any load can select (what the KV budget is sized for)."""
+        return max([self.default, *(s for _, s in self.tiers)])
+
+    def stride_for(self, running: int) -> int:
+        """The stride for ``running`` concurrent requests: the last tier whose threshold is
+        ≤ ``running``, else the default."""
+        stride = self.default
+        for threshold, tier_stride in self.tiers:
+            if running >= threshold:
+                stride = tier_stride
+        return stride
+
+
+def parse_tiers(text: str) -> tuple[tuple[int, int], ...]:
+    """``"1:8,8:4,32:2"`` → ``((1, 8), (8, 4), (32, 2))``; empty text → no tiers."""
+    tiers: list[tuple[int, int]] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        threshold, sep, stride = item.partition(":")
+        if not sep:
+            raise ValueError(f"block-size tier {item!r} is not THRESHOLD:STRIDE")
+        try:
+            tiers.append((int(threshold), int(stride)))
+        except ValueError:
+            raise ValueError(f"block-size tier {item!r} is not THRESHOLD:STRIDE") from None
+    BlockSizeTiers(1, tuple(tiers))  # validate
+    return tuple(tiers)
+
+
+def format_tiers(tiers: Sequence[tuple[int, int]]) -> str:
+    """Inverse of :func:`parse_tiers` (for logs and ``--help`` defaults)."""
+    return ",".join(f"{t}:{s}" for t, s in tiers)
+
+
+def isd_decoder_for(
+    loaded: LoadedModel, config: EngineConfig, running: Callable[[], int]
+) -> ISDecoder | None:
+    """The ISD decoder for an I-DLM checkpoint (None for other families).
+
+    ``running`` returns the engine's current number of running requests; the decoder asks it
+    at every ``prepare`` when tiers are configured, so the stride follows the load.
+    """
+    if loaded.family.name not in ISD_FAMILIES:
+        return None
+    from dllm_serve.decoding.isd import ISDecoder
+
+    tiers = BlockSizeTiers(config.isd_stride, tuple(config.block_size_tiers))
+    return ISDecoder(
+        loaded.model,
+        loaded.mask_id,
+        loaded.stop_ids,
+        stride=config.isd_stride,
+        stride_for=(lambda: tiers.stride_for(running())) if tiers.tiers else None,
+        max_stride=tiers.max_stride,
+    )

@@ -1,0 +1,101 @@
+"""SIGTERM while several streams and a plain request are in flight (subprocess server).
+
+Every in-flight request ends cleanly: a stream either finishes (finish chunk, [DONE]) or gets
+exactly one ``error`` event and [DONE]; the plain request gets its answer or a 503 in the
+envelope. The process exits 0 within the drain timeout plus a margin.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rel_support import CHAT, assert_envelope, sse_events
+from remote_server import RemoteServer
+
+SHORT = {"max_tokens": 8, "num_denoising_steps": 8}  # finishes well inside the drain
+# 256 forwards: seconds on CPU, so it outlives the drain. Kept short enough in width that the
+# short rows sharing its forwards still finish inside the drain.
+LONG = {"max_tokens": 256, "num_denoising_steps": 256, "block_length": 2}
+DRAIN_S = 2.0
+
+
+def stream(url: str, extra: dict[str, Any], out: list[Any], started: threading.Event) -> None:
+    payload = {"messages": [{"role": "user", "content": "go"}], "stream": True, **extra}
+    lines: list[str] = []
+    try:
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream("POST", f"{url}{CHAT}", json=payload) as response,
+        ):
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                lines.append(line)
+                if line.startswith("data: "):
+                    started.set()
+        out.append(sse_events(lines))
+    except Exception as exc:  # reported by the test, not swallowed
+        out.append(exc)
+        started.set()
+
+
+def plain(url: str, out: list[Any], started: threading.Event) -> None:
+    payload = {"messages": [{"role": "user", "content": "go"}], **LONG}
+    started.set()
+    try:
+        out.append(httpx.post(f"{url}{CHAT}", json=payload, timeout=60))
+    except Exception as exc:
+        out.append(exc)
+
+
+def test_sigterm_during_streaming_ends_every_request_cleanly(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    server = RemoteServer.start(["--shutdown-timeout", str(DRAIN_S)], log)
+    kinds = ["short", "long", "short", "long", "short", "long"]
+    results: list[list[Any]] = [[] for _ in kinds]
+    threads, gates = [], []
+    for kind, out in zip(kinds, results, strict=True):
+        gate = threading.Event()
+        extra = SHORT if kind == "short" else LONG
+        threads.append(threading.Thread(target=stream, args=(server.url, extra, out, gate)))
+        gates.append(gate)
+    plain_out: list[Any] = []
+    plain_gate = threading.Event()
+    threads.append(threading.Thread(target=plain, args=(server.url, plain_out, plain_gate)))
+    gates.append(plain_gate)
+    for thread in threads:
+        thread.start()
+    assert all(gate.wait(30) for gate in gates)
+    time.sleep(0.1)  # the plain request is in the engine too
+    signalled = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(60)
+    assert server.process.wait(30) == 0
+    assert time.monotonic() - signalled < DRAIN_S + 15
+
+    for kind, (events,) in zip(kinds, results, strict=True):
+        assert isinstance(events, list), events
+        assert events[-1] == {"done": True}, events
+        errors = [e["error"] for e in events if "error" in e]
+        finishes = [e for e in events if e.get("choices") and e["choices"][0].get("finish_reason")]
+        assert len(errors) + len(finishes) == 1, events  # exactly one terminal event
+        if kind == "short":
+            assert finishes, events
+            assert finishes[0]["choices"][0]["finish_reason"] in ("stop", "length")
+        else:
+            assert errors and "shutting down" in errors[0]["message"], errors
+            assert set(errors[0]) == {"message", "type", "param", "code"}
+    (response,) = plain_out
+    assert isinstance(response, httpx.Response), response
+    if response.status_code != 200:
+        assert response.status_code == 503
+        assert assert_envelope(response)["code"] == "request_aborted"
+    text = log.read_text()
+    assert "unhandled error" not in text and "Traceback" not in text, text[-3000:]
+    json.dumps(results, default=str)  # results are plain data (nothing left half-read)
