@@ -12,20 +12,20 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dllm_serve.api.errors import ADR_REF, APIError, invalid
+from dllm_serve.api.errors import APIError, invalid
+from dllm_serve.api.field_rules import (
+    DIFFUSION_ONLY,
+    check_commit_rule,
+    local_leap_settings,
+    reject_autoregressive_fields,
+    reject_unavailable_fields,
+)
 from dllm_serve.api.protocol import ChatCompletionRequest
 from dllm_serve.decoding.params import DecodingParams
 
 DEFAULT_GEN_LENGTH = 128
 DEFAULT_STEPS = 128
 MAX_STEPS = 512
-LOCAL_LEAP_PARAMS = (
-    "local_leap_anchor_threshold",
-    "local_leap_neighbor_threshold",
-    "local_leap_radius",
-)
-NOT_YET = "is not available yet in this server version"
-DEFAULT_LEAP = DecodingParams()  # LocalLeap defaults (κ 0.9, τ 0.75, W 4) live in one place
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +59,9 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatRequestSpec:
     except ValidationError as exc:
         raise _from_pydantic(exc) from None
     messages = _messages(req)
-    _reject_autoregressive_fields(req)
-    _reject_unavailable_fields(req)
-    _check_commit_rule(req)
+    reject_autoregressive_fields(req)
+    reject_unavailable_fields(req)
+    check_commit_rule(req)
     stream = bool(req.stream)
     if req.stream_options is not None and not stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
@@ -75,18 +75,6 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatRequestSpec:
     return ChatRequestSpec(
         messages, _decoding_params(req), stream, include_usage, _stop(req), diffusion_fields
     )
-
-
-# Fields that steer canvas denoising and mean nothing to a self-speculative model.
-DIFFUSION_ONLY = (
-    "num_denoising_steps",
-    "block_length",
-    "block_schedule",
-    "confidence_metric",
-    "confidence_threshold",
-    "use_local_leap",
-    *LOCAL_LEAP_PARAMS,
-)
 
 
 MAX_STOP_STRINGS = 4
@@ -196,99 +184,6 @@ def _content_text(content: Any, param: str) -> str:
     )
 
 
-def _ar_only(param: str, what: str, accepted: str) -> APIError:
-    return invalid(
-        f"'{param}' is not supported by diffusion decoding: {what}. Only {accepted} is "
-        f"accepted; {ADR_REF}.",
-        param,
-        code="unsupported_parameter",
-    )
-
-
-def _reject_autoregressive_fields(req: ChatCompletionRequest) -> None:
-    if req.top_p is not None and req.top_p != 1:
-        raise _ar_only("top_p", "nucleus sampling is autoregressive-only", "top_p=1")
-    if req.top_k is not None and req.top_k > 1:
-        raise _ar_only("top_k", "top-k sampling is out of scope for v0.1", "top_k<=1")
-    if req.n is not None and req.n > 1:
-        raise _ar_only("n", "multiple completions per request are deferred", "n=1")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise _ar_only(name, "per-token penalties are autoregressive-only", f"{name}=0")
-    if req.logit_bias:
-        raise _ar_only("logit_bias", "logit bias is deferred", "an empty logit_bias")
-    if req.logprobs:
-        raise _ar_only("logprobs", "log probabilities are deferred", "logprobs=false")
-    if req.top_logprobs:
-        raise _ar_only("top_logprobs", "log probabilities are deferred", "top_logprobs=0")
-    if req.tools:
-        raise _ar_only("tools", "function calling is out of scope", "an empty tools list")
-    if req.functions:
-        raise _ar_only("functions", "function calling is out of scope", "an empty list")
-    for name in ("tool_choice", "function_call"):
-        if getattr(req, name) not in (None, "none"):
-            raise _ar_only(name, "function calling is out of scope", f'{name}="none"')
-
-
-def _reject_unavailable_fields(req: ChatCompletionRequest) -> None:
-    if req.response_format is not None and req.response_format != {"type": "text"}:
-        raise invalid(
-            f'Only response_format {{"type": "text"}} is supported; structured output {NOT_YET}.',
-            "response_format",
-        )
-    if req.attention_backend == "fa2":
-        raise invalid(
-            "attention_backend 'fa2' is deferred until an FA2 build is in CI; 'sdpa' is the "
-            f"reference path ({ADR_REF}).",
-            "attention_backend",
-            code="not_available_yet",
-        )
-
-
-def _check_commit_rule(req: ChatCompletionRequest) -> None:
-    """Combinations of the decoding extensions that would silently do nothing are 400s."""
-    if not req.use_local_leap:
-        for name in LOCAL_LEAP_PARAMS:
-            if getattr(req, name) is not None:
-                raise invalid(
-                    f"'{name}' configures LocalLeap; set 'use_local_leap': true to use it.", name
-                )
-    else:
-        if req.confidence_threshold is not None:
-            raise invalid(
-                "'confidence_threshold' and 'use_local_leap' are mutually exclusive: LocalLeap "
-                "commits every position whose confidence reaches 'local_leap_anchor_threshold' "
-                "(its threshold) plus relaxed neighbours; set that instead.",
-                "confidence_threshold",
-            )
-        leap = _local_leap_settings(req)
-        kappa = leap.get("local_leap_anchor_threshold", DEFAULT_LEAP.local_leap_anchor_threshold)
-        tau = leap.get("local_leap_neighbor_threshold", DEFAULT_LEAP.local_leap_neighbor_threshold)
-        if tau > kappa:
-            raise invalid(
-                f"'local_leap_neighbor_threshold' ({tau}) must not exceed "
-                f"'local_leap_anchor_threshold' ({kappa}): neighbours of an anchor are "
-                "committed at a relaxed (lower or equal) threshold.",
-                "local_leap_neighbor_threshold",
-            )
-    data_dependent = req.use_local_leap or req.confidence_threshold is not None
-    if data_dependent and req.block_schedule not in (None, "uniform"):
-        mode = "use_local_leap" if req.use_local_leap else "confidence_threshold"
-        raise invalid(
-            f"block_schedule '{req.block_schedule}' has no effect with '{mode}': that mode "
-            "commits a data-dependent number of tokens per step instead of following a "
-            "schedule. Omit 'block_schedule' (or use 'uniform').",
-            "block_schedule",
-        )
-
-
-def _local_leap_settings(req: ChatCompletionRequest) -> dict[str, Any]:
-    """The LocalLeap fields the client set (the rest keep DecodingParams' defaults)."""
-    return {
-        name: getattr(req, name) for name in LOCAL_LEAP_PARAMS if getattr(req, name) is not None
-    }
-
-
 def _decoding_params(req: ChatCompletionRequest) -> DecodingParams:
     max_tokens = req.max_completion_tokens or req.max_tokens
     if req.max_tokens and req.max_completion_tokens and req.max_tokens != req.max_completion_tokens:
@@ -351,5 +246,5 @@ def _build_params(
         force_single_batch=bool(req.force_single_batch),
         confidence_threshold=req.confidence_threshold,
         use_local_leap=bool(req.use_local_leap),
-        **_local_leap_settings(req),
+        **local_leap_settings(req),
     )

@@ -314,7 +314,7 @@ class AsyncEngine:
         if finished:
             request.status = RequestStatus.FINISHED
         if delta or finished:
-            output = self._output(request, delta, len(tokens), finish_reason if finished else None)
+            output = request.output(delta, len(tokens), finish_reason if finished else None)
             self._send(request, output)
 
     def _fail_exc(self, request: Request, exc: Exception, where: str) -> None:
@@ -325,7 +325,7 @@ class AsyncEngine:
         request.status = RequestStatus.FINISHED
         state = request.state
         answer = len(state.answer_tokens()) if state is not None else 0
-        self._send(request, self._output(request, "", answer, reason, error))
+        self._send(request, request.output("", answer, reason, error))
 
     def _send(self, request: Request, output: RequestOutput) -> None:
         if output.finished:
@@ -333,28 +333,3 @@ class AsyncEngine:
             self.scheduler.remove(request)
             self.observer.on_finished(output, time.monotonic() - request.arrival_time)
         request.sink(output)
-
-    @staticmethod
-    def _output(
-        request: Request,
-        delta: str,
-        completion_tokens: int,
-        finish_reason: str | None,
-        error: str | None = None,
-    ) -> RequestOutput:
-        state = request.state
-        return RequestOutput(
-            request_id=request.request_id,
-            delta_text=delta,
-            prompt_tokens=len(request.prompt_ids),
-            completion_tokens=completion_tokens,
-            nfe=state.nfe if state else 0,
-            committed=state.committed if state else 0,
-            step=state.step if state else 0,
-            block=state.block if state else 0,
-            drafted=getattr(state, "drafted", None),
-            accepted_drafts=getattr(state, "accepted_drafts", None),
-            finished=finish_reason is not None,
-            finish_reason=finish_reason,
-            error=error,
-        )

@@ -49,3 +49,28 @@ class Request:
         if known is not None:
             return int(known)
         return len(self.prompt_ids) + self.params.gen_length
+
+    def output(
+        self,
+        delta: str,
+        completion_tokens: int,
+        finish_reason: str | None,
+        error: str | None = None,
+    ) -> RequestOutput:
+        """This request's :class:`RequestOutput` for one step, with its current counters."""
+        state = self.state
+        return RequestOutput(
+            request_id=self.request_id,
+            delta_text=delta,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=completion_tokens,
+            nfe=state.nfe if state else 0,
+            committed=state.committed if state else 0,
+            step=state.step if state else 0,
+            block=state.block if state else 0,
+            drafted=getattr(state, "drafted", None),
+            accepted_drafts=getattr(state, "accepted_drafts", None),
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            error=error,
+        )
