@@ -1,0 +1,66 @@
+"""Server options that need no network: CORS off unless configured, --log-requests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+
+from dllm_serve.api.app import build_app
+from dllm_serve.config import ServerConfig
+from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.models.loader import load_model
+
+PREFLIGHT = {
+    "Origin": "https://app.example.com",
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "content-type",
+}
+
+
+@pytest.fixture(scope="module")
+def loaded():  # type: ignore[no-untyped-def]
+    return load_model("tiny-llada", device="cpu", dtype="float32")
+
+
+def call(app, method: str, path: str, **kwargs: object) -> httpx.Response:  # type: ignore[no-untyped-def]
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, path, **kwargs)
+
+    return asyncio.run(go())
+
+
+def test_cors_is_off_unless_origins_are_configured(loaded) -> None:  # type: ignore[no-untyped-def]
+    closed = build_app(AsyncEngine(loaded), ServerConfig())
+    response = call(closed, "OPTIONS", "/v1/chat/completions", headers=PREFLIGHT)
+    assert "access-control-allow-origin" not in response.headers
+
+    opened = build_app(AsyncEngine(loaded), ServerConfig(cors_origins=("https://app.example.com",)))
+    response = call(opened, "OPTIONS", "/v1/chat/completions", headers=PREFLIGHT)
+    assert response.headers["access-control-allow-origin"] == "https://app.example.com"
+    other = call(
+        opened, "OPTIONS", "/v1/chat/completions", headers={**PREFLIGHT, "Origin": "https://evil"}
+    )
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_log_requests_logs_prompt_and_answer_only_when_asked(
+    loaded, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    body = {"messages": [{"role": "user", "content": "secret-prompt-42"}], "max_tokens": 8}
+    for enabled in (False, True):
+        engine = AsyncEngine(loaded)
+        engine.start()
+        app = build_app(engine, ServerConfig(log_requests=enabled))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dllm_serve"):
+            response = call(app, "POST", "/v1/chat/completions", json=body)
+        engine.shutdown()
+        assert response.status_code == 200
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert ("secret-prompt-42" in logged) is enabled
+        assert ("answer=" in logged) is enabled
