@@ -1,0 +1,80 @@
+"""Helpers shared by the benchmark scripts: result paths, JSON/PNG output, percentiles.
+
+Kept dependency-free on purpose: matplotlib is an optional extra (``pip install -e .[bench]``),
+so every plot goes through :func:`plot_if_available`, which silently skips when it is absent.
+The JSON is always written; it is the result, the PNG only a picture of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (``q`` in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def ms(seconds: float | None) -> float | None:
+    """Seconds → milliseconds rounded for reports (None stays None)."""
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: they mean nothing without it."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def write_json(path: Path, report: dict[str, Any]) -> Path:
+    """Write ``report`` as indented JSON, creating the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def plot_if_available(path: Path, draw: Callable[[Any], None]) -> Path | None:
+    """Call ``draw(pyplot)`` and save to ``path`` when matplotlib is importable, else skip.
+
+    The Agg backend is forced so that a headless server (no display) can still plot.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG (pip install -e '.[bench]')")
+        return None
+    draw(plt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plt.tight_layout()
+    plt.savefig(path, dpi=110)
+    plt.close("all")
+    print(f"wrote {path}")
+    return path

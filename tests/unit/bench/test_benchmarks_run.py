@@ -1,0 +1,104 @@
+"""Each benchmark script runs end to end on a tiny setting and writes JSON with its keys.
+
+Benchmarks are not tests: nothing here asserts a timing, only that the scripts work and that
+their reports have the shape docs/benchmarks.md describes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+def load(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` (a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads() -> object:
+    """``--threads 1`` sets torch's global thread count: give the next tests theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_serving_load_sweep(tmp_path: Path) -> None:
+    out = tmp_path / "serving_load.json"
+    load("serving_load").main(
+        ["--concurrency", "1", "2", "--requests-per-level", "3", "--max-tokens", "8",
+         "--steps", "4", "--server-threads", "1", "--out", str(out)]
+    )  # fmt: skip
+    report = read(out)
+    assert report["model"] == "tiny-llada"
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 2]
+    for level in report["levels"]:
+        assert level["requests_ok"] == 3, level["errors"]
+        assert level["answer_tokens"] >= 0
+        for key in ("answer_tokens_per_s", "wall_s", "forwards", "mean_rows_per_forward"):
+            assert key in level
+        assert set(level["ttfc_ms"]) == set(level["e2e_ms"]) == {"p50", "p99"}
+        assert level["forwards"] > 0 and level["mean_rows_per_forward"] >= 1
+
+
+def test_serving_load_refuses_non_loopback(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        load("serving_load").main(["--url", "http://example.com:8000", "--out", str(tmp_path)])
+
+
+def test_engine_overhead(tmp_path: Path) -> None:
+    out = tmp_path / "engine_overhead.json"
+    load("engine_overhead").main(
+        ["--requests", "3", "--gen-length", "8", "--steps", "4", "--repeat", "2", "--threads", "1",
+         "--out", str(out)]
+    )  # fmt: skip
+    report = read(out)
+    assert report["forwards"] > 0
+    for side in ("engine", "bare_loop"):
+        for key in ("seconds", "forwards_per_s", "answer_tokens_per_s", "rows_per_s"):
+            assert key in report[side]
+    assert report["ratio"] > 0 and len(report["pairs"]) == 2
+    assert all(p["forwards"] > 0 and p["bare_s"] > 0 for p in report["pairs"])
+
+
+def test_gpu_llada8b_tiny_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "gpu.json"
+    # No matplotlib: JSON still written, no PNG.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    load("gpu_llada8b").main(
+        ["--allow-cpu", "--tiny", "--device", "cpu", "--prefix", "16", "--block", "8",
+         "--batches", "1", "2", "--warmup", "1", "--iters", "2", "--threads", "1",
+         "--out", str(out)]
+    )  # fmt: skip
+    report = read(out)
+    assert report["tiny"] and report["weight_bytes"] > 0
+    assert [r["batch"] for r in report["results"]] == [1, 2]
+    for row in report["results"]:
+        for mode in ("no_cache", "prefix_cache"):
+            assert {"latency_ms_median", "block_positions_per_s"} <= set(row[mode])
+    assert not out.with_suffix(".png").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the no-GPU path")
+def test_gpu_llada8b_refuses_without_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    assert load("gpu_llada8b").main(["--out", str(out)]) is None
+    assert load("gpu_llada8b").main(["--device", "cpu", "--out", str(out)]) is None
+    assert not out.exists()
