@@ -20,6 +20,19 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+# The prompts every benchmark sends (short chat questions, as a user would ask).
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers.",
+    "Translate 'good morning' into German.",
+    "Why is the sky blue?",
+    "Give me a name for a cat.",
+    "What is 12 times 7?",
+]
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated percentile (``q`` in [0, 100]); None for no values."""
     if not values:

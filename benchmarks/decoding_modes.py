@@ -22,10 +22,14 @@ import dataclasses
 import functools
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PROMPTS
 
 from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
@@ -33,16 +37,6 @@ from dllm_serve.engine.batch import build_batch, run_batch
 from dllm_serve.models.kv_cache import KVCache
 from dllm_serve.models.loader import LoadedModel, load_model
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "List three prime numbers.",
-    "Translate 'good morning' into German.",
-    "Why is the sky blue?",
-    "Give me a name for a cat.",
-    "What is 12 times 7?",
-]
 MODES: dict[str, dict] = {
     "uniform": {"block_schedule": "uniform"},
     "cosine": {"block_schedule": "cosine"},

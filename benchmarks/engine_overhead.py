@@ -34,24 +34,13 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, machine_info, plot_if_available, write_json
+from _common import PROMPTS, RESULTS_DIR, machine_info, plot_if_available, write_json
 
 import dllm_serve.engine.engine as engine_module
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.batch import Batch, run_batch
 from dllm_serve.llm import LLM
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "List three prime numbers.",
-    "Translate 'good morning' into German.",
-    "Why is the sky blue?",
-    "Give me a name for a cat.",
-    "What is 12 times 7?",
-]
 
 
 def sync(device: torch.device) -> None:

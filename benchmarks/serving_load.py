@@ -36,18 +36,16 @@ from urllib.parse import urlparse
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, machine_info, ms, percentile, plot_if_available, write_json
+from _common import (
+    PROMPTS,
+    RESULTS_DIR,
+    machine_info,
+    ms,
+    percentile,
+    plot_if_available,
+    write_json,
+)
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "List three prime numbers.",
-    "Translate 'good morning' into German.",
-    "Why is the sky blue?",
-    "Give me a name for a cat.",
-    "What is 12 times 7?",
-]
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 STARTUP_TIMEOUT_S = 120
 
