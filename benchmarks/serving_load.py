@@ -22,18 +22,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import httpx
+
+from dllm_serve.local_server import LocalServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
@@ -50,48 +48,12 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 STARTUP_TIMEOUT_S = 120
 
 
-@dataclass
-class Server:
-    """A ``python -m dllm_serve`` child process on a free loopback port."""
-
-    process: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    @classmethod
-    def start(cls, model: str, extra: list[str], log: Path, threads: int = 0) -> Server:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        cmd = [sys.executable, "-m", "dllm_serve", "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["--model", model, "--log-level", "warning", *extra]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if threads:  # torch reads it at start: CPU threads of the server's forwards
-            env["OMP_NUM_THREADS"] = str(threads)
-        with log.open("wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        server = cls(proc, f"http://127.0.0.1:{port}", log)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        server.stop()
-        raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+def start_server(model: str, extra: list[str], log: Path, threads: int = 0) -> LocalServer:
+    """The real CLI on a free loopback port; ``threads`` caps the server's torch threads."""
+    # torch reads OMP_NUM_THREADS at start: the CPU threads of the server's forwards.
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
+    args = ["--model", model, "--log-level", "warning", *extra]
+    return LocalServer.start(args, log, env=env, timeout=STARTUP_TIMEOUT_S)
 
 
 def scrape(metrics_text: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -290,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # Let the largest level run at once, so the sweep measures batching, not queueing.
             extra += ["--max-running-requests", str(max(args.concurrency))]
         log = Path(tempfile.mkstemp(prefix="serving_load_", suffix=".log")[1])
-        server = Server.start(args.model, extra, log, args.server_threads)
+        server = start_server(args.model, extra, log, args.server_threads)
         url = server.url
     try:
         model, levels = asyncio.run(sweep(url, args))

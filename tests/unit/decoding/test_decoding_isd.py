@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,26 +11,13 @@ from dllm_serve.decoding.isd import ISDecoder, ISDState
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.batch import build_batch, run_batch
 from dllm_serve.models.kv_cache import KVBatch, KVCache
-from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_idlm
+from dllm_serve.models.loader import LoadedModel
 
 PROMPTS = [[5, 17, 8, 30, 11], [101, 7], [42]]
 STRIDES = [2, 3, 4, 8]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny-model forwards: intra-op threads only add overhead (and stall on a loaded CI box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def idlm(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    path = write_tiny_idlm(Path(tmp_path_factory.mktemp("idlm")) / "tiny-idlm")
-    return load_model(str(path), device="cpu", dtype="float32")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def causal_hidden(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

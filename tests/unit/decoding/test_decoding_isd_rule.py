@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,8 +16,7 @@ from dllm_serve.decoding.isd_verify import (
 )
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.batch import build_batch, run_batch
-from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_idlm
+from dllm_serve.models.loader import LoadedModel
 
 
 def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -129,20 +126,7 @@ def test_greedy_target_is_the_t0_limit() -> None:
 # ---- end to end on a tiny I-DLM model ------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tests run thousands of tiny ops; intra-op threads only add overhead (and stall
-    on a loaded CI machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def idlm(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    path = write_tiny_idlm(Path(tmp_path_factory.mktemp("idlm")) / "tiny-idlm")
-    return load_model(str(path), device="cpu", dtype="float32")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ar_joint(loaded: LoadedModel, prompt: list[int], temperature: float) -> torch.Tensor:

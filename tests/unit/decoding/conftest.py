@@ -1,0 +1,29 @@
+"""Fixtures shared by the I-DLM decoding tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm_serve.models.loader import LoadedModel, load_model
+from dllm_serve.models.tiny import write_tiny_idlm
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tests of thousands of tiny ops: intra-op threads only add overhead (and stall on a
+    loaded CI machine). Opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def idlm(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny random I-DLM-format checkpoint, loaded in fp32 on CPU."""
+    path = write_tiny_idlm(Path(tmp_path_factory.mktemp("idlm")) / "tiny-idlm")
+    return load_model(str(path), device="cpu", dtype="float32")
