@@ -9,6 +9,7 @@ exact-match accuracy at default request settings (temperature 0) through the ser
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -17,13 +18,14 @@ from pathlib import Path
 
 import torch
 
+from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
 from dllm_serve.models.loader import load_model
 from dllm_serve.models.tiny import write_tiny
 from dllm_serve.models.tiny.files import save_weights
 from dllm_serve.train.objectives import idlm_batch, llada_batch, loss
-from dllm_serve.train.tasks import TASKS, examples, held_out_set
+from dllm_serve.train.tasks import TASKS, WEIGHTS, examples, held_out_set
 
 SIZES = {
     "llada": {"d_model": 192, "n_layers": 6, "n_heads": 6, "mlp_hidden_size": 512},
@@ -31,25 +33,64 @@ SIZES = {
 }
 
 
-def train(family: str, out: Path, steps: int, batch_size: int, lr: float, seed: int) -> dict:
-    torch.manual_seed(seed)
-    write_tiny(family, out, seed=seed, **SIZES[family])
-    loaded = load_model(str(out), device="cpu", dtype="float32")
+def sizes(family: str, d_model: int | None, n_layers: int | None, mlp: int | None) -> dict:
+    """The family's default size, with any overrides (heads of 32 dimensions)."""
+    out = dict(SIZES[family])
+    if d_model:
+        out |= {"d_model": d_model, "n_heads": d_model // 32}
+        if "n_kv_heads" in out:
+            out["n_kv_heads"] = max(1, d_model // 64)
+    if n_layers:
+        out["n_layers"] = n_layers
+    if mlp:
+        out["mlp_hidden_size"] = mlp
+    if family == "idlm":
+        out["head_dim"] = out["d_model"] // out["n_heads"]
+    return out
+
+
+def write_skeleton(family: str, out: Path, seed: int, canvas: int, size: dict) -> None:
+    """A random checkpoint in the family's real format; its generation_config.json carries
+    the canvas the model was trained for as ``max_new_tokens`` (the server's default)."""
+    write_tiny(family, out, seed=seed, **size)
+    gen_path = out / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen["max_new_tokens"] = canvas
+    gen_path.write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def save(model: torch.nn.Module, loaded, out: Path) -> None:
+    state = model.state_dict()
+    tensors = {
+        theirs: state[ours].detach().to("cpu", torch.bfloat16).contiguous()
+        for theirs, ours in loaded.family.weight_map(model.config).items()
+    }
+    save_weights(out, tensors, num_shards=1)
+
+
+def train(args: argparse.Namespace) -> dict:
+    family, out, steps = args.family, args.out, args.steps
+    torch.manual_seed(args.seed)
+    size = sizes(family, args.d_model, args.n_layers, args.mlp)
+    write_skeleton(family, out, args.seed, args.canvas, size)
+    loaded = load_model(str(out), device=args.device, dtype="float32")
     model = loaded.model.train()
     for p in model.parameters():
         p.requires_grad_(True)
+    lr = args.lr
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then cosine decay to 0
         opt,
         lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, i / steps))),
     )
-    rng = random.Random(seed)
-    stream = examples(seed, "train")
-    make = llada_batch if family == "llada" else idlm_batch
-    started, history = time.monotonic(), []
+    rng = random.Random(args.seed)
+    stream = examples(args.seed, "train", weights=WEIGHTS | {"addition": args.addition_weight})
+    make = functools.partial(llada_batch, canvas=args.canvas) if family == "llada" else idlm_batch
+    started, history, evals = time.monotonic(), [], []
     for step in range(1, steps + 1):
-        batch = make(loaded, [next(stream) for _ in range(batch_size)], rng)
+        batch = make(loaded, [next(stream) for _ in range(args.batch_size)], rng)
+        batch = batch.to(args.device)
         value = loss(model, batch)
         opt.zero_grad(set_to_none=True)
         value.backward()
@@ -62,27 +103,39 @@ def train(family: str, out: Path, steps: int, batch_size: int, lr: float, seed: 
                 f"step {step}/{steps} loss {value.item():.4f} {time.monotonic() - started:.0f}s",
                 flush=True,
             )
+        if args.eval_every and step % args.eval_every == 0 and step < steps:
+            save(model, loaded, out)
+            acc = evaluate(out, family, args.device, args.canvas, 200, tasks=("addition",))
+            evals.append((step, acc["addition"]))
+            print(f"step {step} held-out addition {acc['addition']:.3f}", flush=True)
     model.eval()
-    state = model.state_dict()
-    tensors = {
-        theirs: state[ours].detach().to(torch.bfloat16).contiguous()
-        for theirs, ours in loaded.family.weight_map(model.config).items()
-    }
-    save_weights(out, tensors, num_shards=1)
-    return {"steps": steps, "seconds": round(time.monotonic() - started), "loss": history[-5:]}
+    save(model, loaded, out)
+    report = {"steps": steps, "seconds": round(time.monotonic() - started), "loss": history[-5:]}
+    if evals:
+        report["addition_during_training"] = evals
+    return report
 
 
-def evaluate(out: Path, family: str, n_addition: int = 300, n_other: int = 50) -> dict[str, float]:
+def evaluate(
+    out: Path,
+    family: str,
+    device: str = "cpu",
+    canvas: int = 32,
+    n_addition: int = 300,
+    n_other: int = 50,
+    tasks: tuple[str, ...] = tuple(TASKS),
+) -> dict[str, float]:
     """Held-out exact match at temperature 0 with a 32-token canvas.
 
     LLaDA: one block, 32 steps. I-DLM: one token per step (block 1), which is greedy
     autoregressive decoding — what exact self-speculative verification returns at temperature 0.
     """
-    block = 1 if family == "idlm" else 32
-    params = DecodingParams(gen_length=32, steps=32, block_length=block)
+    block = 1 if family == "idlm" else canvas
+    params = DecodingParams(gen_length=canvas, steps=canvas, block_length=block)
     scores = {}
-    with LLM(str(out), device="cpu", dtype="float32") as llm:
-        for task in TASKS:
+    config = EngineConfig(max_running_requests=64, max_waiting_requests=1 << 20)
+    with LLM(str(out), device=device, dtype="float32", engine_config=config) as llm:
+        for task in tasks:
             exs = held_out_set(n_addition if task == "addition" else n_other, task=task)
             outs = llm.generate(
                 [[{"role": "user", "content": e.question}] for e in exs],
@@ -102,11 +155,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--d-model", type=int, default=0, help="override the family's size")
+    p.add_argument("--n-layers", type=int, default=0)
+    p.add_argument("--mlp", type=int, default=0, help="MLP hidden size")
+    p.add_argument(
+        "--addition-weight",
+        type=int,
+        default=WEIGHTS["addition"],
+        help="addition's share against weight 1 for each other task",
+    )
+    p.add_argument("--canvas", type=int, default=32, help="default canvas (max_new_tokens)")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out addition every N steps")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = train(args.family, args.out, args.steps, args.batch_size, args.lr, args.seed)
-    report["held_out_exact_match"] = evaluate(args.out, args.family)
+    report = train(args)
+    report["held_out_exact_match"] = evaluate(args.out, args.family, args.device, args.canvas)
     report["command"] = "python -m dllm_serve.train " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
     )

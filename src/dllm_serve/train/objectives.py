@@ -34,6 +34,10 @@ class TrainBatch:
     weights: torch.Tensor  # [B, L] loss weight per position
     normalizer: float  # the loss is sum(weight * CE) / normalizer
 
+    def to(self, device: str | torch.device) -> TrainBatch:
+        move = (self.input_ids, self.positions, self.attn_mask, self.targets, self.weights)
+        return TrainBatch(*(t.to(device) for t in move), self.normalizer)
+
 
 def encode(loaded: LoadedModel, ex: Example) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids + the end-of-turn token) through the real chat template."""
@@ -44,12 +48,19 @@ def encode(loaded: LoadedModel, ex: Example) -> tuple[list[int], list[int]]:
 
 
 def llada_batch(
-    loaded: LoadedModel, examples: list[Example], rng: random.Random, max_pad: int = 48
+    loaded: LoadedModel,
+    examples: list[Example],
+    rng: random.Random,
+    max_pad: int = 48,
+    canvas: int = 32,
 ) -> TrainBatch:
+    """Answer regions are EOS-padded to the default ``canvas`` (the inference layout at
+    default settings) three times in four, else by a random 0–``max_pad`` tokens."""
     rows, targets, weights = [], [], []
     for ex in examples:
         prompt, answer = encode(loaded, ex)
-        region = answer + [loaded.eos_id] * rng.randint(0, max_pad)  # EOS padding tail
+        pad = canvas - len(answer) if rng.random() < 0.75 else rng.randint(0, max_pad)
+        region = answer + [loaded.eos_id] * max(pad, 0)  # EOS padding tail
         t = EPS + (1 - EPS) * rng.random()
         masked = [rng.random() < t for _ in region]
         if not any(masked):

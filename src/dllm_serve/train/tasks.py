@@ -78,13 +78,20 @@ WEIGHTS = {"addition": 4, "subtraction": 1, "reverse": 1, "sort": 1, "count": 1,
 
 
 def examples(
-    seed: int, split: str = "train", tasks: tuple[str, ...] = tuple(TASKS)
+    seed: int,
+    split: str = "train",
+    tasks: tuple[str, ...] = tuple(TASKS),
+    weights: dict[str, int] | None = None,
 ) -> Iterator[Example]:
-    """An endless stream of examples of ``split`` ("train" or "held_out"), reproducible."""
+    """An endless stream of examples of ``split`` ("train" or "held_out"), reproducible.
+
+    ``weights`` (default :data:`WEIGHTS`) gives each task's relative frequency.
+    """
     if split not in ("train", "held_out"):
         raise ValueError("split must be 'train' or 'held_out'")
     rng = random.Random(seed)
-    names = [t for t in tasks for _ in range(WEIGHTS[t])]
+    weights = weights or WEIGHTS
+    names = [t for t in tasks for _ in range(weights[t])]
     while True:
         ex = TASKS[rng.choice(names)](rng)
         if is_held_out(ex.question) == (split == "held_out"):

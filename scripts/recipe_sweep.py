@@ -1,0 +1,250 @@
+"""Run several demo-model training recipes side by side (on a lent GPU) and collect results.
+
+    python scripts/recipe_sweep.py --out DIR --device cuda --deadline 420
+
+Each recipe is one ``python -m dllm_serve.train`` process (one CPU thread each, for batch
+building); a run still going at the deadline is stopped, and its log keeps the held-out
+addition accuracy printed every ``--eval-every`` steps. Writes ``DIR/sweep.json``. The sweep
+only chooses the recipe: the committed demo weights come from the training command in each
+model card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+COMMON = ["--batch-size", "64", "--addition-weight", "8", "--eval-every", "500", "--threads", "1"]
+# name: (family, extra arguments). Step counts are what one CPU thread trains in ~80 minutes
+# for that size (measured on the 2-core dev machine), so the cosine schedule matches a CPU run.
+RECIPES: dict[str, list[str]] = {
+    "llada-d128x6-lr2e-3": [
+        "llada",
+        "--d-model",
+        "128",
+        "--n-layers",
+        "6",
+        "--mlp",
+        "512",
+        "--lr",
+        "2e-3",
+        "--steps",
+        "3600",
+    ],
+    "llada-d128x6-lr1e-3": [
+        "llada",
+        "--d-model",
+        "128",
+        "--n-layers",
+        "6",
+        "--mlp",
+        "512",
+        "--lr",
+        "1e-3",
+        "--steps",
+        "3600",
+    ],
+    "llada-d192x6-lr1e-3": [
+        "llada",
+        "--d-model",
+        "192",
+        "--n-layers",
+        "6",
+        "--mlp",
+        "768",
+        "--lr",
+        "1e-3",
+        "--steps",
+        "2200",
+    ],
+    "llada-d192x6-lr2e-3": [
+        "llada",
+        "--d-model",
+        "192",
+        "--n-layers",
+        "6",
+        "--mlp",
+        "768",
+        "--lr",
+        "2e-3",
+        "--steps",
+        "2200",
+    ],
+    "llada-d256x4-lr1e-3": [
+        "llada",
+        "--d-model",
+        "256",
+        "--n-layers",
+        "4",
+        "--mlp",
+        "1024",
+        "--lr",
+        "1e-3",
+        "--steps",
+        "2400",
+    ],
+    "llada-d128x4-lr2e-3": [
+        "llada",
+        "--d-model",
+        "128",
+        "--n-layers",
+        "4",
+        "--mlp",
+        "512",
+        "--lr",
+        "2e-3",
+        "--steps",
+        "5000",
+    ],
+    "llada-d128x6-lr2e-3-b32": [
+        "llada",
+        "--d-model",
+        "128",
+        "--n-layers",
+        "6",
+        "--mlp",
+        "512",
+        "--lr",
+        "2e-3",
+        "--steps",
+        "7000",
+        "--batch-size",
+        "32",
+    ],
+    "llada-d192x6-lr1e-3-long": [
+        "llada",
+        "--d-model",
+        "192",
+        "--n-layers",
+        "6",
+        "--mlp",
+        "768",
+        "--lr",
+        "1e-3",
+        "--steps",
+        "8000",
+    ],
+    "idlm-d128x4-lr1e-3": [
+        "idlm",
+        "--d-model",
+        "128",
+        "--n-layers",
+        "4",
+        "--mlp",
+        "384",
+        "--lr",
+        "1e-3",
+        "--steps",
+        "7000",
+    ],
+    "idlm-d128x4-lr2e-3": [
+        "idlm",
+        "--d-model",
+        "128",
+        "--n-layers",
+        "4",
+        "--mlp",
+        "384",
+        "--lr",
+        "2e-3",
+        "--steps",
+        "7000",
+    ],
+    "idlm-d192x4-lr1e-3": [
+        "idlm",
+        "--d-model",
+        "192",
+        "--n-layers",
+        "4",
+        "--mlp",
+        "576",
+        "--lr",
+        "1e-3",
+        "--steps",
+        "5000",
+    ],
+    "idlm-d128x6-lr1e-3": [
+        "idlm",
+        "--d-model",
+        "128",
+        "--n-layers",
+        "6",
+        "--mlp",
+        "384",
+        "--lr",
+        "1e-3",
+        "--steps",
+        "6000",
+    ],
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--deadline", type=float, default=420.0, help="seconds for the whole sweep")
+    p.add_argument("--only", nargs="*", help="recipe names (default: all)")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = {}
+    for name, (family, *extra) in RECIPES.items():
+        if args.only and name not in args.only:
+            continue
+        cmd = [
+            sys.executable,
+            "-m",
+            "dllm_serve.train",
+            "--family",
+            family,
+            "--out",
+            str(args.out / name),
+            "--device",
+            args.device,
+            *COMMON,
+            *extra,
+        ]
+        log = (args.out / f"{name}.log").open("w")
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), cmd)
+    end = time.monotonic() + args.deadline
+    while time.monotonic() < end and any(pr.poll() is None for pr, _ in procs.values()):
+        time.sleep(2)
+    results = {}
+    for name, (pr, cmd) in procs.items():
+        finished = pr.poll() is not None
+        if not finished:
+            pr.kill()
+        text = (args.out / f"{name}.log").read_text()
+        report_path = args.out / name / "training_report.json"
+        results[name] = {
+            "command": " ".join(cmd[1:]),
+            "finished": finished and report_path.exists(),
+            "evals": [
+                (int(s), float(a))
+                for s, a in re.findall(r"step (\d+) held-out addition ([\d.]+)", text)
+            ],
+            "last_loss_line": ([ln for ln in text.splitlines() if ln.startswith("step ")] or [""])[
+                -1
+            ],
+            "report": json.loads(report_path.read_text()) if report_path.exists() else None,
+            "tail": text[-600:],
+        }
+    (args.out / "sweep.json").write_text(json.dumps(results, indent=2) + "\n")
+    for name, r in results.items():
+        print(
+            name,
+            r["finished"],
+            r["evals"][-3:],
+            r["report"] and r["report"].get("held_out_exact_match"),
+        )
+
+
+if __name__ == "__main__":
+    main()

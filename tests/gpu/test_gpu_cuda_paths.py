@@ -1,0 +1,91 @@
+"""The CUDA paths: the same model and engine on a GPU as on the CPU (run with ``-m gpu``).
+
+fp32 on CUDA with TF32 off is the CPU's math in another order, so hidden states agree to
+1e-4 and greedy generations token for token; bf16 is checked for closeness only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm_serve.config import EngineConfig
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.llm import LLM
+from dllm_serve.models.loader import load_model
+from dllm_serve.models.tiny import write_tiny_idlm
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": text}]
+    for text in ("What is 12 + 30?", "Reverse the word cat.", "Hi", "Sort the letters of dcba.")
+]
+
+
+@pytest.fixture(autouse=True)
+def no_tf32() -> Iterator[None]:
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.fixture(scope="module")
+def idlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_tiny_idlm(Path(tmp_path_factory.mktemp("idlm")) / "tiny-idlm"))
+
+
+def _padded_batch(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 500, (3, 24), generator=g)
+    positions = torch.arange(24).expand(3, 24).contiguous()
+    keys = torch.ones(3, 24, dtype=torch.bool)
+    keys[1, 18:] = False  # a padded row
+    mask = keys[:, None, None, :].expand(3, 1, 24, 24).contiguous()
+    return ids.to(device), positions.to(device), mask.to(device)
+
+
+@pytest.mark.parametrize("model", ["tiny-llada", "idlm"])
+def test_fp32_forward_on_cuda_matches_cpu(model: str, idlm_dir: str) -> None:
+    path = idlm_dir if model == "idlm" else model
+    cpu = load_model(path, device="cpu", dtype="float32").model
+    gpu = load_model(path, device="cuda", dtype="float32").model
+    with torch.no_grad():
+        want = cpu(*_padded_batch("cpu"))
+        got = gpu(*_padded_batch("cuda")).cpu()
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_bf16_forward_on_cuda_is_close_to_fp32() -> None:
+    fp32 = load_model("tiny-llada", device="cuda", dtype="float32").model
+    bf16 = load_model("tiny-llada", device="cuda", dtype="bfloat16").model
+    with torch.no_grad():
+        want = fp32.lm_head(fp32(*_padded_batch("cuda"))).float()
+        got = bf16.lm_head(bf16(*_padded_batch("cuda"))).float()
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cosine.min().item() > 0.99
+
+
+def _generate(model: str, device: str, params: DecodingParams, **engine: object) -> list:
+    config = EngineConfig(max_waiting_requests=1 << 20, **engine)
+    with LLM(model, device=device, dtype="float32", engine_config=config) as llm:
+        return [(c.text, c.nfe) for c in llm.generate(CONVERSATIONS, params)]
+
+
+@pytest.mark.parametrize("kv_cache", ["none", "prefix"])
+def test_llada_engine_on_cuda_generates_what_cpu_generates(kv_cache: str) -> None:
+    params = DecodingParams(gen_length=16, steps=16, block_length=8)
+    want = _generate("tiny-llada", "cpu", params, kv_cache=kv_cache)
+    assert _generate("tiny-llada", "cuda", params, kv_cache=kv_cache) == want
+
+
+def test_idlm_self_speculation_on_cuda_generates_what_cpu_generates(idlm_dir: str) -> None:
+    params = DecodingParams(gen_length=16, steps=16)
+    want = _generate(idlm_dir, "cpu", params, isd_stride=4)
+    assert _generate(idlm_dir, "cuda", params, isd_stride=4) == want
