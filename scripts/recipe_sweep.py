@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 COMMON = ["--batch-size", "64", "--addition-weight", "8", "--eval-every", "500", "--threads", "1"]
+GPU_LONG = ["--batch-size", "128", "--workers", "4", "--eval-every", "2000"]
 # name: (family, extra arguments). Step counts are what one CPU thread trains in ~80 minutes
 # for that size (measured on the 2-core dev machine), so the cosine schedule matches a CPU run.
 RECIPES: dict[str, list[str]] = {
@@ -182,6 +183,49 @@ RECIPES: dict[str, list[str]] = {
         "--steps",
         "6000",
     ],
+    # Longer LLaDA runs for a GPU (batches built by DataLoader workers).
+    "gpu-llada-d192x6": [
+        "llada",
+        "--d-model",
+        "192",
+        "--n-layers",
+        "6",
+        "--mlp",
+        "768",
+        "--lr",
+        "1e-3",
+        "--steps",
+        "8000",
+        *GPU_LONG,
+    ],
+    "gpu-llada-d256x6": [
+        "llada",
+        "--d-model",
+        "256",
+        "--n-layers",
+        "6",
+        "--mlp",
+        "1024",
+        "--lr",
+        "7e-4",
+        "--steps",
+        "6000",
+        *GPU_LONG,
+    ],
+    "gpu-llada-d128x6": [
+        "llada",
+        "--d-model",
+        "128",
+        "--n-layers",
+        "6",
+        "--mlp",
+        "512",
+        "--lr",
+        "1e-3",
+        "--steps",
+        "10000",
+        *GPU_LONG,
+    ],
 }
 
 
@@ -196,7 +240,7 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = {}
     for name, (family, *extra) in RECIPES.items():
-        if args.only and name not in args.only:
+        if (args.only and name not in args.only) or (not args.only and name.startswith("gpu-")):
             continue
         cmd = [
             sys.executable,

@@ -29,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default=_DEFAULT.model.model,
-        help="embedded model name (tiny-llada) or a local checkpoint directory "
-        "(default: %(default)s)",
+        help="embedded model (demo-llada, demo-idlm, tiny-llada) or a local checkpoint "
+        "directory (default: %(default)s)",
     )
     parser.add_argument(
         "--host",

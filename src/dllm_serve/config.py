@@ -9,7 +9,7 @@ KV_CACHE_MODES = ("none", "prefix")
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model: str = "tiny-llada"  # embedded model name or a local checkpoint directory
+    model: str = "demo-llada"  # embedded model name or a local checkpoint directory
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
 

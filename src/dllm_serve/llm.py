@@ -26,7 +26,10 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    nfe: int
+    nfe: int  # forward passes this request took part in
+    committed: int = 0  # canvas positions decoded (answer + EOS padding)
+    drafted: int = 0  # I-DLM self-speculation: drafts verified ...
+    accepted_drafts: int = 0  # ... and accepted
 
 
 class LLM:
@@ -38,7 +41,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str = "tiny-llada",
+        model: str = "demo-llada",
         *,
         device: str = "auto",
         dtype: str = "auto",
@@ -57,8 +60,11 @@ class LLM:
         stop: Sequence[str] = (),
     ) -> list[Completion]:
         """Generate one completion per conversation (``params`` per conversation or shared)."""
-        if params is None or isinstance(params, DecodingParams):
-            per_row = [params or DecodingParams()] * len(conversations)
+        if params is None:  # the server's defaults: the model's canvas, steps = canvas
+            length = self.engine.default_gen_length
+            params = DecodingParams(gen_length=length, steps=min(128, length))
+        if isinstance(params, DecodingParams):
+            per_row = [params] * len(conversations)
         else:
             per_row = list(params)
             if len(per_row) != len(conversations):
@@ -83,6 +89,9 @@ class LLM:
                 last.prompt_tokens,
                 last.completion_tokens,
                 last.nfe,
+                last.committed,
+                last.drafted or 0,
+                last.accepted_drafts or 0,
             )
 
         return list(

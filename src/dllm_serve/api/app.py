@@ -140,7 +140,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def chat_completions(request: Request) -> Any:
         # The body is parsed by hand so every malformed input becomes a 400 in the OpenAI
         # envelope (FastAPI would answer 422, and some inputs would never reach pydantic).
-        spec = parse_chat_request(await request.body(), request.headers.get("content-type"))
+        spec = parse_chat_request(
+            await request.body(), request.headers.get("content-type"), engine.default_gen_length
+        )
         spec.check_decoding_mode(engine.decoding_mode)
         if not engine.is_alive:
             raise _unavailable()

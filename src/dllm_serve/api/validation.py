@@ -21,9 +21,8 @@ from dllm_serve.api.field_rules import (
     reject_unavailable_fields,
 )
 from dllm_serve.api.protocol import ChatCompletionRequest
-from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
 
-DEFAULT_GEN_LENGTH = 128
 DEFAULT_STEPS = 128
 MAX_STEPS = 512
 
@@ -52,7 +51,11 @@ class ChatRequestSpec:
             )
 
 
-def parse_chat_request(raw: bytes, content_type: str | None) -> ChatRequestSpec:
+def parse_chat_request(
+    raw: bytes, content_type: str | None, default_gen_length: int = DEFAULT_GEN_LENGTH
+) -> ChatRequestSpec:
+    """Validate a chat request body (ADR 005); ``default_gen_length`` is the model's canvas
+    for requests that set no ``max_tokens``."""
     _check_content_type(content_type)
     try:
         req = ChatCompletionRequest.model_validate_json(raw, strict=True)
@@ -73,7 +76,12 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatRequestSpec:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     diffusion_fields = tuple(f for f in DIFFUSION_ONLY if getattr(req, f) is not None)
     return ChatRequestSpec(
-        messages, _decoding_params(req), stream, include_usage, _stop(req), diffusion_fields
+        messages,
+        _decoding_params(req, default_gen_length),
+        stream,
+        include_usage,
+        _stop(req),
+        diffusion_fields,
     )
 
 
@@ -184,7 +192,7 @@ def _content_text(content: Any, param: str) -> str:
     )
 
 
-def _decoding_params(req: ChatCompletionRequest) -> DecodingParams:
+def _decoding_params(req: ChatCompletionRequest, default_gen_length: int) -> DecodingParams:
     max_tokens = req.max_completion_tokens or req.max_tokens
     if req.max_tokens and req.max_completion_tokens and req.max_tokens != req.max_completion_tokens:
         raise invalid(
@@ -198,7 +206,7 @@ def _decoding_params(req: ChatCompletionRequest) -> DecodingParams:
             f"max_tokens ({max_tokens}).",
             "target_length",
         )
-    gen_length = req.target_length or max_tokens or DEFAULT_GEN_LENGTH
+    gen_length = req.target_length or max_tokens or default_gen_length
     block_length = req.block_length or gen_length
     if block_length > gen_length or gen_length % block_length:
         raise invalid(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 BLOCK_SCHEDULES = ("uniform", "front_loaded", "cosine")
 CONFIDENCE_METRICS = ("top1_prob", "entropy_inverse")
 COMMIT_MODES = ("topk", "threshold", "local_leap")
+DEFAULT_GEN_LENGTH = 128  # canvas of a request without max_tokens, unless the model sets one
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,7 @@ class DecodingParams:
     upstream) and ``block_schedule`` must stay ``"uniform"`` (it would have no effect).
     """
 
-    gen_length: int = 128
+    gen_length: int = DEFAULT_GEN_LENGTH
     steps: int = 128
     block_length: int | None = None  # None: one block covering the whole canvas
     temperature: float = 0.0

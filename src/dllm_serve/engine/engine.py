@@ -22,7 +22,7 @@ import uuid6
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.denoise import LLaDADenoiser
-from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
 from dllm_serve.engine.batch import build_batch, run_batch
 from dllm_serve.engine.observer import EngineObserver, NullObserver
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
@@ -89,6 +89,11 @@ class AsyncEngine:
     @property
     def max_length(self) -> int:
         return self.loaded.max_length
+
+    @property
+    def default_gen_length(self) -> int:
+        """The canvas of a request that sets no max_tokens: the model's own, else 128."""
+        return self.loaded.default_gen_length or DEFAULT_GEN_LENGTH
 
     @property
     def is_alive(self) -> bool:

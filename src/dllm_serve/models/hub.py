@@ -19,7 +19,11 @@ from dllm_serve.models.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
-EMBEDDED_MODELS: dict[str, str] = {"tiny-llada": str(_ASSETS / "tiny-llada")}
+# demo-llada / demo-idlm: trained on the project's task mix (their README.md is the model card);
+# tiny-llada: random weights, for tests.
+EMBEDDED_MODELS: dict[str, str] = {
+    name: str(_ASSETS / name) for name in ("demo-llada", "demo-idlm", "tiny-llada")
+}
 
 # huggingface_hub's repo id rule: optional "org/", then a name of letters, digits, - _ .
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")

@@ -64,6 +64,10 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     config: dict[str, Any] = field(default_factory=dict)  # config.json as read
+    # generation_config.json's max_new_tokens: the canvas a request gets when it names none
+    # (None: the server-wide default). Our demo models set it to the canvas they were trained
+    # for; real checkpoints do not set it.
+    default_gen_length: int | None = None
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the rendered chat prompt, ending with the assistant header."""
@@ -241,5 +245,15 @@ def load_model(
         device=dev,
         dtype=dt,
         config=config,
+        default_gen_length=_default_gen_length(gen, gen_path),
         **ids,
     )
+
+
+def _default_gen_length(gen: dict[str, Any], gen_path: Path) -> int | None:
+    value = gen.get("max_new_tokens")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelLoadError(f"{gen_path}: max_new_tokens must be a positive integer: {value!r}")
+    return value

@@ -9,10 +9,8 @@ exact-match accuracy at default request settings (temperature 0) through the ser
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
-import random
 import time
 from pathlib import Path
 
@@ -24,8 +22,10 @@ from dllm_serve.llm import LLM
 from dllm_serve.models.loader import load_model
 from dllm_serve.models.tiny import write_tiny
 from dllm_serve.models.tiny.files import save_weights
-from dllm_serve.train.objectives import idlm_batch, llada_batch, loss
-from dllm_serve.train.tasks import TASKS, WEIGHTS, examples, held_out_set
+from dllm_serve.train.batches import BatchStream, batch_iterator
+from dllm_serve.train.model_card import machine, write_model_card
+from dllm_serve.train.objectives import loss
+from dllm_serve.train.tasks import TASKS, WEIGHTS, held_out_set
 
 SIZES = {
     "llada": {"d_model": 192, "n_layers": 6, "n_heads": 6, "mlp_hidden_size": 512},
@@ -73,8 +73,11 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     size = sizes(family, args.d_model, args.n_layers, args.mlp)
     write_skeleton(family, out, args.seed, args.canvas, size)
-    loaded = load_model(str(out), device=args.device, dtype="float32")
-    model = loaded.model.train()
+    loaded = load_model(str(out), device="cpu", dtype="float32")
+    weights = WEIGHTS | {"addition": args.addition_weight}
+    dataset = BatchStream(loaded, family, args.seed, args.batch_size, weights, args.canvas)
+    batches = batch_iterator(dataset, args.workers)  # before any CUDA use (workers fork)
+    model = loaded.model.to(args.device).train()
     for p in model.parameters():
         p.requires_grad_(True)
     lr = args.lr
@@ -84,13 +87,9 @@ def train(args: argparse.Namespace) -> dict:
         opt,
         lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, i / steps))),
     )
-    rng = random.Random(args.seed)
-    stream = examples(args.seed, "train", weights=WEIGHTS | {"addition": args.addition_weight})
-    make = functools.partial(llada_batch, canvas=args.canvas) if family == "llada" else idlm_batch
     started, history, evals = time.monotonic(), [], []
     for step in range(1, steps + 1):
-        batch = make(loaded, [next(stream) for _ in range(args.batch_size)], rng)
-        batch = batch.to(args.device)
+        batch = next(batches).to(args.device)
         value = loss(model, batch)
         opt.zero_grad(set_to_none=True)
         value.backward()
@@ -110,7 +109,15 @@ def train(args: argparse.Namespace) -> dict:
             print(f"step {step} held-out addition {acc['addition']:.3f}", flush=True)
     model.eval()
     save(model, loaded, out)
-    report = {"steps": steps, "seconds": round(time.monotonic() - started), "loss": history[-5:]}
+    report = {
+        "steps": steps,
+        "batch_size": args.batch_size,
+        "addition_weight": args.addition_weight,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "seconds": round(time.monotonic() - started),
+        "machine": machine(torch.get_num_threads(), args.device),
+        "loss": history[-5:],
+    }
     if evals:
         report["addition_during_training"] = evals
     return report
@@ -121,8 +128,8 @@ def evaluate(
     family: str,
     device: str = "cpu",
     canvas: int = 32,
-    n_addition: int = 300,
-    n_other: int = 50,
+    n_addition: int = 1000,
+    n_other: int = 100,
     tasks: tuple[str, ...] = tuple(TASKS),
 ) -> dict[str, float]:
     """Held-out exact match at temperature 0 with a 32-token canvas.
@@ -166,16 +173,20 @@ def main(argv: list[str] | None = None) -> None:
         help="addition's share against weight 1 for each other task",
     )
     p.add_argument("--canvas", type=int, default=32, help="default canvas (max_new_tokens)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers building batches")
+    p.add_argument("--name", default="", help="model name in the card (default demo-FAMILY)")
     p.add_argument("--eval-every", type=int, default=0, help="held-out addition every N steps")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     report = train(args)
     report["held_out_exact_match"] = evaluate(args.out, args.family, args.device, args.canvas)
+    report["held_out_counts"] = {t: 1000 if t == "addition" else 100 for t in TASKS}
     report["command"] = "python -m dllm_serve.train " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
     )
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_model_card(args.out, args.name or f"demo-{args.family}", args.family, report)
     print(json.dumps(report, indent=2))
 
 

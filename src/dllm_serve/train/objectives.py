@@ -57,11 +57,16 @@ def llada_batch(
     """Answer regions are EOS-padded to the default ``canvas`` (the inference layout at
     default settings) three times in four, else by a random 0–``max_pad`` tokens."""
     rows, targets, weights = [], [], []
-    for ex in examples:
+    # Stratified mask ratios (one per 1/B slice of (0, 1), MDLM's low-discrepancy sampler):
+    # the same objective as i.i.d. t ~ U(ε, 1), with less variance from rare tiny t.
+    offset = rng.random()
+    strata = [(i + offset) / len(examples) for i in range(len(examples))]
+    rng.shuffle(strata)
+    for ex, u in zip(examples, strata, strict=True):
         prompt, answer = encode(loaded, ex)
         pad = canvas - len(answer) if rng.random() < 0.75 else rng.randint(0, max_pad)
         region = answer + [loaded.eos_id] * max(pad, 0)  # EOS padding tail
-        t = EPS + (1 - EPS) * rng.random()
+        t = EPS + (1 - EPS) * u
         masked = [rng.random() < t for _ in region]
         if not any(masked):
             masked[rng.randrange(len(region))] = True

@@ -102,3 +102,21 @@ def test_gpu_llada8b_refuses_without_gpu(tmp_path: Path) -> None:
     assert load("gpu_llada8b").main(["--out", str(out)]) is None
     assert load("gpu_llada8b").main(["--device", "cpu", "--out", str(out)]) is None
     assert not out.exists()
+
+
+def test_demo_ablation(tmp_path: Path) -> None:
+    out = tmp_path / "demo_ablation.json"
+    bench = load("demo_ablation")
+    bench.main(["--n-addition", "2", "--n-other", "1", "--threads", "1", "--out", str(out)])
+    report = read(out)
+    assert report["llada_model"] == "demo-llada" and report["idlm_model"] == "demo-idlm"
+    llada = {(r["setting"], r["kv_cache"]) for r in report["llada"]}
+    assert llada == {(s, "none") for s in bench.LLADA_SETTINGS} | {
+        (s, "prefix") for s in bench.WITH_PREFIX_CACHE
+    }
+    assert [r["params"]["isd_stride"] for r in report["idlm"]] == list(bench.ISD_STRIDES)
+    for row in report["llada"] + report["idlm"]:
+        assert 0 <= row["addition_accuracy"] <= 1
+        assert row["nfe_total"] > 0 and row["answer_tokens"] > 0
+    assert report["idlm"][0]["drafted"] == 0  # stride 1 drafts nothing
+    assert all(r["drafted"] > 0 for r in report["idlm"][1:])

@@ -1,0 +1,54 @@
+"""The endless, seeded stream of training batches (optionally built by DataLoader workers)."""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Iterator
+
+import torch
+
+from dllm_serve.models.loader import LoadedModel
+from dllm_serve.train.objectives import TrainBatch, idlm_batch, llada_batch
+from dllm_serve.train.tasks import examples
+
+
+class BatchStream(torch.utils.data.IterableDataset):
+    """Batches of ``batch_size`` training examples for ``family``'s objective.
+
+    In the main process the stream is seeded with ``seed`` (the single-process run). Under a
+    DataLoader with workers, worker ``i`` draws from its own stream seeded ``seed·1000+1+i``,
+    so a run is reproducible for a given worker count (batches arrive in worker order).
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        family: str,
+        seed: int,
+        batch_size: int,
+        weights: dict[str, int],
+        canvas: int,
+    ) -> None:
+        self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
+        llada = functools.partial(llada_batch, canvas=canvas)
+        self.make = llada if family == "llada" else idlm_batch
+
+    def __iter__(self) -> Iterator[TrainBatch]:
+        info = torch.utils.data.get_worker_info()
+        seed = self.seed if info is None else self.seed * 1000 + 1 + info.id
+        rng = random.Random(seed)
+        stream = examples(seed, "train", weights=self.weights)
+        while True:
+            yield self.make(self.loaded, [next(stream) for _ in range(self.batch_size)], rng)
+
+
+def batch_iterator(dataset: BatchStream, workers: int) -> Iterator[TrainBatch]:
+    """The dataset itself, or a DataLoader over it with ``workers`` processes. Start it before
+    the model moves to a GPU: the workers fork and must not inherit a CUDA context."""
+    if workers <= 0:
+        return iter(dataset)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=workers, prefetch_factor=4, persistent_workers=True
+    )
+    return iter(loader)

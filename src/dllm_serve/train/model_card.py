@@ -1,0 +1,80 @@
+"""The README.md model card written next to a trained demo checkpoint."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+from dllm_serve.train.tasks import TASKS
+
+_OBJECTIVE = {
+    "llada": (
+        "LLaDA's masked-diffusion objective: the answer region (answer, end-of-turn token and "
+        "EOS padding, which is trained as ordinary tokens as in LLaDA's SFT) is masked with a "
+        "per-row ratio t ~ U(0.001, 1) (stratified across the batch); cross-entropy on the "
+        "masked positions weighted by 1/t; bidirectional attention; the prompt is never masked."
+    ),
+    "idlm": (
+        "Introspective causal training (I-DLM): strictly causal attention with logit shift "
+        "(position j predicts token j+1); the answer is cut at a random point and followed by "
+        "0-7 MASK tokens, the tail layout of a self-speculative round, and every clean and MASK "
+        "position predicts its true next token, so MASK drafts learn to agree with the causal "
+        "path."
+    ),
+}
+_DECODING = {
+    "llada": "temperature 0, canvas 32 (`max_new_tokens`), 32 steps, one block, top-1 "
+    "confidence, low-confidence remasking: the server's defaults for this model",
+    "idlm": "temperature 0, up to 32 tokens; greedy, which is exactly what self-speculative "
+    "decoding returns at temperature 0 (the server's defaults for this model)",
+}
+
+
+def write_model_card(out: Path, name: str, family: str, report: dict[str, Any]) -> None:
+    config = json.loads((out / "config.json").read_text())
+    size_mb = (out / "model.safetensors").stat().st_size / 1e6
+    scores = report["held_out_exact_match"]
+    rows = "\n".join(
+        f"| {task} | {scores[task] * 100:.1f}% | {report['held_out_counts'][task]} |"
+        for task in TASKS
+    )
+    d = config.get("d_model") or config.get("hidden_size")
+    layers = config.get("n_layers") or config.get("num_hidden_layers")
+    kind = "LLaDA-format masked diffusion" if family == "llada" else "I-DLM-format causal"
+    text = f"""# {name}
+
+A small {kind} model trained by dllm-serve on a synthetic task mix,
+so that the server answers sensibly with no download and no GPU. It is not a general chat
+model: it answers the six kinds of question below.
+
+| held-out task (exact match) | accuracy | questions |
+| --- | --- | --- |
+{rows}
+
+Decoding for the table: {_DECODING[family]}.
+
+- Questions: `What is 123 + 456?` (answer `123 + 456 = 579`, operands uniform in 0-999),
+  `What is 900 - 12?`, `Reverse the word abc.`, `Sort the letters of cab.`,
+  `How many times does a appear in banana?`, `Given a=1, b=2, c=3, what is b?`
+  (`dllm_serve/train/tasks.py`). 10% of all questions, chosen by a hash of the question text,
+  are held out: training never sees them, and the table is measured on them.
+- Task mix: addition weight {report["addition_weight"]}, each other task weight 1.
+- Objective: {_OBJECTIVE[family]}
+- Shape: d_model {d}, {layers} layers, {report["parameters"]:,} parameters, stored in bf16
+  ({size_mb:.1f} MB). Real chat template, tokenizer and special tokens of the format (see
+  `docs/models.md`); `generation_config.json` sets `max_new_tokens` 32, the server's default
+  canvas for this model.
+- Training: {report["steps"]} steps of {report["batch_size"]} examples, AdamW, linear warm-up
+  then cosine decay, {report["seconds"] / 60:.0f} minutes on {report["machine"]}:
+
+      {report["command"]}
+"""
+    (out / "README.md").write_text(text)
+
+
+def machine(threads: int, device: str) -> str:
+    if device != "cpu":
+        return f"{device} ({platform.machine()})"
+    return f"{threads} CPU thread(s), {platform.processor() or platform.machine()}"
