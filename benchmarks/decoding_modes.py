@@ -135,9 +135,9 @@ def summarise(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-llada")
+    parser.add_argument("--model", default="demo-llada")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--gen-length", type=int, default=64)
     parser.add_argument("--block-length", type=int, default=16)
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--kv-cache", choices=["none", "prefix", "both"], default="both")
     parser.add_argument("--repeat", type=int, default=1, help="time: best of N runs")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     loaded = load_model(args.model, device=args.device)
     caches = ["none", "prefix"] if args.kv_cache == "both" else [args.kv_cache]

@@ -98,7 +98,7 @@ def draw(report: dict[str, Any]) -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-llada")
+    parser.add_argument("--model", default="demo-llada")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--requests", type=int, default=16, help="submitted at once")

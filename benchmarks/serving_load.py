@@ -222,7 +222,7 @@ def draw(levels: list[dict[str, Any]]) -> Any:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="an already running server (loopback only)")
-    parser.add_argument("--model", default="tiny-llada", help="model to start (without --url)")
+    parser.add_argument("--model", default="demo-llada", help="model to start (without --url)")
     parser.add_argument("--server-args", default="", help="extra dllm-serve arguments, one string")
     parser.add_argument(
         "--server-threads", type=int, default=0, help="OMP_NUM_THREADS of a started server"

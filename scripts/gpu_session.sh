@@ -4,7 +4,11 @@
 #   2. the CUDA tests (tests/gpu) and the demo-recipe sweep side by side.
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash scripts/gpu_session.sh
 set -u
-export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
+# The lent machine has torch/transformers/safetensors but not uuid6: carry its wheel in .whl/.
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
 export OUT="${OUT:-/tmp/gpu-out}"; mkdir -p "$OUT"
 nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 timeout 130 python3 benchmarks/gpu_llada8b.py --max-seconds 80 2>&1 | tee "$OUT/gpu_llada8b.log"

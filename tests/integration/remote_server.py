@@ -21,8 +21,8 @@ class RemoteServer(LocalServer):
     """
 
     @classmethod
-    def start(cls, args: list[str], log: Path, **kwargs: Any) -> Self:
-        if "--model" not in args:
+    def start(cls, args: list[str], log: Path, *, pin_model: bool = True, **kwargs: Any) -> Self:
+        if pin_model and "--model" not in args:
             args = ["--model", "tiny-llada", *args]
         return super().start(args, log, **kwargs)
 

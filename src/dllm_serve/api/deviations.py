@@ -7,7 +7,7 @@ DEVIATIONS_TABLE = """\
 | OpenAI field / behaviour | dllm-serve (diffusion) semantics |
 |---|---|
 | `stream: true` | Emits **whole spans of text per denoising step**, not one token per event: each SSE delta is the text that became final (committed and contiguous from the start of the answer) in the latest step. Concatenated deltas equal the non-streamed answer. |
-| `max_tokens` / `max_completion_tokens` | The **canvas length** (`gen_length`, default 128): the number of masked positions denoised. Output is fixed-length; the model ends shorter answers with EOS/EOT followed by padding, which is cut. `usage.completion_tokens` counts answer tokens only. |
+| `max_tokens` / `max_completion_tokens` | The **canvas length** (`gen_length`; default 128, or the model's `generation_config.json` `max_new_tokens` when it sets one — 32 for the demo models): the number of masked positions denoised. Output is fixed-length; the model ends shorter answers with EOS/EOT followed by padding, which is cut. `usage.completion_tokens` counts answer tokens only. |
 | `finish_reason` | `stop` when the answer ends with EOS/EOT or a `stop` string; `length` when the canvas is full without one. |
 | `temperature` | 0–2, **default 0** (greedy). > 0 samples each position by Gumbel-max in float64 from a per-request generator. |
 | `seed` | Per request: same seed + same parameters ⇒ same answer. Ignored at temperature 0, which is seed-independent. |

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -49,10 +50,23 @@ def sizes(family: str, d_model: int | None, n_layers: int | None, mlp: int | Non
     return out
 
 
-def write_skeleton(family: str, out: Path, seed: int, canvas: int, size: dict) -> None:
+def write_skeleton(
+    family: str, out: Path, seed: int, canvas: int, size: dict, rope_theta: float
+) -> None:
     """A random checkpoint in the family's real format; its generation_config.json carries
-    the canvas the model was trained for as ``max_new_tokens`` (the server's default)."""
+    the canvas the model was trained for as ``max_new_tokens`` (the server's default).
+
+    ``rope_theta``: the real checkpoints' 500000 / 1000000 suit head_dim 128 and long
+    contexts; with 32-dimensional heads and 60-token rows only 3 or 4 of their 16 rotary
+    frequencies turn noticeably, and a bidirectional model (no causal mask to count
+    positions with) then barely knows where a token is. 0 keeps the format's value.
+    """
     write_tiny(family, out, seed=seed, **size)
+    if rope_theta:
+        config_path = out / "config.json"
+        config = json.loads(config_path.read_text())
+        config["rope_theta"] = rope_theta
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
     gen_path = out / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
     gen["max_new_tokens"] = canvas
@@ -72,10 +86,14 @@ def train(args: argparse.Namespace) -> dict:
     family, out, steps = args.family, args.out, args.steps
     torch.manual_seed(args.seed)
     size = sizes(family, args.d_model, args.n_layers, args.mlp)
-    write_skeleton(family, out, args.seed, args.canvas, size)
+    write_skeleton(family, out, args.seed, args.canvas, size, args.rope_theta)
+    if args.init:  # continue from a trained checkpoint of the same shape (a second stage)
+        shutil.copyfile(args.init / "model.safetensors", out / "model.safetensors")
     loaded = load_model(str(out), device="cpu", dtype="float32")
     weights = WEIGHTS | {"addition": args.addition_weight}
-    dataset = BatchStream(loaded, family, args.seed, args.batch_size, weights, args.canvas)
+    dataset = BatchStream(
+        loaded, family, args.seed, args.batch_size, weights, args.canvas, args.weighting
+    )
     batches = batch_iterator(dataset, args.workers)  # before any CUDA use (workers fork)
     model = loaded.model.to(args.device).train()
     for p in model.parameters():
@@ -173,6 +191,14 @@ def main(argv: list[str] | None = None) -> None:
         help="addition's share against weight 1 for each other task",
     )
     p.add_argument("--canvas", type=int, default=32, help="default canvas (max_new_tokens)")
+    p.add_argument("--rope-theta", type=float, default=0.0, help="0: the format's own")
+    p.add_argument(
+        "--weighting",
+        choices=["token_mean", "inverse_t"],
+        default="token_mean",
+        help="LLaDA loss weighting (see objectives.llada_batch)",
+    )
+    p.add_argument("--init", type=Path, help="start from this checkpoint's weights")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers building batches")
     p.add_argument("--name", default="", help="model name in the card (default demo-FAMILY)")
     p.add_argument("--eval-every", type=int, default=0, help="held-out addition every N steps")
@@ -181,9 +207,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     report = train(args)
     report["held_out_exact_match"] = evaluate(args.out, args.family, args.device, args.canvas)
+    if args.init and (args.init / "training_report.json").is_file():
+        first = json.loads((args.init / "training_report.json").read_text())
+        report["init_from"] = {k: first[k] for k in ("command", "steps", "seconds") if k in first}
     report["held_out_counts"] = {t: 1000 if t == "addition" else 100 for t in TASKS}
     report["command"] = "python -m dllm_serve.train " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, "")
     )
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_model_card(args.out, args.name or f"demo-{args.family}", args.family, report)

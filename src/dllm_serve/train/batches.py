@@ -29,9 +29,10 @@ class BatchStream(torch.utils.data.IterableDataset):
         batch_size: int,
         weights: dict[str, int],
         canvas: int,
+        weighting: str = "token_mean",
     ) -> None:
         self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
-        llada = functools.partial(llada_batch, canvas=canvas)
+        llada = functools.partial(llada_batch, canvas=canvas, weighting=weighting)
         self.make = llada if family == "llada" else idlm_batch
 
     def __iter__(self) -> Iterator[TrainBatch]:

@@ -66,12 +66,26 @@ Decoding for the table: {_DECODING[family]}.
   ({size_mb:.1f} MB). Real chat template, tokenizer and special tokens of the format (see
   `docs/models.md`); `generation_config.json` sets `max_new_tokens` 32, the server's default
   canvas for this model.
-- Training: {report["steps"]} steps of {report["batch_size"]} examples, AdamW, linear warm-up
-  then cosine decay, {report["seconds"] / 60:.0f} minutes on {report["machine"]}:
-
-      {report["command"]}
+- Training: {_training(report)}
 """
     (out / "README.md").write_text(text)
+
+
+def _training(report: dict[str, Any]) -> str:
+    stages = [*([report["init_from"]] if "init_from" in report else []), report]
+    total = sum(s["seconds"] for s in stages) / 60
+    text = (
+        f"{' then '.join(str(s['steps']) for s in stages)} steps of {report['batch_size']} "
+        f"examples, AdamW, linear warm-up then cosine decay, {total:.0f} minutes in all on "
+        f"{report['machine']}"
+    )
+    if len(stages) == 1:
+        return f"{text}:\n\n      {report['command']}"
+    return (
+        f"{text}, in two stages: the second continues from the first's weights at a lower "
+        f"learning rate on a fresh example stream (another seed):\n\n"
+        + "\n".join(f"      {s['command']}" for s in stages)
+    )
 
 
 def machine(threads: int, device: str) -> str:

@@ -53,9 +53,17 @@ def llada_batch(
     rng: random.Random,
     max_pad: int = 48,
     canvas: int = 32,
+    weighting: str = "token_mean",
 ) -> TrainBatch:
     """Answer regions are EOS-padded to the default ``canvas`` (the inference layout at
-    default settings) three times in four, else by a random 0–``max_pad`` tokens."""
+    default settings) three times in four, else by a random 0–``max_pad`` tokens.
+
+    ``weighting``: ``"inverse_t"`` is LLaDA's ELBO weight (each masked token's CE times
+    1/t, over the region length); ``"token_mean"`` averages CE over the batch's masked tokens.
+    With small batches of short answers the 1/t weight lets the rare tiny-t rows (one masked
+    token, weight up to 1000×) dominate every batch gradient, which the gradient clip then
+    shrinks for all other rows: measured here, 512k examples taught it no arithmetic at all.
+    """
     rows, targets, weights = [], [], []
     # Stratified mask ratios (one per 1/B slice of (0, 1), MDLM's low-discrepancy sampler):
     # the same objective as i.i.d. t ~ U(ε, 1), with less variance from rare tiny t.
@@ -77,9 +85,14 @@ def llada_batch(
             [-100] * len(prompt)
             + [tok if m else -100 for tok, m in zip(region, masked, strict=True)]
         )
-        weights.append([0.0] * len(prompt) + [1.0 / (t * len(region))] * len(region))
-    # LLaDA: E_t[(1/t) Σ_masked CE / |region|], averaged over the batch.
-    return _pad(rows, targets, weights, loaded, causal=False, normalizer=len(rows))
+        w = 1.0 / (t * len(region)) if weighting == "inverse_t" else 1.0
+        weights.append([0.0] * len(prompt) + [w] * len(region))
+    if weighting == "inverse_t":  # E_t[(1/t) Σ_masked CE / |region|], averaged over rows
+        return _pad(rows, targets, weights, loaded, causal=False, normalizer=len(rows))
+    if weighting != "token_mean":
+        raise ValueError(f"unknown weighting {weighting!r}")
+    n_masked = sum(tok != -100 for tgt in targets for tok in tgt)
+    return _pad(rows, targets, weights, loaded, causal=False, normalizer=n_masked)
 
 
 def idlm_batch(

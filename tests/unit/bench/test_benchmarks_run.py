@@ -47,7 +47,7 @@ def test_serving_load_sweep(tmp_path: Path) -> None:
          "--steps", "4", "--server-threads", "1", "--out", str(out)]
     )  # fmt: skip
     report = read(out)
-    assert report["model"] == "tiny-llada"
+    assert report["model"] == "demo-llada"
     assert [lv["concurrency"] for lv in report["levels"]] == [1, 2]
     for level in report["levels"]:
         assert level["requests_ok"] == 3, level["errors"]
@@ -120,3 +120,18 @@ def test_demo_ablation(tmp_path: Path) -> None:
         assert row["nfe_total"] > 0 and row["answer_tokens"] > 0
     assert report["idlm"][0]["drafted"] == 0  # stride 1 drafts nothing
     assert all(r["drafted"] > 0 for r in report["idlm"][1:])
+
+
+def test_decoding_modes(tmp_path: Path) -> None:
+    out = tmp_path / "decoding_modes.json"
+    bench = load("decoding_modes")
+    bench.main(
+        ["--model", "tiny-llada", "--gen-length", "8", "--block-length", "4", "--steps", "4",
+         "--out", str(out)]
+    )  # fmt: skip
+    report = read(out)
+    assert report["random_weights"] is True
+    assert {(r["mode"], r["kv_cache"]) for r in report["modes"]} == {
+        (m, kv) for m in bench.MODES for kv in ("none", "prefix")
+    }
+    assert all(r["nfe_total"] > 0 for r in report["modes"])
