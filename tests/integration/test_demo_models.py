@@ -3,6 +3,7 @@ arguments serves demo-llada, `--model demo-idlm` the I-DLM demo, and both answer
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from remote_server import RemoteServer
@@ -24,12 +25,15 @@ def test_no_arguments_serves_the_trained_llada_demo(tmp_path: Path) -> None:
         assert [m.id for m in server.client().models.list().data] == ["demo-llada"]
         reply, streamed = _ask_twice(server)
         assert reply.model == "demo-llada"
-        assert reply.choices[0].message.content == "123 + 456 = 579"
+        answer = reply.choices[0].message.content
+        # The trained answer format, operands copied (its sums are often wrong: see the card).
+        assert re.fullmatch(r"123 \+ 456 = \d{1,4}", answer), answer
         assert reply.choices[0].finish_reason == "stop"
-        assert streamed == "123 + 456 = 579"
+        assert streamed == answer
         diffusion = reply.usage.model_extra["diffusion"]
         assert diffusion["canvas_length"] == 32  # the model's max_new_tokens, no max_tokens sent
-        assert reply.usage.completion_tokens == 14  # "1" "2" "3" " +" " " "4" ... "9"
+        # Answer tokens only: one per character here (digits, " +", spaces), no EOS padding.
+        assert reply.usage.completion_tokens == len(answer) - 1  # " +" is one token
         assert diffusion["nfe"] <= 32
     finally:
         server.stop()

@@ -4,6 +4,7 @@ held-out answers at the server's default settings (temperature 0)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,6 @@ def test_demo_answers_held_out_additions_at_default_settings(name: str) -> None:
     right = sum(o.text == e.answer for o, e in zip(outs, exs, strict=True))
     # The first 40 of the card's 1,000 held-out additions: within 10 points of its score.
     assert right / len(exs) >= card["held_out_exact_match"]["addition"] - 0.10
+    # Whatever the sum, every answer has the trained format with both operands copied.
+    for o, e in zip(outs, exs, strict=True):
+        assert re.fullmatch(re.escape(e.answer.split("=")[0]) + r"= \d{1,4}", o.text), o.text
