@@ -8,6 +8,10 @@ from pathlib import Path
 
 from remote_server import RemoteServer
 
+from dllm_serve.models.families.llada import LLADA
+from dllm_serve.models.hub import EMBEDDED_MODELS
+from dllm_serve.models.tokenization import load_tokenizer
+
 QUESTION = [{"role": "user", "content": "What is 123 + 456?"}]
 
 
@@ -32,8 +36,11 @@ def test_no_arguments_serves_the_trained_llada_demo(tmp_path: Path) -> None:
         assert streamed == answer
         diffusion = reply.usage.model_extra["diffusion"]
         assert diffusion["canvas_length"] == 32  # the model's max_new_tokens, no max_tokens sent
-        # Answer tokens only: one per character here (digits, " +", spaces), no EOS padding.
-        assert reply.usage.completion_tokens == len(answer) - 1  # " +" is one token
+        # Answer tokens only: no end-of-turn token, no EOS padding.
+        tokenizer = load_tokenizer(Path(EMBEDDED_MODELS["demo-llada"]), LLADA)
+        assert reply.usage.completion_tokens == len(
+            tokenizer.encode(answer, add_special_tokens=False)
+        )
         assert diffusion["nfe"] <= 32
     finally:
         server.stop()
