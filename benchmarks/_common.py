@@ -7,6 +7,7 @@ The JSON is always written; it is the result, the PNG only a picture of it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -61,6 +62,18 @@ def machine_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch CPU threads (0: torch's default)"
+    )
+
+
+def apply_threads(threads: int) -> None:
+    """On a shared machine more threads than free cores make every op spin-wait."""
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def write_json(path: Path, report: dict[str, Any]) -> Path:

@@ -22,10 +22,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, machine_info, plot_if_available, write_json
+from _common import (
+    RESULTS_DIR,
+    add_threads_option,
+    apply_threads,
+    machine_info,
+    plot_if_available,
+    write_json,
+)
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
@@ -170,11 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--n-addition", type=int, default=300)
     p.add_argument("--n-other", type=int, default=40)
-    p.add_argument("--threads", type=int, default=0)
+    add_threads_option(p)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "demo_ablation.json")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     exs = questions(args.n_addition, args.n_other)
     report: dict[str, Any] = {
         "machine": machine_info(),

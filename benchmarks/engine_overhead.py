@@ -34,7 +34,15 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PROMPTS, RESULTS_DIR, machine_info, plot_if_available, write_json
+from _common import (
+    PROMPTS,
+    RESULTS_DIR,
+    add_threads_option,
+    apply_threads,
+    machine_info,
+    plot_if_available,
+    write_json,
+)
 
 import dllm_serve.engine.engine as engine_module
 from dllm_serve.config import EngineConfig
@@ -108,13 +116,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-running-requests", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3, help="engine/bare pairs; median reported")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "engine_overhead.json")
-    parser.add_argument(
-        "--threads", type=int, default=0, help="torch CPU threads (0: torch's default)"
-    )
+    add_threads_option(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        # On a shared machine more threads than free cores make every op spin-wait.
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
 
     config = EngineConfig(
         max_running_requests=args.max_running_requests, max_waiting_requests=1 << 30

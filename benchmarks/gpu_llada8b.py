@@ -36,7 +36,15 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, machine_info, ms, plot_if_available, write_json
+from _common import (
+    RESULTS_DIR,
+    add_threads_option,
+    apply_threads,
+    machine_info,
+    ms,
+    plot_if_available,
+    write_json,
+)
 
 from dllm_serve.models.families.llada import LLADA
 from dllm_serve.models.kv_cache import KVBatch, KVCache
@@ -189,13 +197,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--allow-cpu", action="store_true", help="with --tiny: CPU smoke run")
     parser.add_argument("--tiny", action="store_true", help="toy size, same architecture")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu_llada8b.json")
-    parser.add_argument(
-        "--threads", type=int, default=0, help="torch CPU threads (0: torch's default)"
-    )
+    add_threads_option(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        # On a shared machine more threads than free cores make every op spin-wait.
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     started = time.monotonic()
 
     device = torch.device(args.device)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.models.loader import load_model
 
@@ -62,7 +62,7 @@ class LLM:
         """Generate one completion per conversation (``params`` per conversation or shared)."""
         if params is None:  # the server's defaults: the model's canvas, steps = canvas
             length = self.engine.default_gen_length
-            params = DecodingParams(gen_length=length, steps=min(128, length))
+            params = DecodingParams(gen_length=length, steps=min(DEFAULT_STEPS, length))
         if isinstance(params, DecodingParams):
             per_row = [params] * len(conversations)
         else:

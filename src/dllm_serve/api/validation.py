@@ -21,9 +21,8 @@ from dllm_serve.api.field_rules import (
     reject_unavailable_fields,
 )
 from dllm_serve.api.protocol import ChatCompletionRequest
-from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
+from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DEFAULT_STEPS, DecodingParams
 
-DEFAULT_STEPS = 128
 MAX_STEPS = 512
 
 

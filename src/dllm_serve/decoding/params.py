@@ -8,6 +8,7 @@ BLOCK_SCHEDULES = ("uniform", "front_loaded", "cosine")
 CONFIDENCE_METRICS = ("top1_prob", "entropy_inverse")
 COMMIT_MODES = ("topk", "threshold", "local_leap")
 DEFAULT_GEN_LENGTH = 128  # canvas of a request without max_tokens, unless the model sets one
+DEFAULT_STEPS = 128  # ADR 005; capped at the canvas
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,7 @@ class DecodingParams:
     """
 
     gen_length: int = DEFAULT_GEN_LENGTH
-    steps: int = 128
+    steps: int = DEFAULT_STEPS
     block_length: int | None = None  # None: one block covering the whole canvas
     temperature: float = 0.0
     seed: int | None = None

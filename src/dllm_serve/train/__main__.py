@@ -28,6 +28,7 @@ from dllm_serve.train.model_card import machine, write_model_card
 from dllm_serve.train.objectives import loss
 from dllm_serve.train.tasks import TASKS, WEIGHTS, held_out_set
 
+N_ADDITION, N_OTHER = 1000, 100  # held-out questions in the final evaluation
 SIZES = {
     "llada": {"d_model": 192, "n_layers": 6, "n_heads": 6, "mlp_hidden_size": 512},
     "idlm": {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 384},
@@ -131,6 +132,7 @@ def train(args: argparse.Namespace) -> dict:
         "steps": steps,
         "batch_size": args.batch_size,
         "addition_weight": args.addition_weight,
+        "weighting": args.weighting if family == "llada" else None,
         "parameters": sum(p.numel() for p in model.parameters()),
         "seconds": round(time.monotonic() - started),
         "machine": machine(torch.get_num_threads(), args.device),
@@ -146,11 +148,11 @@ def evaluate(
     family: str,
     device: str = "cpu",
     canvas: int = 32,
-    n_addition: int = 1000,
-    n_other: int = 100,
+    n_addition: int = N_ADDITION,
+    n_other: int = N_OTHER,
     tasks: tuple[str, ...] = tuple(TASKS),
 ) -> dict[str, float]:
-    """Held-out exact match at temperature 0 with a 32-token canvas.
+    """Held-out exact match at temperature 0 with the model's ``canvas``.
 
     LLaDA: one block, 32 steps. I-DLM: one token per step (block 1), which is greedy
     autoregressive decoding — what exact self-speculative verification returns at temperature 0.
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.init and (args.init / "training_report.json").is_file():
         first = json.loads((args.init / "training_report.json").read_text())
         report["init_from"] = {k: first[k] for k in ("command", "steps", "seconds") if k in first}
-    report["held_out_counts"] = {t: 1000 if t == "addition" else 100 for t in TASKS}
+    report["held_out_counts"] = {t: N_ADDITION if t == "addition" else N_OTHER for t in TASKS}
     report["command"] = "python -m dllm_serve.train " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, "")
     )

@@ -14,7 +14,7 @@ _OBJECTIVE = {
         "LLaDA's masked-diffusion objective: the answer region (answer, end-of-turn token and "
         "EOS padding, which is trained as ordinary tokens as in LLaDA's SFT) is masked with a "
         "per-row ratio t ~ U(0.001, 1) (stratified across the batch); cross-entropy on the "
-        "masked positions weighted by 1/t; bidirectional attention; the prompt is never masked."
+        "masked positions ({weighting}); bidirectional attention; the prompt is never masked."
     ),
     "idlm": (
         "Introspective causal training (I-DLM): strictly causal attention with logit shift "
@@ -23,6 +23,11 @@ _OBJECTIVE = {
         "position predicts its true next token, so MASK drafts learn to agree with the causal "
         "path."
     ),
+}
+_WEIGHTING = {
+    "token_mean": "averaged over the batch's masked tokens",
+    "inverse_t": "each weighted by 1/t, LLaDA's ELBO weight",
+    None: "averaged over the batch's masked tokens",
 }
 _DECODING = {
     "llada": "temperature 0, canvas 32 (`max_new_tokens`), 32 steps, one block, top-1 "
@@ -61,7 +66,7 @@ Decoding for the table: {_DECODING[family]}.
   (`dllm_serve/train/tasks.py`). 10% of all questions, chosen by a hash of the question text,
   are held out: training never sees them, and the table is measured on them.
 - Task mix: addition weight {report["addition_weight"]}, each other task weight 1.
-- Objective: {_OBJECTIVE[family]}
+- Objective: {_OBJECTIVE[family].format(weighting=_WEIGHTING[report.get("weighting")])}
 - Shape: d_model {d}, {layers} layers, {report["parameters"]:,} parameters, stored in bf16
   ({size_mb:.1f} MB). Real chat template, tokenizer and special tokens of the format (see
   `docs/models.md`); `generation_config.json` sets `max_new_tokens` 32, the server's default

@@ -62,7 +62,7 @@ def llada_batch(
     1/t, over the region length); ``"token_mean"`` averages CE over the batch's masked tokens.
     With small batches of short answers the 1/t weight lets the rare tiny-t rows (one masked
     token, weight up to 1000×) dominate every batch gradient, which the gradient clip then
-    shrinks for all other rows: measured here, 512k examples taught it no arithmetic at all.
+    shrinks for all other rows (docs/training.md has what each choice reached).
     """
     rows, targets, weights = [], [], []
     # Stratified mask ratios (one per 1/B slice of (0, 1), MDLM's low-discrepancy sampler):
