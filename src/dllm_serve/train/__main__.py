@@ -35,13 +35,21 @@ SIZES = {
 }
 
 
-def sizes(family: str, d_model: int | None, n_layers: int | None, mlp: int | None) -> dict:
-    """The family's default size, with any overrides (heads of 32 dimensions)."""
+def sizes(
+    family: str, d_model: int | None, n_layers: int | None, mlp: int | None, heads: int = 0
+) -> dict:
+    """The family's default size, with any overrides (heads of 32 dimensions unless
+    ``heads`` is given; I-DLM keeps two query heads per KV head)."""
     out = dict(SIZES[family])
     if d_model:
         out |= {"d_model": d_model, "n_heads": d_model // 32}
+    if heads:
+        out["n_heads"] = heads
+    if d_model or heads:
+        if out["d_model"] % out["n_heads"]:
+            raise SystemExit(f"d_model {out['d_model']} is not divisible by {out['n_heads']} heads")
         if "n_kv_heads" in out:
-            out["n_kv_heads"] = max(1, d_model // 64)
+            out["n_kv_heads"] = max(1, out["n_heads"] // 2)
     if n_layers:
         out["n_layers"] = n_layers
     if mlp:
@@ -86,14 +94,21 @@ def save(model: torch.nn.Module, loaded, out: Path) -> None:
 def train(args: argparse.Namespace) -> dict:
     family, out, steps = args.family, args.out, args.steps
     torch.manual_seed(args.seed)
-    size = sizes(family, args.d_model, args.n_layers, args.mlp)
+    size = sizes(family, args.d_model, args.n_layers, args.mlp, args.heads)
     write_skeleton(family, out, args.seed, args.canvas, size, args.rope_theta)
     if args.init:  # continue from a trained checkpoint of the same shape (a second stage)
         shutil.copyfile(args.init / "model.safetensors", out / "model.safetensors")
     loaded = load_model(str(out), device="cpu", dtype="float32")
     weights = WEIGHTS | {"addition": args.addition_weight}
     dataset = BatchStream(
-        loaded, family, args.seed, args.batch_size, weights, args.canvas, args.weighting
+        loaded,
+        family,
+        args.seed,
+        args.batch_size,
+        weights,
+        args.canvas,
+        args.weighting,
+        args.addition_operands,
     )
     batches = batch_iterator(dataset, args.workers)  # before any CUDA use (workers fork)
     model = loaded.model.to(args.device).train()
@@ -132,6 +147,7 @@ def train(args: argparse.Namespace) -> dict:
         "steps": steps,
         "batch_size": args.batch_size,
         "addition_weight": args.addition_weight,
+        "addition_operands": args.addition_operands,
         "weighting": args.weighting if family == "llada" else None,
         "parameters": sum(p.numel() for p in model.parameters()),
         "seconds": round(time.monotonic() - started),
@@ -186,17 +202,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--d-model", type=int, default=0, help="override the family's size")
     p.add_argument("--n-layers", type=int, default=0)
     p.add_argument("--mlp", type=int, default=0, help="MLP hidden size")
+    p.add_argument("--heads", type=int, default=0, help="attention heads (0: d_model / 32)")
     p.add_argument(
         "--addition-weight",
         type=int,
         default=WEIGHTS["addition"],
         help="addition's share against weight 1 for each other task",
     )
+    p.add_argument(
+        "--addition-operands",
+        choices=["uniform", "mixed"],
+        default="uniform",
+        help="training additions: uniform 0-999, or half of them with a uniform digit count",
+    )
     p.add_argument("--canvas", type=int, default=32, help="default canvas (max_new_tokens)")
     p.add_argument("--rope-theta", type=float, default=0.0, help="0: the format's own")
     p.add_argument(
         "--weighting",
-        choices=["token_mean", "inverse_t"],
+        choices=["token_mean", "row_mean", "inverse_t"],
         default="token_mean",
         help="LLaDA loss weighting (see objectives.llada_batch)",
     )

@@ -30,8 +30,10 @@ class BatchStream(torch.utils.data.IterableDataset):
         weights: dict[str, int],
         canvas: int,
         weighting: str = "token_mean",
+        addition_operands: str = "uniform",
     ) -> None:
         self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
+        self.addition_operands = addition_operands
         llada = functools.partial(llada_batch, canvas=canvas, weighting=weighting)
         self.make = llada if family == "llada" else idlm_batch
 
@@ -39,7 +41,9 @@ class BatchStream(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         seed = self.seed if info is None else self.seed * 1000 + 1 + info.id
         rng = random.Random(seed)
-        stream = examples(seed, "train", weights=self.weights)
+        stream = examples(
+            seed, "train", weights=self.weights, addition_operands=self.addition_operands
+        )
         while True:
             yield self.make(self.loaded, [next(stream) for _ in range(self.batch_size)], rng)
 

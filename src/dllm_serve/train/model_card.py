@@ -27,6 +27,8 @@ _OBJECTIVE = {
 _WEIGHTING = {
     "token_mean": "averaged over the batch's masked tokens",
     "inverse_t": "each weighted by 1/t, LLaDA's ELBO weight",
+    "row_mean": "averaged per row over its masked tokens, then over rows: LLaDA's 1/t "
+    "ELBO weight with the expected masked count t·length replaced by the realised count",
     None: "averaged over the batch's masked tokens",
 }
 _DECODING = {
@@ -47,6 +49,7 @@ def write_model_card(out: Path, name: str, family: str, report: dict[str, Any]) 
     )
     d = config.get("d_model") or config.get("hidden_size")
     layers = config.get("n_layers") or config.get("num_hidden_layers")
+    operands = _operands(report)
     kind = "LLaDA-format masked diffusion" if family == "llada" else "I-DLM-format causal"
     text = f"""# {name}
 
@@ -65,7 +68,7 @@ Decoding for the table: {_DECODING[family]}.
   `How many times does a appear in banana?`, `Given a=1, b=2, c=3, what is b?`
   (`dllm_serve/train/tasks.py`). 10% of all questions, chosen by a hash of the question text,
   are held out: training never sees them, and the table is measured on them.
-- Task mix: addition weight {report["addition_weight"]}, each other task weight 1.
+- Task mix: addition weight {report["addition_weight"]}, each other task weight 1.{operands}
 - Objective: {_OBJECTIVE[family].format(weighting=_WEIGHTING[report.get("weighting")])}
 - Shape: d_model {d}, {layers} layers, {report["parameters"]:,} parameters, stored in bf16
   ({size_mb:.1f} MB). Real chat template, tokenizer and special tokens of the format (see
@@ -74,6 +77,16 @@ Decoding for the table: {_DECODING[family]}.
 - Training: {_training(report)}
 """
     (out / "README.md").write_text(text)
+
+
+def _operands(report: dict[str, Any]) -> str:
+    if report.get("addition_operands") != "mixed":
+        return ""
+    return (
+        "\n  Training additions: half with operands uniform in 0-999, half with each operand's"
+        "\n  digit count (1-3) drawn uniformly first, so short sums are common (the held-out"
+        "\n  additions are always uniform in 0-999)."
+    )
 
 
 def _training(report: dict[str, Any]) -> str:

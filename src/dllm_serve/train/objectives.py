@@ -59,10 +59,14 @@ def llada_batch(
     default settings) three times in four, else by a random 0–``max_pad`` tokens.
 
     ``weighting``: ``"inverse_t"`` is LLaDA's ELBO weight (each masked token's CE times
-    1/t, over the region length); ``"token_mean"`` averages CE over the batch's masked tokens.
+    1/t, over the region length); ``"row_mean"`` replaces the expected masked count t·|region|
+    in that weight by the realised count, i.e. each row's mean CE over its masked tokens,
+    averaged over rows; ``"token_mean"`` averages CE over the batch's masked tokens.
     With small batches of short answers the 1/t weight lets the rare tiny-t rows (one masked
     token, weight up to 1000×) dominate every batch gradient, which the gradient clip then
-    shrinks for all other rows (docs/training.md has what each choice reached).
+    shrinks for all other rows; ``row_mean`` keeps LLaDA's equal weight per row without that
+    variance, ``token_mean`` lets the heavily masked rows dominate instead
+    (docs/training.md has what each choice reached).
     """
     rows, targets, weights = [], [], []
     # Stratified mask ratios (one per 1/B slice of (0, 1), MDLM's low-discrepancy sampler):
@@ -85,9 +89,14 @@ def llada_batch(
             [-100] * len(prompt)
             + [tok if m else -100 for tok, m in zip(region, masked, strict=True)]
         )
-        w = 1.0 / (t * len(region)) if weighting == "inverse_t" else 1.0
+        if weighting == "inverse_t":
+            w = 1.0 / (t * len(region))
+        elif weighting == "row_mean":
+            w = 1.0 / sum(masked)
+        else:
+            w = 1.0
         weights.append([0.0] * len(prompt) + [w] * len(region))
-    if weighting == "inverse_t":  # E_t[(1/t) Σ_masked CE / |region|], averaged over rows
+    if weighting in ("inverse_t", "row_mean"):  # Σ_rows Σ_masked w·CE, averaged over rows
         return _pad(rows, targets, weights, loaded, causal=False, normalizer=len(rows))
     if weighting != "token_mean":
         raise ValueError(f"unknown weighting {weighting!r}")

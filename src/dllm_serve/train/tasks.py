@@ -32,6 +32,24 @@ def _addition(rng: random.Random) -> Example:
     return Example("addition", f"What is {a} + {b}?", f"{a} + {b} = {a + b}")
 
 
+def _mixed_length_operand(rng: random.Random) -> int:
+    """Half the time uniform in 0–999, else a uniformly drawn digit count (1–3) first."""
+    if rng.random() < 0.5:
+        return rng.randint(0, 999)
+    digits = rng.randint(1, 3)
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+def _addition_mixed_lengths(rng: random.Random) -> Example:
+    """Training-only addition with many short operands: a curriculum inside every batch.
+
+    Uniform 0–999 operands (the held-out distribution) are 3-digit 90% of the time; a masked
+    diffusion model learns the digit alignment far sooner when 1- and 2-digit sums are common.
+    """
+    a, b = _mixed_length_operand(rng), _mixed_length_operand(rng)
+    return Example("addition", f"What is {a} + {b}?", f"{a} + {b} = {a + b}")
+
+
 def _subtraction(rng: random.Random) -> Example:
     a, b = sorted((rng.randint(0, 999), rng.randint(0, 999)), reverse=True)
     return Example("subtraction", f"What is {a} - {b}?", f"{a} - {b} = {a - b}")
@@ -82,18 +100,28 @@ def examples(
     split: str = "train",
     tasks: tuple[str, ...] = tuple(TASKS),
     weights: dict[str, int] | None = None,
+    addition_operands: str = "uniform",
 ) -> Iterator[Example]:
     """An endless stream of examples of ``split`` ("train" or "held_out"), reproducible.
 
     ``weights`` (default :data:`WEIGHTS`) gives each task's relative frequency.
+    ``addition_operands``: ``"uniform"`` (0–999, the held-out distribution) or ``"mixed"``
+    (:func:`_addition_mixed_lengths`, for training only).
     """
     if split not in ("train", "held_out"):
         raise ValueError("split must be 'train' or 'held_out'")
+    if addition_operands not in ("uniform", "mixed"):
+        raise ValueError("addition_operands must be 'uniform' or 'mixed'")
+    if split == "held_out" and addition_operands != "uniform":
+        raise ValueError("the held-out split is always drawn uniformly")
+    generators = dict(TASKS)
+    if addition_operands == "mixed":
+        generators["addition"] = _addition_mixed_lengths
     rng = random.Random(seed)
     weights = weights or WEIGHTS
     names = [t for t in tasks for _ in range(weights[t])]
     while True:
-        ex = TASKS[rng.choice(names)](rng)
+        ex = generators[rng.choice(names)](rng)
         if is_held_out(ex.question) == (split == "held_out"):
             yield ex
 

@@ -39,6 +39,26 @@ def test_llada_batch_masks_only_the_answer_region(models: dict[str, LoadedModel]
     assert not batch.attn_mask[0, 0, 0, batch.input_ids.shape[1] :].any()
 
 
+@pytest.mark.parametrize("weighting", ["token_mean", "row_mean", "inverse_t"])
+def test_llada_loss_weightings(models: dict[str, LoadedModel], weighting: str) -> None:
+    """Each weighting gives masked tokens the weight its docstring states, nothing else."""
+    m = models["llada"]
+    batch = llada_batch(m, held_out_set(16), random.Random(3), weighting=weighting)
+    masked = batch.targets != -100
+    per_row = (batch.weights * masked).sum(dim=1)
+    if weighting == "token_mean":
+        assert batch.normalizer == masked.sum().item()
+        assert (batch.weights[masked] == 1).all()
+    elif weighting == "row_mean":  # every row's masked tokens weigh 1 in all: equal rows
+        assert batch.normalizer == 16
+        assert torch.allclose(per_row, torch.ones(16))
+    else:  # 1/(t·|region|) per masked token: rows with fewer masks than expected weigh less
+        assert batch.normalizer == 16
+        assert not torch.allclose(per_row, torch.ones(16))
+    with pytest.raises(ValueError, match="weighting"):
+        llada_batch(m, held_out_set(2), random.Random(0), weighting="mean")
+
+
 def test_idlm_batch_is_causal_shifted_with_trailing_masks(models: dict[str, LoadedModel]) -> None:
     m = models["idlm"]
     exs = held_out_set(8)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import re
 
+import pytest
+
 from dllm_serve.train.tasks import TASKS, examples, held_out_set, is_held_out
 
 
@@ -46,3 +48,32 @@ def test_addition_operands_cover_three_digits() -> None:
     adds = held_out_set(300, task="addition")
     three_digit = [e for e in adds if all(len(n) == 3 for n in re.findall(r"\d+", e.question)[:2])]
     assert len(three_digit) > 200  # uniform over 0-999: ~81% are 3+3 digits
+
+
+def test_mixed_length_additions_are_short_more_often_and_never_held_out() -> None:
+    def operands(stream: list) -> list[int]:
+        return [int(n) for e in stream for n in re.findall(r"\d+", e.question)]
+
+    kw = {"tasks": ("addition",)}
+    uniform = list(itertools.islice(examples(5, "train", **kw), 2000))
+    mixed = list(itertools.islice(examples(5, "train", **kw, addition_operands="mixed"), 2000))
+    assert mixed == list(
+        itertools.islice(examples(5, "train", **kw, addition_operands="mixed"), 2000)
+    )
+    assert not any(is_held_out(e.question) for e in mixed)
+    for e in mixed:
+        x, y = (int(n) for n in re.findall(r"\d+", e.question))
+        assert 0 <= x <= 999 and 0 <= y <= 999 and e.answer == f"{x} + {y} = {x + y}"
+    # Uniform 0-999: ~1% one-digit operands; mixed: 1/2 * 1/3 of them have one digit.
+    one_digit = {
+        name: sum(n < 10 for n in operands(s)) / 4000
+        for name, s in (("uniform", uniform), ("mixed", mixed))
+    }
+    assert one_digit["uniform"] < 0.03 and 0.12 < one_digit["mixed"] < 0.22
+
+
+def test_held_out_split_is_always_uniform() -> None:
+    with pytest.raises(ValueError, match="uniformly"):
+        next(examples(0, "held_out", addition_operands="mixed"))
+    with pytest.raises(ValueError, match="addition_operands"):
+        next(examples(0, "train", addition_operands="short"))
