@@ -109,6 +109,9 @@ def train(args: argparse.Namespace) -> dict:
         args.canvas,
         args.weighting,
         args.addition_operands,
+        # The short-operand share reaches zero at 3/4 of the run: the last quarter trains on
+        # the held-out distribution only.
+        ramp_examples=int(0.75 * steps * args.batch_size),
     )
     batches = batch_iterator(dataset, args.workers)  # before any CUDA use (workers fork)
     model = loaded.model.to(args.device).train()
@@ -211,9 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--addition-operands",
-        choices=["uniform", "mixed"],
+        choices=["uniform", "mixed", "curriculum"],
         default="uniform",
-        help="training additions: uniform 0-999, or half of them with a uniform digit count",
+        help="training additions: uniform 0-999; mixed: half with a uniform digit count; "
+        "curriculum: all short-first, falling to none at 3/4 of the steps",
     )
     p.add_argument("--canvas", type=int, default=32, help="default canvas (max_new_tokens)")
     p.add_argument("--rope-theta", type=float, default=0.0, help="0: the format's own")

@@ -31,9 +31,10 @@ class BatchStream(torch.utils.data.IterableDataset):
         canvas: int,
         weighting: str = "token_mean",
         addition_operands: str = "uniform",
+        ramp_examples: int = 0,
     ) -> None:
         self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
-        self.addition_operands = addition_operands
+        self.addition_operands, self.ramp_examples = addition_operands, ramp_examples
         llada = functools.partial(llada_batch, canvas=canvas, weighting=weighting)
         self.make = llada if family == "llada" else idlm_batch
 
@@ -41,8 +42,14 @@ class BatchStream(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         seed = self.seed if info is None else self.seed * 1000 + 1 + info.id
         rng = random.Random(seed)
+        # Each worker builds 1/num_workers of the batches: its own ramp is as much shorter.
+        ramp = self.ramp_examples // (1 if info is None else info.num_workers)
         stream = examples(
-            seed, "train", weights=self.weights, addition_operands=self.addition_operands
+            seed,
+            "train",
+            weights=self.weights,
+            addition_operands=self.addition_operands,
+            ramp_examples=max(ramp, 1),
         )
         while True:
             yield self.make(self.loaded, [next(stream) for _ in range(self.batch_size)], rng)

@@ -32,21 +32,25 @@ def _addition(rng: random.Random) -> Example:
     return Example("addition", f"What is {a} + {b}?", f"{a} + {b} = {a + b}")
 
 
-def _mixed_length_operand(rng: random.Random) -> int:
-    """Half the time uniform in 0–999, else a uniformly drawn digit count (1–3) first."""
-    if rng.random() < 0.5:
+def _operand(rng: random.Random, p_uniform: float) -> int:
+    """Uniform in 0–999 with probability ``p_uniform``, else a uniformly drawn digit count
+    (1–3) first, so that short operands are common."""
+    if rng.random() < p_uniform:
         return rng.randint(0, 999)
     digits = rng.randint(1, 3)
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
-def _addition_mixed_lengths(rng: random.Random) -> Example:
-    """Training-only addition with many short operands: a curriculum inside every batch.
+def _addition_short_operands(rng: random.Random, p_uniform: float) -> Example:
+    """Training-only addition with many short operands.
 
-    Uniform 0–999 operands (the held-out distribution) are 3-digit 90% of the time; a masked
-    diffusion model learns the digit alignment far sooner when 1- and 2-digit sums are common.
+    Uniform 0–999 operands (the held-out distribution) are 3-digit 90% of the time, and then
+    only the leading sum digit is correlated with any single operand digit: a units or tens
+    digit depends on two digits at once (mod 10) and gives gradient descent nothing to start
+    from. In 1- and 2-digit sums the low places carry magnitude, so a masked diffusion model
+    learns where the aligned digits are from them, then reuses that for three digits.
     """
-    a, b = _mixed_length_operand(rng), _mixed_length_operand(rng)
+    a, b = _operand(rng, p_uniform), _operand(rng, p_uniform)
     return Example("addition", f"What is {a} + {b}?", f"{a} + {b} = {a + b}")
 
 
@@ -101,28 +105,37 @@ def examples(
     tasks: tuple[str, ...] = tuple(TASKS),
     weights: dict[str, int] | None = None,
     addition_operands: str = "uniform",
+    ramp_examples: int = 0,
 ) -> Iterator[Example]:
     """An endless stream of examples of ``split`` ("train" or "held_out"), reproducible.
 
     ``weights`` (default :data:`WEIGHTS`) gives each task's relative frequency.
-    ``addition_operands``: ``"uniform"`` (0–999, the held-out distribution) or ``"mixed"``
-    (:func:`_addition_mixed_lengths`, for training only).
+    ``addition_operands`` (training only besides ``"uniform"``): ``"uniform"`` (0–999, the
+    held-out distribution); ``"mixed"``, half of the additions with short operands
+    (:func:`_addition_short_operands`); ``"curriculum"``, short operands first, their share
+    falling linearly to none over the first ``ramp_examples`` examples of the stream.
     """
     if split not in ("train", "held_out"):
         raise ValueError("split must be 'train' or 'held_out'")
-    if addition_operands not in ("uniform", "mixed"):
-        raise ValueError("addition_operands must be 'uniform' or 'mixed'")
+    if addition_operands not in ("uniform", "mixed", "curriculum"):
+        raise ValueError("addition_operands must be 'uniform', 'mixed' or 'curriculum'")
     if split == "held_out" and addition_operands != "uniform":
         raise ValueError("the held-out split is always drawn uniformly")
-    generators = dict(TASKS)
-    if addition_operands == "mixed":
-        generators["addition"] = _addition_mixed_lengths
+    if addition_operands == "curriculum" and ramp_examples <= 0:
+        raise ValueError("the curriculum needs ramp_examples > 0")
     rng = random.Random(seed)
     weights = weights or WEIGHTS
     names = [t for t in tasks for _ in range(weights[t])]
+    drawn = 0
     while True:
-        ex = generators[rng.choice(names)](rng)
+        task = rng.choice(names)
+        if task == "addition" and addition_operands != "uniform":
+            p_uniform = 0.5 if addition_operands == "mixed" else min(1.0, drawn / ramp_examples)
+            ex = _addition_short_operands(rng, p_uniform)
+        else:
+            ex = TASKS[task](rng)
         if is_held_out(ex.question) == (split == "held_out"):
+            drawn += 1
             yield ex
 
 

@@ -75,5 +75,21 @@ def test_mixed_length_additions_are_short_more_often_and_never_held_out() -> Non
 def test_held_out_split_is_always_uniform() -> None:
     with pytest.raises(ValueError, match="uniformly"):
         next(examples(0, "held_out", addition_operands="mixed"))
-    with pytest.raises(ValueError, match="addition_operands"):
+    with pytest.raises(ValueError, match="addition_operands must be"):
         next(examples(0, "train", addition_operands="short"))
+
+
+def test_curriculum_starts_short_and_ends_on_the_held_out_distribution() -> None:
+    stream = examples(
+        2, "train", tasks=("addition",), addition_operands="curriculum", ramp_examples=1000
+    )
+    first, _, after = (list(itertools.islice(stream, n)) for n in (500, 500, 1000))
+    one_digit = [
+        sum(int(n) < 10 for e in part for n in re.findall(r"\d+", e.question)) / (2 * len(part))
+        for part in (first, after)
+    ]
+    assert one_digit[0] > 0.15  # mostly drawn by digit count at the start
+    assert one_digit[1] < 0.03  # uniform 0-999 after the ramp (~1% one-digit operands)
+    assert not any(is_held_out(e.question) for e in first + after)
+    with pytest.raises(ValueError, match="ramp_examples"):
+        next(examples(0, "train", addition_operands="curriculum"))
