@@ -112,6 +112,7 @@ def train(args: argparse.Namespace) -> dict:
         # The short-operand share reaches zero at 3/4 of the run: the last quarter trains on
         # the held-out distribution only.
         ramp_examples=int(0.75 * steps * args.batch_size),
+        causal_batches=args.causal_steps,
     )
     batches = batch_iterator(dataset, args.workers)  # before any CUDA use (workers fork)
     model = loaded.model.to(args.device).train()
@@ -151,6 +152,7 @@ def train(args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size,
         "addition_weight": args.addition_weight,
         "addition_operands": args.addition_operands,
+        "causal_steps": args.causal_steps if family == "llada" else None,
         "weighting": args.weighting if family == "llada" else None,
         "parameters": sum(p.numel() for p in model.parameters()),
         "seconds": round(time.monotonic() - started),
@@ -227,11 +229,19 @@ def main(argv: list[str] | None = None) -> None:
         default="token_mean",
         help="LLaDA loss weighting (see objectives.llada_batch)",
     )
+    p.add_argument(
+        "--causal-steps",
+        type=int,
+        default=0,
+        help="LLaDA: train the first N steps with a causal mask, then bidirectionally",
+    )
     p.add_argument("--init", type=Path, help="start from this checkpoint's weights")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers building batches")
     p.add_argument("--name", default="", help="model name in the card (default demo-FAMILY)")
     p.add_argument("--eval-every", type=int, default=0, help="held-out addition every N steps")
     args = p.parse_args(argv)
+    if args.causal_steps and args.family != "llada":
+        p.error("--causal-steps is for --family llada (the I-DLM objective is always causal)")
     if args.threads:
         torch.set_num_threads(args.threads)
     report = train(args)

@@ -32,11 +32,17 @@ class BatchStream(torch.utils.data.IterableDataset):
         weighting: str = "token_mean",
         addition_operands: str = "uniform",
         ramp_examples: int = 0,
+        causal_batches: int = 0,
     ) -> None:
         self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
         self.addition_operands, self.ramp_examples = addition_operands, ramp_examples
-        llada = functools.partial(llada_batch, canvas=canvas, weighting=weighting)
-        self.make = llada if family == "llada" else idlm_batch
+        self.causal_batches = causal_batches  # LLaDA: the first batches with a causal mask
+        self.llada = family == "llada"
+        self.make = (
+            functools.partial(llada_batch, canvas=canvas, weighting=weighting)
+            if self.llada
+            else idlm_batch
+        )
 
     def __iter__(self) -> Iterator[TrainBatch]:
         info = torch.utils.data.get_worker_info()
@@ -51,8 +57,15 @@ class BatchStream(torch.utils.data.IterableDataset):
             addition_operands=self.addition_operands,
             ramp_examples=max(ramp, 1),
         )
+        causal = self.causal_batches // (1 if info is None else info.num_workers)
+        made = 0
         while True:
-            yield self.make(self.loaded, [next(stream) for _ in range(self.batch_size)], rng)
+            batch = [next(stream) for _ in range(self.batch_size)]
+            if self.llada:
+                yield self.make(self.loaded, batch, rng, causal=made < causal)
+            else:
+                yield self.make(self.loaded, batch, rng)
+            made += 1
 
 
 def batch_iterator(dataset: BatchStream, workers: int) -> Iterator[TrainBatch]:

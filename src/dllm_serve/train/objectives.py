@@ -54,6 +54,7 @@ def llada_batch(
     max_pad: int = 48,
     canvas: int = 32,
     weighting: str = "token_mean",
+    causal: bool = False,
 ) -> TrainBatch:
     """Answer regions are EOS-padded to the default ``canvas`` (the inference layout at
     default settings) three times in four, else by a random 0–``max_pad`` tokens.
@@ -67,6 +68,10 @@ def llada_batch(
     shrinks for all other rows; ``row_mean`` keeps LLaDA's equal weight per row without that
     variance, ``token_mean`` lets the heavily masked rows dominate instead
     (docs/training.md has what each choice reached).
+
+    ``causal``: the same rows and targets under a causal mask (each masked position predicts
+    its own token from what lies left of it, no logit shift), for a causal first stage that
+    is later switched to LLaDA's bidirectional attention.
     """
     rows, targets, weights = [], [], []
     # Stratified mask ratios (one per 1/B slice of (0, 1), MDLM's low-discrepancy sampler):
@@ -97,11 +102,11 @@ def llada_batch(
             w = 1.0
         weights.append([0.0] * len(prompt) + [w] * len(region))
     if weighting in ("inverse_t", "row_mean"):  # Σ_rows Σ_masked w·CE, averaged over rows
-        return _pad(rows, targets, weights, loaded, causal=False, normalizer=len(rows))
+        return _pad(rows, targets, weights, loaded, causal=causal, normalizer=len(rows))
     if weighting != "token_mean":
         raise ValueError(f"unknown weighting {weighting!r}")
     n_masked = sum(tok != -100 for tgt in targets for tok in tgt)
-    return _pad(rows, targets, weights, loaded, causal=False, normalizer=n_masked)
+    return _pad(rows, targets, weights, loaded, causal=causal, normalizer=n_masked)
 
 
 def idlm_batch(

@@ -10,8 +10,10 @@ import torch
 
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.tiny import write_tiny
+from dllm_serve.train.__main__ import main
+from dllm_serve.train.batches import BatchStream
 from dllm_serve.train.objectives import encode, idlm_batch, llada_batch, loss
-from dllm_serve.train.tasks import held_out_set
+from dllm_serve.train.tasks import WEIGHTS, held_out_set
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +100,22 @@ def test_a_few_steps_overfit_one_batch(models: dict[str, LoadedModel], family: s
         opt.step()
     model.eval()
     assert loss(model, batch).item() < 0.5 * first
+
+
+def test_causal_first_stage_then_bidirectional(models: dict[str, LoadedModel]) -> None:
+    m = models["llada"]
+    stream = BatchStream(m, "llada", 0, 4, WEIGHTS, 32, causal_batches=2)
+    batches = [b for b, _ in zip(stream, range(3), strict=False)]
+    for batch, causal in zip(batches, (True, True, False), strict=True):
+        width = batch.input_ids.shape[1]
+        future = torch.ones(width, width, dtype=torch.bool).triu(1)
+        assert batch.attn_mask[:, 0][:, future].any() != causal  # keys right of the query
+        # Same LLaDA targets either way: each masked position predicts its own token.
+        masked = batch.targets != -100
+        assert (batch.input_ids[masked] == m.mask_id).all()
+
+
+def test_causal_steps_is_refused_for_idlm(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--family", "idlm", "--out", str(tmp_path / "x"), "--causal-steps", "5"])
+    assert not (tmp_path / "x").exists()
