@@ -80,13 +80,15 @@ Decoding for the table: {_DECODING[family]}.
 
 
 def _operands(report: dict[str, Any]) -> str:
-    if report.get("addition_operands") != "mixed":
+    how = {
+        "mixed": "half of them with operands uniform in 0-999, half with each operand's\n"
+        "  digit count (1-3) drawn uniformly first, so short sums are common",
+        "curriculum": "short operands first (each operand's digit count 1-3 drawn uniformly),\n"
+        "  their share falling linearly to none at 3/4 of the steps",
+    }.get(report.get("addition_operands") or "uniform")
+    if how is None:
         return ""
-    return (
-        "\n  Training additions: half with operands uniform in 0-999, half with each operand's"
-        "\n  digit count (1-3) drawn uniformly first, so short sums are common (the held-out"
-        "\n  additions are always uniform in 0-999)."
-    )
+    return f"\n  Training additions: {how} (held-out additions are always uniform in 0-999)."
 
 
 def _training(report: dict[str, Any]) -> str:

@@ -47,8 +47,8 @@ def _addition_short_operands(rng: random.Random, p_uniform: float) -> Example:
     Uniform 0–999 operands (the held-out distribution) are 3-digit 90% of the time, and then
     only the leading sum digit is correlated with any single operand digit: a units or tens
     digit depends on two digits at once (mod 10) and gives gradient descent nothing to start
-    from. In 1- and 2-digit sums the low places carry magnitude, so a masked diffusion model
-    learns where the aligned digits are from them, then reuses that for three digits.
+    from. In 1- and 2-digit sums the low places carry magnitude, so the aligned digits can be
+    found from them first (docs/training.md has what this reached for the LLaDA demo).
     """
     a, b = _operand(rng, p_uniform), _operand(rng, p_uniform)
     return Example("addition", f"What is {a} + {b}?", f"{a} + {b} = {a + b}")

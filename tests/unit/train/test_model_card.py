@@ -40,6 +40,11 @@ def _report(**recipe: object) -> dict:
             ["digit count"],
         ),
         ({"weighting": "inverse_t"}, ["1/t, LLaDA's ELBO weight"], ["digit count", "realised"]),
+        (
+            {"weighting": "token_mean", "addition_operands": "curriculum"},
+            ["short operands first", "none at 3/4 of the steps"],
+            ["half of them"],
+        ),
     ],
 )
 def test_card_states_weighting_and_operands(
