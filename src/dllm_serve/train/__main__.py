@@ -113,6 +113,7 @@ def train(args: argparse.Namespace) -> dict:
         # the held-out distribution only.
         ramp_examples=int(0.75 * steps * args.batch_size),
         causal_batches=args.causal_steps,
+        ar_fraction=args.ar_fraction,
     )
     batches = batch_iterator(dataset, args.workers)  # before any CUDA use (workers fork)
     model = loaded.model.to(args.device).train()
@@ -153,6 +154,7 @@ def train(args: argparse.Namespace) -> dict:
         "addition_weight": args.addition_weight,
         "addition_operands": args.addition_operands,
         "causal_steps": args.causal_steps if family == "llada" else None,
+        "ar_fraction": args.ar_fraction if family == "llada" else None,
         "weighting": args.weighting if family == "llada" else None,
         "parameters": sum(p.numel() for p in model.parameters()),
         "seconds": round(time.monotonic() - started),
@@ -235,6 +237,12 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="LLaDA: train the first N steps with a causal mask, then bidirectionally",
     )
+    p.add_argument(
+        "--ar-fraction",
+        type=float,
+        default=0.0,
+        help="LLaDA: share of each batch's rows that are two-stream autoregressive rows",
+    )
     p.add_argument("--init", type=Path, help="start from this checkpoint's weights")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers building batches")
     p.add_argument("--name", default="", help="model name in the card (default demo-FAMILY)")
@@ -242,6 +250,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.causal_steps and args.family != "llada":
         p.error("--causal-steps is for --family llada (the I-DLM objective is always causal)")
+    if args.ar_fraction and args.family != "llada":
+        p.error("--ar-fraction is for --family llada")
+    if not 0.0 <= args.ar_fraction <= 1.0:
+        p.error("--ar-fraction must be between 0 and 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     report = train(args)

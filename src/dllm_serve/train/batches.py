@@ -33,13 +33,16 @@ class BatchStream(torch.utils.data.IterableDataset):
         addition_operands: str = "uniform",
         ramp_examples: int = 0,
         causal_batches: int = 0,
+        ar_fraction: float = 0.0,
     ) -> None:
         self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
         self.addition_operands, self.ramp_examples = addition_operands, ramp_examples
         self.causal_batches = causal_batches  # LLaDA: the first batches with a causal mask
         self.llada = family == "llada"
         self.make = (
-            functools.partial(llada_batch, canvas=canvas, weighting=weighting)
+            functools.partial(
+                llada_batch, canvas=canvas, weighting=weighting, ar_fraction=ar_fraction
+            )
             if self.llada
             else idlm_batch
         )

@@ -50,6 +50,8 @@ def write_model_card(out: Path, name: str, family: str, report: dict[str, Any]) 
     d = config.get("d_model") or config.get("hidden_size")
     layers = config.get("n_layers") or config.get("num_hidden_layers")
     operands = _operands(report)
+    objective = _OBJECTIVE[family].format(weighting=_WEIGHTING[report.get("weighting")])
+    objective += _recipe(report)
     kind = "LLaDA-format masked diffusion" if family == "llada" else "I-DLM-format causal"
     text = f"""# {name}
 
@@ -69,7 +71,7 @@ Decoding for the table: {_DECODING[family]}.
   (`dllm_serve/train/tasks.py`). 10% of all questions, chosen by a hash of the question text,
   are held out: training never sees them, and the table is measured on them.
 - Task mix: addition weight {report["addition_weight"]}, each other task weight 1.{operands}
-- Objective: {_OBJECTIVE[family].format(weighting=_WEIGHTING[report.get("weighting")])}
+- Objective: {objective}
 - Shape: d_model {d}, {layers} layers, {report["parameters"]:,} parameters, stored in bf16
   ({size_mb:.1f} MB). Real chat template, tokenizer and special tokens of the format (see
   `docs/models.md`); `generation_config.json` sets `max_new_tokens` 32, the server's default
@@ -89,6 +91,26 @@ def _operands(report: dict[str, Any]) -> str:
     if how is None:
         return ""
     return f"\n  Training additions: {how} (held-out additions are always uniform in 0-999)."
+
+
+def _recipe(report: dict[str, Any]) -> str:
+    """The LLaDA recipe's departures from plain random masking, when used."""
+    text = ""
+    if report.get("ar_fraction"):
+        text += (
+            f"\n  {report['ar_fraction']:.0%} of each batch's rows are two-stream "
+            "autoregressive rows instead: the answer follows the prompt clean, then a MASK "
+            "copy of it at the same rotary positions in which each MASK sees the prompt, the "
+            "clean answer before it and itself, and predicts its own token (every answer "
+            "token from a clean left context, the state left-to-right denoising reaches); "
+            "the random-ratio rows teach every other state."
+        )
+    if report.get("causal_steps"):
+        text += (
+            f"\n  The first {report['causal_steps']} steps used a causal attention mask "
+            "(same rows and targets, no logit shift), the rest bidirectional attention."
+        )
+    return text
 
 
 def _training(report: dict[str, Any]) -> str:

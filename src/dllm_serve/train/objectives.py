@@ -55,6 +55,7 @@ def llada_batch(
     canvas: int = 32,
     weighting: str = "token_mean",
     causal: bool = False,
+    ar_fraction: float = 0.0,
 ) -> TrainBatch:
     """Answer regions are EOS-padded to the default ``canvas`` (the inference layout at
     default settings) three times in four, else by a random 0–``max_pad`` tokens.
@@ -72,15 +73,27 @@ def llada_batch(
     ``causal``: the same rows and targets under a causal mask (each masked position predicts
     its own token from what lies left of it, no logit shift), for a causal first stage that
     is later switched to LLaDA's bidirectional attention.
+
+    ``ar_fraction``: that share of the rows are two-stream autoregressive rows
+    (:func:`two_stream_row`) instead of randomly masked ones.
     """
-    rows, targets, weights = [], [], []
+    rows, targets, weights, layouts = [], [], [], []
     # Stratified mask ratios (one per 1/B slice of (0, 1), MDLM's low-discrepancy sampler):
     # the same objective as i.i.d. t ~ U(ε, 1), with less variance from rare tiny t.
     offset = rng.random()
     strata = [(i + offset) / len(examples) for i in range(len(examples))]
     rng.shuffle(strata)
-    for ex, u in zip(examples, strata, strict=True):
+    n_ar = round(ar_fraction * len(examples))
+    for i, (ex, u) in enumerate(zip(examples, strata, strict=True)):
         prompt, answer = encode(loaded, ex)
+        if i < n_ar:
+            row, tgt, layout = two_stream_row(prompt, answer, loaded.mask_id)
+            rows.append(row)
+            targets.append(tgt)
+            weights.append([1.0 / len(answer) if weighting == "row_mean" else 1.0] * len(row))
+            layouts.append(layout)
+            continue
+        layouts.append(None)
         pad = canvas - len(answer) if rng.random() < 0.75 else rng.randint(0, max_pad)
         region = answer + [loaded.eos_id] * max(pad, 0)  # EOS padding tail
         t = EPS + (1 - EPS) * u
@@ -101,12 +114,42 @@ def llada_batch(
         else:
             w = 1.0
         weights.append([0.0] * len(prompt) + [w] * len(region))
+    if n_ar and weighting == "inverse_t":
+        raise ValueError("two-stream rows have no mask ratio to weight by 1/t")
     if weighting in ("inverse_t", "row_mean"):  # Σ_rows Σ_masked w·CE, averaged over rows
-        return _pad(rows, targets, weights, loaded, causal=causal, normalizer=len(rows))
+        return _pad(rows, targets, weights, loaded, causal, len(rows), layouts)
     if weighting != "token_mean":
         raise ValueError(f"unknown weighting {weighting!r}")
     n_masked = sum(tok != -100 for tgt in targets for tok in tgt)
-    return _pad(rows, targets, weights, loaded, causal=causal, normalizer=n_masked)
+    return _pad(rows, targets, weights, loaded, causal, n_masked, layouts)
+
+
+def two_stream_row(
+    prompt: list[int], answer: list[int], mask_id: int
+) -> tuple[list[int], list[int], tuple[torch.Tensor, torch.Tensor]]:
+    """One autoregressive training row for a masked (no logit shift) model.
+
+    Layout: ``prompt + answer + [MASK] * len(answer)``. The MASK copy of answer token j sits
+    at j's rotary position and attends to the prompt, the clean answer tokens before j and
+    itself; the clean answer attends causally (prompt + its own left), the prompt to itself.
+    So every answer token is predicted, in one pass, from a MASK query with a clean left
+    context: the state left-to-right denoising reaches, and the same per-token signal a
+    causal model gets from next-token prediction, which a randomly masked row gives only to
+    its masked tokens and with parts of their context masked too. No position sees a token
+    it predicts (XLNet's two streams, here for a model without logit shift).
+
+    Returns (row, targets, (positions, attention mask [len, len])).
+    """
+    p, n = len(prompt), len(answer)
+    row = prompt + answer + [mask_id] * n
+    targets = [-100] * (p + n) + answer
+    positions = torch.cat((torch.arange(p + n), torch.arange(p, p + n)))
+    allowed = torch.zeros(p + 2 * n, p + 2 * n, dtype=torch.bool)
+    allowed[:, :p] = True  # everyone sees the prompt
+    allowed[p : p + n, p : p + n] = torch.ones(n, n, dtype=torch.bool).tril()
+    allowed[p + n :, p : p + n] = torch.ones(n, n, dtype=torch.bool).tril(-1)
+    allowed[p + n :, p + n :] = torch.eye(n, dtype=torch.bool)
+    return row, targets, (positions, allowed)
 
 
 def idlm_batch(
@@ -137,7 +180,10 @@ def _pad(
     loaded: LoadedModel,
     causal: bool,
     normalizer: float,
+    layouts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> TrainBatch:
+    """Right-pads the rows into one batch. A row's ``layouts`` entry, when given, is its own
+    (positions, attention mask); other rows get 0, 1, 2, … and full (or causal) attention."""
     width = max(map(len, rows))
     b = len(rows)
     ids = torch.full((b, width), loaded.mask_id, dtype=torch.long)
@@ -153,6 +199,11 @@ def _pad(
     if causal:
         mask &= torch.ones(width, width, dtype=torch.bool).tril()
     positions = torch.arange(width).expand(b, width).contiguous()
+    for i, layout in enumerate(layouts or ()):
+        if layout is not None:
+            n = len(layout[0])
+            positions[i, :n] = layout[0]
+            mask[i, 0, :n, :n] = layout[1]
     return TrainBatch(ids, positions, mask, tgt, wts, float(normalizer))
 
 

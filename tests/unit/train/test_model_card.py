@@ -45,6 +45,16 @@ def _report(**recipe: object) -> dict:
             ["short operands first", "none at 3/4 of the steps"],
             ["half of them"],
         ),
+        (
+            {"weighting": "token_mean", "ar_fraction": 0.75},
+            ["75% of each batch's rows are two-stream autoregressive rows"],
+            ["causal attention mask"],
+        ),
+        (
+            {"weighting": "token_mean", "causal_steps": 300, "ar_fraction": 0.0},
+            ["The first 300 steps used a causal attention mask"],
+            ["two-stream"],
+        ),
     ],
 )
 def test_card_states_weighting_and_operands(

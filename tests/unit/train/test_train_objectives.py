@@ -119,3 +119,59 @@ def test_causal_steps_is_refused_for_idlm(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["--family", "idlm", "--out", str(tmp_path / "x"), "--causal-steps", "5"])
     assert not (tmp_path / "x").exists()
+
+
+def test_two_stream_rows_predict_each_answer_token_from_its_clean_left(
+    models: dict[str, LoadedModel],
+) -> None:
+    """Layout, targets and positions of a two-stream row, and no leak: changing clean answer
+    token j changes the hidden state of exactly the MASK queries after j."""
+    m = models["llada"]
+    exs = held_out_set(4, task="addition")
+    batch = llada_batch(m, exs, random.Random(0), ar_fraction=0.5)
+    for row, ex in enumerate(exs[:2]):  # the first half of the rows are two-stream
+        prompt, answer = encode(m, ex)
+        p, n = len(prompt), len(answer)
+        ids = batch.input_ids[row, : p + 2 * n].tolist()
+        assert ids == prompt + answer + [m.mask_id] * n
+        assert batch.targets[row, : p + 2 * n].tolist() == [-100] * (p + n) + answer
+        assert batch.positions[row, p + n : p + 2 * n].tolist() == list(range(p, p + n))
+    for row in (2, 3):  # the rest are randomly masked rows with plain positions
+        width = batch.input_ids.shape[1]
+        assert batch.positions[row].tolist() == list(range(width))
+    assert batch.normalizer == (batch.targets != -100).sum().item()
+
+    prompt, answer = encode(m, exs[0])
+    p, n = len(prompt), len(answer)
+    with torch.no_grad():
+        before = m.model(batch.input_ids, batch.positions, batch.attn_mask)[0]
+        changed = batch.input_ids.clone()
+        changed[0, p + 3] = answer[3] + 1  # clean answer token 3
+        after = m.model(changed, batch.positions, batch.attn_mask)[0]
+    moved = (before - after).abs().amax(-1)[p + n : p + 2 * n] > 1e-6
+    assert moved.tolist() == [j > 3 for j in range(n)]
+
+
+def test_two_stream_rows_need_a_mask_free_weighting(models: dict[str, LoadedModel]) -> None:
+    m = models["llada"]
+    rows = llada_batch(m, held_out_set(4), random.Random(0), weighting="row_mean", ar_fraction=1)
+    per_row = (rows.weights * (rows.targets != -100)).sum(dim=1)
+    assert torch.allclose(per_row, torch.ones(4)) and rows.normalizer == 4
+    with pytest.raises(ValueError, match="1/t"):
+        llada_batch(m, held_out_set(4), random.Random(0), weighting="inverse_t", ar_fraction=1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--family", "idlm", "--ar-fraction", "0.5"], "for --family llada"),
+        (["--family", "llada", "--ar-fraction", "1.5"], "between 0 and 1"),
+    ],
+)
+def test_ar_fraction_is_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit):
+        main([*argv, "--out", str(tmp_path / "x")])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
