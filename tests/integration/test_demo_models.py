@@ -3,7 +3,6 @@ arguments serves demo-llada, `--model demo-idlm` the I-DLM demo, and both answer
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from remote_server import RemoteServer
@@ -30,8 +29,7 @@ def test_no_arguments_serves_the_trained_llada_demo(tmp_path: Path) -> None:
         reply, streamed = _ask_twice(server)
         assert reply.model == "demo-llada"
         answer = reply.choices[0].message.content
-        # The trained answer format, operands copied (its sums are often wrong: see the card).
-        assert re.fullmatch(r"123 \+ 456 = \d{1,4}", answer), answer
+        assert answer == "123 + 456 = 579"
         assert reply.choices[0].finish_reason == "stop"
         assert streamed == answer
         diffusion = reply.usage.model_extra["diffusion"]
