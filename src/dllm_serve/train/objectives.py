@@ -3,7 +3,9 @@
 - LLaDA (masked diffusion, bidirectional): the answer region — answer, EOT, EOS padding, all
   trained as ordinary tokens as in LLaDA's SFT — is masked with a per-row ratio t ~ U(ε, 1);
   the loss is the cross-entropy on masked positions weighted by 1/t (LLaDA's objective), the
-  prompt is never masked.
+  prompt is never masked. Optionally part of each batch is two-stream rows
+  (:func:`two_stream_row`) in which every answer token is predicted by a MASK position from a
+  clean left context — the same model and loss, other masked states.
 - I-DLM (introspective causal, logit shift): the answer is cut at a random point and followed
   by m ∈ [0, N−1] MASK tokens, the layout of an ISD round's tail. Every position (clean or
   MASK) predicts the true next token, so the MASK positions learn to draft the next m tokens
