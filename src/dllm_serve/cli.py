@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens-per-forward",
         type=int,
         default=_DEFAULT.engine.max_tokens_per_forward,
-        help="padded tokens (rows x longest row) fused into one forward; larger groups are "
-        "split (default: %(default)s)",
+        help="real tokens (rows are packed without padding) fused into one forward; larger "
+        "groups are split (default: %(default)s)",
     )
     parser.add_argument(
         "--max-waiting-requests",
@@ -139,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
         "block-level prefix KV cache, the committed prefix's keys/values computed once per "
         "block and reused by its other steps (faster, approximate) (default: %(default)s)",
     )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="GiB preallocated for the KV pool (I-DLM models, or --kv-cache prefix); a request "
+        "is admitted only when its worst-case KV fits, else it waits (default: 90%% of the GPU "
+        "memory left after the weights; 1 GiB on CPU; never more than --max-running-requests "
+        "full contexts)",
+    )
     parser.add_argument("--version", action="version", version=f"dllm-serve {__version__}")
     return parser
 
@@ -154,6 +164,7 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
             isd_stride=args.isd_stride,
             block_size_tiers=parse_tiers(args.block_size_tiers),
             kv_cache=args.kv_cache,
+            kv_cache_memory=args.kv_cache_memory,
         )
     except ValueError as exc:
         parser.error(str(exc))

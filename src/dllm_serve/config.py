@@ -17,13 +17,16 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_running_requests: int = 32  # rows denoised concurrently
-    max_tokens_per_forward: int = 8192  # padded tokens (rows x longest row) in one forward
+    max_tokens_per_forward: int = 8192  # real tokens (no padding) in one forward
     max_waiting_requests: int = 256  # beyond this, new requests get HTTP 429
     # I-DLM (sdar family) self-speculation: default stride N (1 = plain autoregressive) and
     # the block-size tiers ((min running requests, stride), ...) that shrink it under load.
     isd_stride: int = 4
     block_size_tiers: tuple[tuple[int, int], ...] = ()
     kv_cache: str = "none"  # none (exact) | prefix (Fast-dLLM block-level prefix KV cache)
+    # GiB of KV pool (I-DLM, or --kv-cache prefix); None: 90% of free GPU memory after the
+    # weights on CUDA, 1 GiB on CPU, never more than max_running_requests full contexts.
+    kv_cache_memory: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_tokens_per_forward < 1:
@@ -32,6 +35,8 @@ class EngineConfig:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.isd_stride < 1:
             raise ValueError("isd_stride must be >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be > 0 GiB")
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}")
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from rel_support import (
     CHAT,
     InProcessServer,
@@ -29,8 +30,6 @@ from rel_support import (
     wait_idle,
 )
 from remote_server import RemoteServer
-
-import dllm_serve.engine.engine as engine_module
 
 LONG = {"max_tokens": 128, "num_denoising_steps": 128}  # ~seconds: still running when we leave
 
@@ -204,31 +203,33 @@ def test_exception_in_one_rows_update(
     poison = "POISON: fail my update"
     is_poisoned = matches(poisoned_prompt(inproc, poison))
     algorithm = inproc.engine.algorithm
-    real_update = algorithm.update
+    real_commit = algorithm.commit
 
-    def update(state: Any, logits: Any) -> Any:
-        if state.nfe >= 2 and is_poisoned(state.canvas):  # mid-generation, not at once
-            raise RuntimeError("injected update failure")
-        return real_update(state, logits)
+    def commit(states: Any, rows: Any) -> Any:
+        for state in states:
+            if state.nfe >= 2 and is_poisoned(state.canvas):  # mid-generation, not at once
+                raise RuntimeError("injected update failure")
+        return real_commit(states, rows)
 
-    monkeypatch.setattr(algorithm, "update", update)
+    monkeypatch.setattr(algorithm, "commit", commit)
     check_isolated_failure(inproc, poison)
 
 
 def test_exception_in_a_forward(inproc: InProcessServer, monkeypatch: pytest.MonkeyPatch) -> None:
     poison = "POISON: fail my forward"
     is_poisoned = matches(poisoned_prompt(inproc, poison))
-    real_run_batch = engine_module.run_batch
+    runner = inproc.engine.runner
+    real_run = runner.run
     calls = {"poisoned": 0}
 
-    def run_batch(model: Any, batch: Any) -> Any:
-        if any(is_poisoned(row) for row in batch.input_ids):
+    def run(rows: Any) -> Any:
+        if any(is_poisoned(torch.tensor(row.tokens)) for row in rows):
             calls["poisoned"] += 1
             if calls["poisoned"] % 3 == 0:  # a few forwards in
                 raise RuntimeError("injected forward failure")
-        return real_run_batch(model, batch)
+        return real_run(rows)
 
-    monkeypatch.setattr(engine_module, "run_batch", run_batch)
+    monkeypatch.setattr(runner, "run", run)
     # A failed forward fails every row in it (engine contract); force_single_batch keeps the
     # poisoned request in forwards of its own, so only it may fail.
     check_isolated_failure(inproc, poison, {"force_single_batch": True})

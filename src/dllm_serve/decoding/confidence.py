@@ -12,21 +12,22 @@ import torch
 
 
 def top1_prob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``softmax(logits)[n, tokens[n]]`` per row, in float64 (shape ``[N]``).
+    """``softmax(logits)[..., tokens]`` for logits ``[..., V]`` and tokens ``[...]``.
 
     This is LLaDA's ``low_confidence`` score: the probability, under the *untempered* model
     distribution, of the token that was proposed (the argmax at T = 0, the sampled token at
-    T > 0). It is computed as ``exp(z[token] - logsumexp(z))`` so the full ``[N, V]`` softmax is
-    never materialised; float64 keeps near-equal confidences from collapsing into ties (LLaDA's
-    Gradio app, Fast-dLLM and LocalLeap also rank in float64).
+    T > 0). It is computed as ``exp(z[token] - logsumexp(z))``, in the logits' own float
+    precision (float32 from the engine), so the ``[N, V]`` softmax is never materialised and
+    no float64 copy of the logits is made: the argmax is unchanged by precision, and the score
+    is a well-defined probability either way. Callers that want float64 rankings pass float64
+    logits.
     """
-    z = logits.to(torch.float64)
-    chosen = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return torch.exp(chosen - torch.logsumexp(z, dim=-1))
+    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return torch.exp(chosen - torch.logsumexp(logits, dim=-1))
 
 
 def entropy_inverse(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``exp(−H(p))`` per row, in float64, with ``p = softmax(logits)`` and H in nats.
+    """``exp(−H(p))`` per row, ``p = softmax(logits)`` in the logits' precision, H in nats.
 
     ``exp(−H)`` is the inverse of the distribution's perplexity: ``1/k`` for a distribution
     uniform over ``k`` tokens, 1 for a one-hot one. We use it rather than ``−H`` or
@@ -42,7 +43,7 @@ def entropy_inverse(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     (the suppressed mask id) have ``p = 0`` and contribute ``0·log 0 = 0``.
     """
     del tokens  # same signature as top1_prob; the entropy does not depend on the proposal
-    p = torch.softmax(logits.to(torch.float64), dim=-1)
+    p = torch.softmax(logits, dim=-1)
     entropy = -torch.special.xlogy(p, p).sum(dim=-1)
     # Rounding can make H of a one-hot row a hair negative; clamp so the score stays ≤ 1.
     return torch.exp(-entropy.clamp_min(0.0))

@@ -1,4 +1,4 @@
-"""LLaDA-style block denoising: the per-step loop shared by every commit rule."""
+"""LLaDA-style block denoising, batched: every running request advances in one tensor pass."""
 
 from __future__ import annotations
 
@@ -6,25 +6,17 @@ from collections.abc import Sequence
 
 import torch
 
-from dllm_serve.decoding.commit import threshold_commit, topk_commit
-from dllm_serve.decoding.confidence import confidence as confidence_of
-from dllm_serve.decoding.forward_spec import AttentionKind, ForwardSpec, StepResult
-from dllm_serve.decoding.local_leap import local_leap_commit
+from dllm_serve.decoding.commit import threshold_commit_rows, topk_commit_rows
+from dllm_serve.decoding.confidence import entropy_inverse, top1_prob
+from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
+from dllm_serve.decoding.local_leap import local_leap_commit_rows
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.prefix_cache import (
-    KVCacheFactory,
-    max_prefix_length,
-    prefix_spec,
-    release,
-    reset_for_block,
-)
-from dllm_serve.decoding.sampling import gumbel_argmax
+from dllm_serve.decoding.prefix_cache import after_step, prefix_spec, reset_for_block
+from dllm_serve.decoding.sampling import gumbel_argmax, new_generator
 from dllm_serve.decoding.schedules import block_schedule
 from dllm_serve.decoding.state import DenoiseState
 
 __all__ = ["DenoiseState", "LLaDADenoiser"]
-
-_SEED_MODULUS = 2**64  # torch.Generator seeds are unsigned 64-bit
 
 
 class LLaDADenoiser:
@@ -46,19 +38,24 @@ class LLaDADenoiser:
       between 1 and ``block_length`` forwards.
 
     Family rules: with ``logit_shift`` (Dream, I-DLM) the logits that predict position ``j``
-    come from position ``j − 1``, so :meth:`prepare` asks for ``masked − 1`` while the commit
-    still writes ``j``; with ``bidirectional=False`` the forward uses causal attention.
+    come from position ``j − 1``; with ``bidirectional=False`` the forward is causal.
 
-    Prefix KV cache (``kv_cache_factory`` set; ``decoding/prefix_cache.py``): the first step
-    of each block is the full forward above and also stores the committed prefix's keys and
-    values; the block's other steps forward only the canvas from the block on, attending to
-    that (slightly stale) prefix. Commit rules, schedules and the early stop are unchanged:
-    only the logits differ (Fast-dLLM's approximation).
+    Prefix KV cache (``prefix_cache``; ``decoding/prefix_cache.py``): the first step of each
+    block is the full forward and keeps the committed prefix's keys and values; the block's
+    other steps forward only the canvas from the block on. Commit rules, schedules and the
+    early stop are unchanged: only the logits differ (Fast-dLLM's approximation).
 
-    The denoiser holds only configuration; all mutable state lives in ``DenoiseState`` and
-    the randomness comes from the state's own generator, so interleaving requests step by
-    step — whatever their parameters — gives the same result as running each alone.
+    One step for a batch of requests: :meth:`prepare` (host only: each row's tokens and the
+    positions whose logits it needs — the masked positions of its active block, which the
+    host copy of the canvas knows) → the forward → :meth:`sample` (tensor in, tensor out: the
+    proposals and commits of every row at once, ``[R, M]`` tokens, ``mask_id`` where nothing
+    was committed) → one device→host copy by the caller → :meth:`commit` (host: write the
+    tokens, advance blocks, detect the end). The denoiser holds only configuration; every
+    request's randomness comes from its own generator, so a row's result never depends on its
+    batch-mates.
     """
+
+    decoding_mode = "diffusion"
 
     def __init__(
         self,
@@ -67,7 +64,7 @@ class LLaDADenoiser:
         *,
         logit_shift: bool = False,
         bidirectional: bool = True,
-        kv_cache_factory: KVCacheFactory | None = None,
+        prefix_cache: bool = False,
     ) -> None:
         if mask_id in stop_ids:
             raise ValueError("the mask id cannot be a stop id")
@@ -75,168 +72,214 @@ class LLaDADenoiser:
         self.stop_ids = tuple(stop_ids)
         self.logit_shift = logit_shift
         self.attention = AttentionKind.BIDIRECTIONAL if bidirectional else AttentionKind.CAUSAL
-        self.kv_cache_factory = kv_cache_factory
+        self.prefix_cache = prefix_cache
         self._shift = 1 if logit_shift else 0
 
+    # ---- lifecycle -----------------------------------------------------------------------------
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
     ) -> DenoiseState:
-        """Build the canvas ``[prompt ; mask × gen_length]`` and the request's generator."""
-        prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
-        if self.logit_shift and prompt.numel() == 0:
+        """The canvas ``[prompt ; mask × gen_length]`` and the request's generator."""
+        prompt = [int(t) for t in prompt_ids]
+        if self.logit_shift and not prompt:
             # The first answer position is predicted from the last prompt position.
             raise ValueError("a model with shifted logits needs a non-empty prompt")
-        canvas = torch.full(
-            (prompt.numel() + params.gen_length,), self.mask_id, dtype=torch.long, device=device
-        )
-        canvas[: prompt.numel()] = prompt.to(canvas.device)
-        generator = None
-        if params.temperature > 0:
-            generator = torch.Generator(device=canvas.device)
-            if params.seed is None:
-                generator.seed()  # fresh nondeterministic seed, as torch.seed() does
-            else:
-                # Any int64 (negative too) maps onto the generator's unsigned 64-bit seed space.
-                generator.manual_seed(params.seed % _SEED_MODULUS)
         state = DenoiseState(
-            canvas=canvas,
-            prompt_len=prompt.numel(),
+            tokens=prompt + [self.mask_id] * params.gen_length,
+            prompt_len=len(prompt),
             params=params,
-            generator=generator,
+            generator=new_generator(params, device),
             mask_id=self.mask_id,
             stop_ids=self.stop_ids,
         )
-        if self.kv_cache_factory is not None:
-            assert params.block_length is not None  # resolved by DecodingParams
-            # Reserve the last block's prefix now: the buffer never grows (no copies), and
-            # the request's peak cache memory is visible from admission on.
-            state.kv_cache = self.kv_cache_factory(
-                max_prefix_length(
-                    state.prompt_len, params.gen_length, params.block_length, self._shift
-                )
-            )
         self._start_block(state)
         return state
 
-    def prepare(self, state: DenoiseState) -> ForwardSpec:
-        """The whole canvas; logits only for the active block's masks.
+    def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
+        """KV-pool slots a request needs: its whole canvas with the prefix cache, else none."""
+        return prompt_len + params.gen_length if self.prefix_cache else 0
 
-        With a prefix cache, the canvas from the cached prefix's end instead (except on a
-        block's first step). ``input_ids`` aliases ``state.canvas`` (no copy): the forward
-        must run before ``update`` mutates it.
-        """
+    # ---- one step ------------------------------------------------------------------------------
+    def prepare(self, state: DenoiseState) -> RowSpec:
+        """The row: the whole canvas (or, with a prefix cache, the part after the prefix);
+        logits for the active block's masked positions."""
         if state.finished:
             raise RuntimeError("prepare() called on a finished request")
-        index = self._active_masked(state)
-        if state.kv_cache is not None:
-            return prefix_spec(state, index, self._shift, self.attention)
-        return ForwardSpec(
-            input_ids=state.canvas,
-            positions=torch.arange(state.canvas.numel(), device=state.canvas.device),
+        if state.kv is not None:
+            return prefix_spec(state, self._shift, self.attention)
+        return RowSpec(
+            tokens=state.tokens,
+            start=0,
             # Shifted families predict position j at j − 1; j − 1 ≥ prompt_len − 1 ≥ 0.
-            logits_index=index - 1 if self.logit_shift else index,
+            logits_at=[p - self._shift for p in state.masked],
             attention=self.attention,
         )
 
-    def update(self, state: DenoiseState, logits: torch.Tensor) -> StepResult:
-        """Commit proposals from ``logits`` ``[len(logits_index), V]`` (row i → masked i)."""
+    def sample(self, states: Sequence[DenoiseState], logits: torch.Tensor) -> torch.Tensor:
+        """Proposals and commits for every row: ``[R, M]`` committed tokens (else ``mask_id``).
+
+        ``logits`` ``[R, M, V]``: row ``r``'s first ``len(states[r].masked)`` entries are its
+        masked positions in ascending order (padding after). No value is read back here.
+        """
+        rows, width = logits.shape[0], logits.shape[1]
+        device = logits.device
+        counts = [len(s.masked) for s in states]
+        topk = [s.schedule[s.step] if s.params.mode == "topk" else -1 for s in states]
+        ints = torch.tensor(counts + topk, dtype=torch.long).to(device, non_blocking=True)
+        count, k = ints[:rows], ints[rows:]
+        valid = torch.arange(width, device=device)[None, :] < count[:, None]
+
+        # The mask id is a real vocabulary entry; proposing it would "commit" a mask and break
+        # the count (dInfer guards the same way). Excluding it here also removes it from the
+        # distribution the confidence is computed under.
+        z = logits.float() if logits.dtype != torch.float32 else logits
+        z = z.index_fill(-1, torch.tensor([self.mask_id], device=device), float("-inf"))
+        x0 = z.argmax(dim=-1)
+        for r, state in enumerate(states):
+            # A zero-commit step draws no noise, so the generator stays in step.
+            if state.params.temperature > 0 and topk[r] != 0:
+                m = counts[r]
+                x0[r, :m] = gumbel_argmax(z[r, :m], state.params.temperature, state.generator)
+
+        metrics = {s.params.confidence_metric for s in states}
+        if metrics == {"entropy_inverse"}:
+            score = entropy_inverse(z, x0)
+        else:
+            score = top1_prob(z, x0)
+            if "entropy_inverse" in metrics:
+                entropic = torch.tensor(
+                    [s.params.confidence_metric == "entropy_inverse" for s in states]
+                ).to(device)
+                score = torch.where(entropic[:, None], entropy_inverse(z, x0), score)
+        score = score.masked_fill(~valid, float("-inf"))
+
+        commit = self._commit_rule(states, score, k, device)
+        return torch.where(commit & valid, x0, self.mask_id)
+
+    def _commit_rule(
+        self,
+        states: Sequence[DenoiseState],
+        score: torch.Tensor,
+        k: torch.Tensor,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Which proposals each row commits, under each row's own rule (``[R, M]`` bool)."""
+        modes = [s.params.mode for s in states]
+        commit = topk_commit_rows(score, k) if "topk" in modes else None
+        if modes.count("topk") == len(modes):
+            assert commit is not None
+            return commit
+        params = [s.params for s in states]
+        floats = torch.tensor(
+            [p.confidence_threshold or p.local_leap_anchor_threshold for p in params]
+            + [p.local_leap_neighbor_threshold for p in params],
+            dtype=score.dtype,
+        ).to(device, non_blocking=True)
+        kappa, tau = floats[: len(params)], floats[len(params) :]
+        rule = threshold_commit_rows(score, kappa) if "threshold" in modes else None
+        if "local_leap" in modes:
+            span = max(s.params.block_length or 1 for s in states)
+            offsets, radius = self._offsets(states, score.shape[1], device)
+            leap = local_leap_commit_rows(score, offsets, kappa, tau, radius, span)
+            is_leap = torch.tensor([m == "local_leap" for m in modes]).to(device)
+            rule = leap if rule is None else torch.where(is_leap[:, None], leap, rule)
+        assert rule is not None
+        if commit is None:
+            return rule
+        is_topk = torch.tensor([m == "topk" for m in modes]).to(device)
+        return torch.where(is_topk[:, None], commit, rule)
+
+    @staticmethod
+    def _offsets(
+        states: Sequence[DenoiseState], width: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block offsets ``[R, M]`` of each row's masked positions (padding repeats the last)
+        and each row's LocalLeap radius ``[R]``."""
+        flat: list[int] = []
+        for s in states:
+            lo, _ = s.active_block
+            offs = [p - lo for p in s.masked] or [0]
+            flat.extend(offs + [offs[-1]] * (width - len(offs)))
+        flat.extend(s.params.local_leap_radius for s in states)
+        packed = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+        rows = len(states)
+        return packed[: rows * width].view(rows, width), packed[rows * width :]
+
+    def commit(
+        self, states: Sequence[DenoiseState], committed: Sequence[Sequence[int]]
+    ) -> list[StepResult]:
+        """Apply one step's commits (host lists, row ``r`` aligned with ``states[r].masked``)."""
+        return [self._commit_row(s, row) for s, row in zip(states, committed, strict=True)]
+
+    def _commit_row(self, state: DenoiseState, row: Sequence[int]) -> StepResult:
         if state.finished:
-            raise RuntimeError("update() called on a finished request")
-        index = self._active_masked(state)
-        if logits.dim() != 2 or logits.shape[0] != index.numel():
-            raise ValueError(
-                f"expected logits [{index.numel()}, V] for the positions prepare() returned, "
-                f"got {tuple(logits.shape)}"
-            )
+            raise RuntimeError("commit() called on a finished request")
+        mask_id, tokens = self.mask_id, state.tokens
+        still: list[int] = []
+        for pos, token in zip(state.masked, row, strict=False):
+            if token == mask_id:
+                still.append(pos)
+            else:
+                tokens[pos] = token
+        committed = len(state.masked) - len(still)
         params = state.params
-        # Top-k: this step's schedule entry. The schedule sums to the block's mask count and
-        # each step commits exactly its entry, so the masks left always cover it. Other modes:
-        # None, data-dependent (the block still has masks, so at least one commits).
-        k = state.schedule[state.step] if params.mode == "topk" else None
-        assert k is None or k <= index.numel(), "schedule out of sync with the canvas"
-        committed = 0
-        if k != 0:  # a zero-commit step draws no noise, so the generator stays in step
-            x0, score = self._propose(state, logits)
-            commit = self._commit_rule(params, score, index, k)
-            state.canvas[index[commit]] = x0[commit]
-            committed = int(commit.sum()) if k is None else k
+        if params.mode == "topk":
+            # The schedule sums to the block's mask count and each step commits exactly its
+            # entry, so the masks left always cover it.
+            assert committed == state.schedule[state.step], "schedule out of sync with the canvas"
+        state.masked = still
         state.committed += committed
         state.nfe += 1
         state.step += 1
-
-        final_len, first_stop = state.scan_answer()
-        if first_stop is not None:
+        after_step(state, self._shift)
+        new = state.advance_final()
+        if state.stop_at is not None:
             # Exact early stop: the answer is the canvas cut before its first stop id. Every
             # position up to and including that stop id is committed, and committed tokens
             # never change, so no later step can alter the answer; decoding the rest of the
             # canvas would only fill positions that are discarded anyway.
-            return self._finish(state, committed, "stop")
-        if final_len == params.gen_length:
+            return self._finish(state, committed, "stop", new)
+        if state.final_len == params.gen_length:
             # Everything is committed and no stop id appeared. Trailing zero-commit steps of
             # the last block (steps_per_block > block_length) would change nothing: skip them.
-            return self._finish(state, committed, "length")
-        block_done = (
-            state.step == len(state.schedule)
-            if params.mode == "topk"
-            else committed == index.numel()
-        )
+            return self._finish(state, committed, "length", new)
+        block_done = state.step == len(state.schedule) if params.mode == "topk" else not still
         if block_done:
             state.block += 1
             state.step = 0
             self._start_block(state)
-        return StepResult(committed=committed, finished=False)
+        return StepResult(committed=committed, finished=False, new_tokens=new)
 
-    def _propose(
-        self, state: DenoiseState, logits: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Proposals ``x0`` and their confidences for the rows of ``logits``."""
-        z = logits.to(torch.float64, copy=True)
-        # The mask id is a real vocabulary entry; proposing it would "commit" a mask and
-        # break the count (dInfer guards the same way). Excluding it here also removes it
-        # from the distribution the confidence is computed under.
-        z[:, self.mask_id] = float("-inf")
-        x0 = gumbel_argmax(z, state.params.temperature, state.generator)
-        return x0, confidence_of(state.params.confidence_metric, z, x0)
+    # ---- one request at a time (tests, simple drivers) -------------------------------------------
+    def update(self, state: DenoiseState, logits: torch.Tensor) -> StepResult:
+        """:meth:`sample` + :meth:`commit` for one row, ``logits`` ``[len(masked), V]``."""
+        if state.finished:
+            raise RuntimeError("update() called on a finished request")
+        if logits.dim() != 2 or logits.shape[0] != len(state.masked):
+            raise ValueError(
+                f"expected logits [{len(state.masked)}, V] for the positions prepare() returned, "
+                f"got {tuple(logits.shape)}"
+            )
+        committed = self.sample([state], logits[None]).tolist()
+        return self.commit([state], committed)[0]
 
-    @staticmethod
-    def _commit_rule(
-        params: DecodingParams, score: torch.Tensor, index: torch.Tensor, k: int | None
-    ) -> torch.Tensor:
-        """Boolean mask over the masked positions ``index``: which proposals to commit."""
-        if k is not None:
-            return topk_commit(score, k)
-        if params.mode == "threshold":
-            assert params.confidence_threshold is not None  # implied by the mode
-            return threshold_commit(score, params.confidence_threshold)
-        return local_leap_commit(
-            score,
-            index,
-            params.local_leap_anchor_threshold,
-            params.local_leap_neighbor_threshold,
-            params.local_leap_radius,
-        )
-
+    # ---- helpers -------------------------------------------------------------------------------
     def _start_block(self, state: DenoiseState) -> None:
-        """Empty the prefix cache (refreshed by the block's first forward) and compute the
-        active block's schedule (top-k mode only) from its masked count."""
+        """Empty the prefix cache (the block's first forward refreshes it), list the block's
+        masks and compute its schedule (top-k mode only). Blocks are committed left to right
+        and only the active block receives commits, so a new block is all masks."""
         reset_for_block(state)
+        lo, hi = state.active_block
+        state.masked = list(range(lo, hi))
         if state.params.mode != "topk":
             state.schedule = []
             return
-        lo, hi = state.active_block
-        num_masked = int((state.canvas[lo:hi] == self.mask_id).sum())
         state.schedule = block_schedule(
-            state.params.block_schedule, num_masked, state.params.steps_per_block
+            state.params.block_schedule, len(state.masked), state.params.steps_per_block
         )
 
-    def _active_masked(self, state: DenoiseState) -> torch.Tensor:
-        """Ascending canvas positions of the active block that are still masked."""
-        lo, hi = state.active_block
-        return torch.nonzero(state.canvas[lo:hi] == self.mask_id).squeeze(1) + lo
-
     @staticmethod
-    def _finish(state: DenoiseState, committed: int, reason: str) -> StepResult:
+    def _finish(state: DenoiseState, committed: int, reason: str, new: int) -> StepResult:
         state.finished = True
         state.finish_reason = reason
-        release(state)  # free the cache now, not when the engine drops the request
-        return StepResult(committed=committed, finished=True, finish_reason=reason)
+        return StepResult(committed=committed, finished=True, finish_reason=reason, new_tokens=new)

@@ -1,4 +1,10 @@
-"""The contract between a decoding algorithm, the engine and the model for one forward."""
+"""The contract between a decoding algorithm, the engine's ModelRunner and the model.
+
+An algorithm describes each row of a forward as a :class:`RowSpec` (host data only: token ids,
+where the row starts, which outputs it needs, its attention kind and its KV span); the
+ModelRunner packs the rows of a step into one flat batch, runs the model and returns the
+logits as ``[rows, M, V]`` (row ``r``'s ``len(logits_at)`` entries first, padding after).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from dllm_serve.models.kv_cache import KVCache
+    from dllm_serve.models.kv_pool import KVSpan
 
 
 class AttentionKind(StrEnum):
@@ -18,33 +24,50 @@ class AttentionKind(StrEnum):
 
 
 @dataclass(slots=True)
-class ForwardSpec:
+class RowSpec:
     """What one row needs from one model forward.
 
-    ``input_ids`` and ``positions`` are 1-D (length L) on the model's device. ``logits_index``
-    lists the positions (0..L-1) whose logits the algorithm needs; the LM head is applied only
-    there, because a full-vocabulary head over the whole canvas dominates the step time.
+    ``tokens`` are the row's query tokens, at rotary positions ``start, start + 1, …``.
+    ``logits_at`` lists offsets into ``tokens`` whose logits the algorithm needs (the LM head
+    runs only there: a full-vocabulary head over the whole canvas dominates the step time).
 
-    KV: with ``kv_cache`` set, every query of this row also attends to the cache's prefix
-    (positions ``[0, kv_cache.length)``, so ``positions`` should continue from there), and the
-    K/V of the first ``kv_write`` tokens of ``input_ids`` are appended to the cache after the
-    forward succeeds. ``attention`` applies to the current tokens: CAUSAL adds a lower-
-    triangular mask among them; BIDIRECTIONAL lets them all see each other (with a cache, that
-    is "bidirectional inside the block + attend to a cached prefix").
+    KV: with ``kv`` (the request's span in the KV pool) the row's queries also attend to the
+    span's cached prefix, positions ``[0, start)`` — so ``start`` must equal what the span
+    holds — and the K/V of all ``tokens`` are written to their slots; the algorithm then says
+    how many of them the request keeps (``KVSpan.length``). Without ``kv`` the row attends to
+    its own tokens only. ``attention`` applies among the current tokens and towards the prefix:
+    CAUSAL sees every earlier position, BIDIRECTIONAL sees all of them.
     """
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    logits_index: torch.Tensor
+    tokens: list[int]
+    start: int
+    logits_at: list[int]
     attention: AttentionKind = AttentionKind.BIDIRECTIONAL
-    kv_cache: KVCache | None = None
-    kv_write: int = 0
+    kv: KVSpan | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.attention is AttentionKind.CAUSAL
+
+    # Tensor views for tests and simple callers (the runner packs the host lists directly).
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.tensor(self.tokens, dtype=torch.long)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start, self.start + len(self.tokens))
+
+    @property
+    def logits_index(self) -> torch.Tensor:
+        return torch.tensor(self.logits_at, dtype=torch.long)
 
 
 @dataclass(slots=True)
 class StepResult:
-    """What one algorithm update did to its request."""
+    """What one step did to one request."""
 
     committed: int  # tokens committed this step
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" when finished
+    new_tokens: int = 0  # answer tokens that became final (streamable) this step

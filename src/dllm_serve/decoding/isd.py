@@ -22,10 +22,11 @@ All specs accepted: emit them plus the clean token, keep the new drafts. First r
 ``j``: emit ``spec_0..spec_{j-1}`` plus the correction, drop the drafts (they were conditioned
 on the rejected spec). Either way the last emitted token becomes ``pending``.
 
-KV lifecycle: the forward stores the K/V of ``pending`` and the specs only (``kv_write``), never
-of a MASK; after the verdict the cache is cropped to the accepted prefix, so it always holds
-exactly ``prompt + emitted[:-1]`` (length ``len(prompt) + len(emitted) − 1``) computed causally
-from committed tokens. That, and MASKs sitting after every clean position under causal
+KV lifecycle: the forward writes the K/V of every token of the row into the request's KV-pool
+span; after the verdict the span's kept length covers ``pending`` and the accepted specs only,
+so it always holds exactly ``prompt + emitted[:-1]`` (length ``len(prompt) + len(emitted) − 1``)
+computed causally from committed tokens; the rejected specs' and the MASKs' slots are simply
+overwritten by the next round. That, and MASKs sitting after every clean position under causal
 attention, is why greedy ISD is token-identical to greedy AR of the same weights.
 """
 
@@ -35,32 +36,37 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dllm_serve.decoding.forward_spec import AttentionKind, ForwardSpec, StepResult
+from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.isd_state import ISDState
-from dllm_serve.decoding.isd_verify import greedy_tokens, sample, target_probs, verify_specs
+from dllm_serve.decoding.isd_verify import greedy_tokens, sample, target_probs, verify_row
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.models.kv_cache import KVCache
+from dllm_serve.decoding.sampling import new_generator
 
 __all__ = ["DraftHook", "ISDState", "ISDecoder"]
 
-_SEED_MODULUS = 2**64  # torch.Generator seeds are unsigned 64-bit
 # Test hook: (state, drafts) -> replacement drafts for the slots after the new pending token.
 DraftHook = Callable[[ISDState, list[int]], list[int]]
 
 
 class ISDecoder:
-    """The ISD algorithm with the engine's interface (``init_state`` / ``prepare`` / ``update``).
+    """The ISD algorithm, batched: :meth:`prepare` (host) → forward → :meth:`sample` (tensor in,
+    tensor out, no value read back) → one device→host copy by the caller → :meth:`commit`.
 
     ``stride`` is the default N. ``stride_for`` (optional) maps the engine's current load to
     the active N (block-size tiers); the stride may change between rounds of one request,
     which is harmless because verification is exact for any number of specs. ``max_stride``
     sizes each request's KV reservation (the largest tier). The decoder holds configuration
     only; all mutable state, including the generator, lives in :class:`ISDState`.
+
+    ``sample`` returns ``[R, 1 + M]`` per row: greedy rows ``[-1, argmax of each of their
+    K + N logits rows…]`` (the host compares the argmaxes with the specs it holds); sampled
+    rows ``[j, corrections(K)…, draws(N)…]`` with ``j`` the number of specs accepted.
     """
+
+    decoding_mode = "self_speculation"
 
     def __init__(
         self,
-        model: torch.nn.Module,
         mask_id: int,
         stop_ids: Sequence[int],
         *,
@@ -73,7 +79,6 @@ class ISDecoder:
             raise ValueError("the ISD stride must be >= 1")
         if mask_id in stop_ids:
             raise ValueError("the mask id cannot be a stop id")
-        self.model = model
         self.mask_id = mask_id
         self.stop_ids = tuple(stop_ids)
         self.stride = stride
@@ -84,31 +89,25 @@ class ISDecoder:
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
     ) -> ISDState:
-        """State with an empty cache reserved for prompt + answer + the largest round."""
+        """A request's state; its KV span (:meth:`kv_tokens` slots) is attached by the engine."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("ISD needs a non-empty prompt (its last token predicts the first)")
         if self.draft_hook is not None and params.temperature > 0:
             # Forced drafts are not samples of their q; the sampling rule would not be exact.
             raise ValueError("forced drafts are for greedy decoding only")
-        generator = None
-        if params.temperature > 0:
-            generator = torch.Generator(device=device)
-            if params.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(params.seed % _SEED_MODULUS)
-        cache = KVCache.for_model(self.model)  # type: ignore[arg-type]
-        cache.reserve(len(prompt) + params.gen_length + self.max_stride)
         return ISDState(
             prompt_ids=prompt,
             params=params,
-            generator=generator,
+            generator=new_generator(params, device),
             stop_ids=self.stop_ids,
-            cache=cache,
             pending=list(prompt),
             device=torch.device(device),
         )
+
+    def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
+        """Slots for prompt + answer + the widest round (K specs and N − 1 masks past them)."""
+        return prompt_len + params.gen_length + 2 * self.max_stride
 
     def active_stride(self, state: ISDState) -> int:
         """N for the next round: the tier's (or default) stride, capped by the tokens left."""
@@ -116,10 +115,10 @@ class ISDecoder:
         # A round emits at most K + 1 ≤ N tokens; drafts past max tokens would be wasted work.
         return max(1, min(n, state.params.gen_length - state.generated))
 
-    def prepare(self, state: ISDState) -> ForwardSpec:
+    def prepare(self, state: ISDState) -> RowSpec:
         """The row ``[pending…, specs, M × (N−1)]``; logits at the K + N rows that matter."""
-        if state.finished or state.cache is None:
-            raise RuntimeError("prepare() called on a finished request")
+        if state.finished or state.kv is None:
+            raise RuntimeError("prepare() called on a finished request (or one without KV)")
         n = self.active_stride(state)
         k = min(len(state.specs), n - 1)
         if k < len(state.specs):  # the stride shrank: verify fewer specs (still exact)
@@ -127,73 +126,91 @@ class ISDecoder:
             if state.draft_q is not None:
                 state.draft_q = state.draft_q[:k]
         state.round_shape = (k, n)
-        tokens = state.pending + state.specs + [self.mask_id] * (n - 1)
-        start = state.cache.length
         first = len(state.pending) - 1  # the row that predicts spec_0 (or the clean token)
-        return ForwardSpec(
-            input_ids=torch.tensor(tokens, dtype=torch.long, device=state.device),
-            positions=torch.arange(start, start + len(tokens), device=state.device),
-            logits_index=torch.arange(first, first + k + n, device=state.device),
+        return RowSpec(
+            tokens=state.pending + state.specs + [self.mask_id] * (n - 1),
+            start=state.kv.length,
+            logits_at=list(range(first, first + k + n)),
             attention=AttentionKind.CAUSAL,
-            kv_cache=state.cache,
-            kv_write=len(state.pending) + k,  # never a MASK
+            kv=state.kv,
         )
 
+    def sample(self, states: Sequence[ISDState], logits: torch.Tensor) -> torch.Tensor:
+        """Every row's verdict material ``[R, 1 + M]`` (see the class docstring)."""
+        rows = logits.shape[0]
+        best = greedy_tokens(logits, self.mask_id)  # [R, M]: one argmax for every row
+        out = torch.cat([best.new_full((rows, 1), -1), best], dim=1)
+        for r, state in enumerate(states):
+            temperature = state.params.temperature
+            if temperature == 0:
+                continue
+            k, n = state.round_shape
+            probs = target_probs(logits[r, : k + n], temperature, self.mask_id)
+            drawn = sample(probs[k:], state.generator)  # the clean token and the new drafts
+            if k:
+                assert state.draft_q is not None, "sampled specs without their draft distribution"
+                specs = torch.tensor(state.specs, device=logits.device)
+                accepted, corrections = verify_row(probs[:k], state.draft_q, specs, state.generator)
+            else:
+                accepted, corrections = best.new_zeros(()), best.new_zeros(0)
+            out[r, : 1 + k + n] = torch.cat([accepted[None], corrections, drawn])
+            # clone(): keep only the N−1 draft rows alive, not the whole [K + N, V] block.
+            state.next_q = probs[k + 1 :].clone()
+        return out
+
+    def commit(
+        self, states: Sequence[ISDState], verdicts: Sequence[Sequence[int]]
+    ) -> list[StepResult]:
+        """Emit, trim the KV and check stops for every row (host lists from :meth:`sample`)."""
+        return [self._commit_row(s, v) for s, v in zip(states, verdicts, strict=True)]
+
+    def _commit_row(self, state: ISDState, verdict: Sequence[int]) -> StepResult:
+        if state.finished or state.kv is None:
+            raise RuntimeError("commit() called on a finished request")
+        k, n = state.round_shape
+        specs = state.specs
+        if verdict[0] < 0:  # greedy: accept spec_i iff it is the argmax
+            best = verdict[1 : 1 + k + n]
+            j = next((i for i in range(k) if specs[i] != best[i]), k)
+            emitted = [*specs[:j], best[j]]
+            drafts = best[k + 1 : k + n] if j == k else None
+            draft_q = None
+        else:
+            j = verdict[0]
+            emitted = [*specs[:j], verdict[1 + j] if j < k else verdict[1 + k]]
+            drafts = verdict[2 + k : 1 + k + n] if j == k else None
+            draft_q = state.next_q if j == k else None
+        state.next_q = None
+        # Keep pending + accepted specs; the rejected suffix and the MASKs are not kept.
+        state.kv.length += len(state.pending) + j
+        state.nfe += 1
+        state.rounds += 1
+        state.drafted += k
+        state.accepted_drafts += j
+        before = len(state.emitted)
+        committed = self._emit(state, emitted)
+        new = len(state.emitted) - before
+        if state.finished:
+            state.specs, state.draft_q = [], None
+            return StepResult(committed, True, state.finish_reason, new_tokens=new)
+        state.pending = [emitted[-1]]
+        state.specs = list(drafts) if drafts is not None else []
+        state.draft_q = draft_q
+        if self.draft_hook is not None and state.specs:
+            state.specs = list(self.draft_hook(state, list(state.specs)))
+        return StepResult(committed, False, new_tokens=new)
+
     def update(self, state: ISDState, logits: torch.Tensor) -> StepResult:
-        """Verify, emit, trim the cache and check stops; ``logits`` is ``[K + N, V]``."""
-        if state.finished or state.cache is None:
+        """:meth:`sample` + :meth:`commit` for one row, ``logits`` ``[K + N, V]``."""
+        if state.finished or state.kv is None:
             raise RuntimeError("update() called on a finished request")
         k, n = state.round_shape
         if logits.dim() != 2 or logits.shape[0] != k + n:
             raise ValueError(f"expected logits [{k + n}, V], got {tuple(logits.shape)}")
-        written = len(state.pending) + k
-        prefix = state.cache.length - written  # the cache length before this forward
-        emitted, drafts, draft_q = self._verdict(state, logits, k)
-        accepted = len(emitted) - 1  # specs accepted: all but the clean/correction token
-        # Keep pending + accepted specs; drop the rejected suffix (MASKs were never written).
-        state.cache.crop(prefix + len(state.pending) + accepted)
-        state.nfe += 1
-        state.rounds += 1
-        state.drafted += k
-        state.accepted_drafts += accepted
-        committed = self._commit(state, emitted)
-        if state.finished:
-            state.cache = None  # free the KV at once
-            state.specs, state.draft_q = [], None
-            return StepResult(committed, True, state.finish_reason)
-        state.pending = [emitted[-1]]
-        state.specs = drafts if drafts is not None else []
-        state.draft_q = draft_q if drafts is not None else None
-        if self.draft_hook is not None and state.specs:
-            state.specs = list(self.draft_hook(state, list(state.specs)))
-        return StepResult(committed, False)
-
-    def _verdict(
-        self, state: ISDState, logits: torch.Tensor, k: int
-    ) -> tuple[list[int], list[int] | None, torch.Tensor | None]:
-        """(tokens emitted this round, new drafts or None after a rejection, their q)."""
-        temperature = state.params.temperature
-        specs = state.specs
-        if temperature == 0:
-            # One argmax over all rows, one device→host copy.
-            best = greedy_tokens(logits, self.mask_id).tolist()
-            for i in range(k):
-                if specs[i] != best[i]:
-                    return [*specs[:i], best[i]], None, None
-            return [*specs, best[k]], best[k + 1 :], None
-        probs = target_probs(logits, temperature, self.mask_id)
-        if k:
-            assert state.draft_q is not None, "sampled specs without their draft distribution"
-            j, correction = verify_specs(probs[:k], state.draft_q, specs, state.generator)
-            if correction is not None:
-                return [*specs[:j], correction], None, None
-        # Every spec accepted: the clean token and the new drafts, each a draw from its row.
-        drawn = sample(probs[k:], state.generator).tolist()
-        # clone(): keep only the N−1 draft rows alive, not the whole [K + N, V] block.
-        return [*specs, drawn[0]], drawn[1:], probs[k + 1 :].clone()
+        return self.commit([state], self.sample([state], logits[None]).tolist())[0]
 
     @staticmethod
-    def _commit(state: ISDState, tokens: list[int]) -> int:
+    def _emit(state: ISDState, tokens: list[int]) -> int:
         """Append accepted tokens one by one, stopping at a stop id or at max tokens.
 
         Tokens after a stop are dropped even though they were accepted in the same round.

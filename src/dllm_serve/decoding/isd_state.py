@@ -7,15 +7,15 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.models.kv_cache import KVCache
+from dllm_serve.models.kv_pool import KVSpan
 
 
 @dataclass(slots=True, eq=False)
 class ISDState:
     """One request's ISD state (lives in the engine's Request).
 
-    - ``cache``: the causal K/V of ``prompt + emitted[:-1]`` (accepted tokens only); None once
-      the request finished and its KV was released.
+    - ``kv``: the request's KV-pool span; its ``length`` covers exactly the causal K/V of
+      ``prompt + emitted[:-1]`` (accepted tokens only). Set by the engine at admission.
     - ``pending``: tokens whose KV is not cached yet: the prompt before the first round, then
       the last emitted token.
     - ``specs``: drafts for the slots after ``pending``; ``draft_q`` ``[K, V]`` float64 holds
@@ -32,11 +32,12 @@ class ISDState:
     params: DecodingParams
     generator: torch.Generator | None
     stop_ids: tuple[int, ...]
-    cache: KVCache | None
     pending: list[int]
     device: torch.device
+    kv: KVSpan | None = None
     specs: list[int] = field(default_factory=list)
     draft_q: torch.Tensor | None = None
+    next_q: torch.Tensor | None = None  # this round's draft distributions, kept if all accepted
     emitted: list[int] = field(default_factory=list)
     generated: int = 0  # tokens counted against max tokens (gen_length), stop id included
     round_shape: tuple[int, int] = (0, 1)  # (K specs, N stride) of the prepared round
@@ -74,17 +75,8 @@ class ISDState:
 
     @property
     def row_length(self) -> int:
-        """Tokens this request's next row puts in a forward (at most ``len(pending)`` + 2N−2).
-
-        Much less than prompt + max tokens once the prompt is cached; the scheduler's
-        packing can use it instead of ``Request.row_length``.
-        """
+        """Tokens this request's next row puts in a forward (at most ``len(pending)`` + 2N−2)."""
         return len(self.pending) + len(self.specs) + self.round_shape[1] - 1
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes reserved by this request's KV cache (0 once released)."""
-        return self.cache.nbytes if self.cache is not None else 0
 
     def answer_tokens(self) -> list[int]:
         """The accepted answer so far, stop id excluded (every token is final: stream it)."""

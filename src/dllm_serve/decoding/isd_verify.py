@@ -29,15 +29,17 @@ def target_probs(logits: torch.Tensor, temperature: float, mask_id: int) -> torc
     same way everywhere (verify, clean, correction and drafts) so p is one consistent target.
     """
     z = logits.to(torch.float64, copy=True)
-    z[:, mask_id] = float("-inf")
+    z[..., mask_id] = float("-inf")
     return torch.softmax(z / temperature, dim=-1)
 
 
 def greedy_tokens(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """``argmax`` per row with the mask id excluded (the T = 0 limit of :func:`target_probs`)."""
-    z = logits.to(torch.float64, copy=True)
-    z[:, mask_id] = float("-inf")
-    return z.argmax(dim=-1)
+    """``argmax`` per row with the mask id excluded (the T = 0 limit of :func:`target_probs`).
+
+    In the logits' own precision: widening to float64 is exact, so it cannot change an argmax.
+    """
+    index = torch.tensor([mask_id], device=logits.device)
+    return logits.index_fill(-1, index, float("-inf")).argmax(dim=-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -52,14 +54,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return clocks.argmin(dim=-1)
 
 
-def accept_probability(p: torch.Tensor, q: torch.Tensor, x: int) -> float:
-    """``min(1, p(x) / q(x))`` for a draft ``x`` sampled from ``q`` (so ``q(x) > 0``)."""
-    qx = float(q[x])
-    if qx <= 0.0:  # impossible for a real draw from q; never accept what q could not produce
-        return 0.0
-    return min(1.0, float(p[x]) / qx)
-
-
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The correction distribution ``max(0, p − q)`` normalised.
 
@@ -71,39 +65,25 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return p if float(total) <= 0.0 else r / total
 
 
-def verify_draft(
-    p: torch.Tensor, q: torch.Tensor, x: int, generator: torch.Generator | None
-) -> tuple[bool, int]:
-    """Speculative-sampling check of draft ``x ~ q`` against target ``p`` (both ``[V]``).
+def verify_row(
+    p: torch.Tensor, q: torch.Tensor, specs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative-sampling check of K drafts ``specs ~ q`` against ``p`` (``[K, V]``),
+    with no value read back: ``(accepted, corrections)``.
 
-    Returns ``(True, x)`` on acceptance, else ``(False, y)`` with ``y ~ residual(p, q)``.
-    ``u < a`` is tested as ``u · q(x) < p(x)`` in float64 (no division; a ≥ 1 always accepts
-    since ``u < 1``).
+    ``accepted`` (0-d) is the number of leading drafts that pass ``u_i · q_i(x_i) < p_i(x_i)``
+    (``u < a`` without a division; a ≥ 1 always accepts since u < 1). ``corrections`` ``[K]``
+    holds a sample of ``residual(p_i, q_i)`` for every i, drawn up front so the generator's
+    consumption depends on K alone; only the one at the first rejection is ever used. Every
+    random number is independent of the others, so the emitted token is still exactly
+    p-distributed.
     """
-    u = float(torch.rand((), generator=generator, dtype=torch.float64, device=p.device))
-    if u * float(q[x]) < float(p[x]):
-        return True, x
-    return False, int(sample(residual(p, q)[None], generator)[0])
-
-
-def verify_specs(
-    p: torch.Tensor, q: torch.Tensor, specs: list[int], generator: torch.Generator | None
-) -> tuple[int, int | None]:
-    """:func:`verify_draft` for K specs left to right, with one device→host copy for the test.
-
-    ``p``/``q`` are ``[K, V]``. Returns ``(j, correction)`` where ``j`` specs were accepted and
-    ``correction`` is a residual sample for spec ``j`` (None when all K were accepted). All K
-    uniforms are drawn up front (the ones after a rejection are simply unused), which keeps
-    the generator's consumption a function of K alone.
-    """
-    k = len(specs)
-    if k == 0:
-        return 0, None
+    k = specs.shape[0]
     rows = torch.arange(k, device=p.device)
-    x = torch.tensor(specs, device=p.device)
     u = torch.rand(k, generator=generator, dtype=torch.float64, device=p.device)
-    ok = (u * q[rows, x] < p[rows, x]).tolist()
-    j = ok.index(False) if False in ok else k
-    if j == k:
-        return k, None
-    return j, int(sample(residual(p[j], q[j])[None], generator)[0])
+    ok = u * q[rows, specs] < p[rows, specs]
+    accepted = ok.long().cumprod(0).sum()
+    r = torch.clamp(p - q, min=0.0)
+    total = r.sum(dim=-1, keepdim=True)
+    corrections = sample(torch.where(total > 0, r / total.clamp_min(1e-300), p), generator)
+    return accepted, corrections

@@ -9,38 +9,39 @@ from __future__ import annotations
 
 import torch
 
-from dllm_serve.decoding.commit import threshold_commit
+from dllm_serve.decoding.commit import threshold_commit_rows
 
 
-def near_anchor(positions: torch.Tensor, anchors: torch.Tensor, radius: int) -> torch.Tensor:
-    """For each position, whether some anchor lies within ``radius`` of it (``[N]`` bool).
-
-    ``positions`` ``[N]`` ascending canvas positions, ``anchors`` ``[N]`` bool over them.
-    Distances are canvas distances, so committed positions between two masked ones count
-    (the neighbourhood ``[a − W, a + W]`` is an interval of the canvas). Computed with a
-    prefix sum of anchor counts over the covered span: ``O(span)``, no ``[N, N]`` matrix.
-    """
-    if positions.numel() == 0:
-        return torch.zeros_like(anchors)
-    offsets = positions - positions[0]
-    span = int(offsets[-1]) + 1
-    dense = torch.zeros(span, dtype=torch.long, device=positions.device)
-    dense[offsets[anchors]] = 1
-    # prefix[j] = number of anchors at offsets < j; window count = prefix[hi] − prefix[lo].
-    prefix = torch.nn.functional.pad(dense.cumsum(0), (1, 0))
-    lo = (offsets - radius).clamp(min=0)
-    hi = (offsets + radius + 1).clamp(max=span)
-    return (prefix[hi] - prefix[lo]) > 0
-
-
-def local_leap_commit(
-    confidence: torch.Tensor,
-    positions: torch.Tensor,
-    anchor_threshold: float,
-    neighbor_threshold: float,
-    radius: int,
+def near_anchor_rows(
+    offsets: torch.Tensor, anchors: torch.Tensor, radius: torch.Tensor, span: int
 ) -> torch.Tensor:
-    """LocalLeap's commit set for one step (``[N]`` bool over the block's masked positions).
+    """Whether some anchor lies within ``radius[r]`` of each position (``[R, M]`` bool).
+
+    ``offsets`` ``[R, M]`` are the positions' offsets in their block (``0 ≤ offset < span``;
+    padding may repeat an offset, it is never an anchor), ``anchors`` ``[R, M]`` bool over them.
+    Distances are canvas distances, so committed positions between two masked ones count
+    (the neighbourhood ``[a − W, a + W]`` is an interval of the canvas). Computed with a prefix
+    sum of anchor counts over the block: ``O(span)`` per row, no ``[M, M]`` matrix.
+    """
+    rows = offsets.shape[0]
+    dense = torch.zeros(rows, span, dtype=torch.long, device=offsets.device)
+    dense.scatter_add_(1, offsets, anchors.long())
+    # prefix[j] = number of anchors at offsets < j; window count = prefix[hi] − prefix[lo].
+    prefix = torch.nn.functional.pad(dense.cumsum(1), (1, 0))
+    lo = (offsets - radius[:, None]).clamp(min=0)
+    hi = (offsets + radius[:, None] + 1).clamp(max=span)
+    return (prefix.gather(1, hi) - prefix.gather(1, lo)) > 0
+
+
+def local_leap_commit_rows(
+    confidence: torch.Tensor,
+    offsets: torch.Tensor,
+    anchor_threshold: torch.Tensor,
+    neighbor_threshold: torch.Tensor,
+    radius: torch.Tensor,
+    span: int,
+) -> torch.Tensor:
+    """LocalLeap's commit set for one step, per row (``[R, M]`` bool).
 
     With κ = ``anchor_threshold``, τ = ``neighbor_threshold`` (τ ≤ κ), W = ``radius``::
 
@@ -54,8 +55,40 @@ def local_leap_commit(
     relaxed region, and a τ-level neighbour committed this step does not become an anchor
     (one step of propagation). The argmax keeps progress when no position reaches κ, in
     which case exactly one token is committed. With W = 0 or τ = κ the rule is exactly
-    :func:`threshold_commit` at κ.
+    :func:`~dllm_serve.decoding.commit.threshold_commit_rows` at κ.
     """
-    anchors = confidence >= anchor_threshold
-    relaxed = near_anchor(positions, anchors, radius) & (confidence >= neighbor_threshold)
-    return threshold_commit(confidence, anchor_threshold) | relaxed
+    anchors = confidence >= anchor_threshold[:, None]
+    near = near_anchor_rows(offsets, anchors, radius, span)
+    relaxed = near & (confidence >= neighbor_threshold[:, None])
+    return threshold_commit_rows(confidence, anchor_threshold) | relaxed
+
+
+def near_anchor(positions: torch.Tensor, anchors: torch.Tensor, radius: int) -> torch.Tensor:
+    """:func:`near_anchor_rows` for one row of ascending canvas ``positions`` ``[N]``."""
+    if positions.numel() == 0:
+        return torch.zeros_like(anchors)
+    offsets = positions - positions[0]
+    span = int(offsets[-1]) + 1
+    return near_anchor_rows(offsets[None], anchors[None], torch.tensor([radius]), span)[0]
+
+
+def local_leap_commit(
+    confidence: torch.Tensor,
+    positions: torch.Tensor,
+    anchor_threshold: float,
+    neighbor_threshold: float,
+    radius: int,
+) -> torch.Tensor:
+    """:func:`local_leap_commit_rows` for one row (``positions``: ascending canvas positions)."""
+    if positions.numel() == 0:
+        return torch.zeros_like(confidence, dtype=torch.bool)
+    offsets = positions - positions[0]
+    span = int(offsets[-1]) + 1
+
+    def scalar(x: float) -> torch.Tensor:
+        return torch.tensor([x], dtype=confidence.dtype)
+
+    return local_leap_commit_rows(
+        confidence[None], offsets[None], scalar(anchor_threshold), scalar(neighbor_threshold),
+        torch.tensor([radius]), span,
+    )[0]  # fmt: skip

@@ -7,22 +7,22 @@ prompt see the later blocks), and Fast-dLLM's observation is that their keys/val
 little within one block. So, per block:
 
 1. **Refresh** (first step of the block): one full forward over the whole canvas, exactly the
-   no-cache forward, whose logits drive this step's commits. As a side effect the keys/values
-   of the *committed prefix* ``[0, c)`` are stored in the request's cache, with
-   ``c = lo − shift`` (below). The cache is emptied first, so nothing from an older block
-   survives: the whole prefix is recomputed with the current canvas.
+   no-cache forward, whose logits drive this step's commits. Its K/V land in the request's KV
+   span; the request keeps those of the *committed prefix* ``[0, c)`` (``span.length = c``),
+   with ``c = lo − shift`` (below). Nothing from an older block survives: the whole prefix is
+   recomputed with the current canvas.
 2. **Cached steps** (the rest of the block): forward only ``x[c:]`` (the current block and the
-   later, still-masked blocks) at positions ``c, c+1, …``, attending to the cached prefix;
-   nothing is written. The prefix K/V are stale w.r.t. the commits made since the refresh —
-   that is the approximation, and it is reset at every block boundary.
+   later, still-masked blocks) at positions ``c, c+1, …``, attending to the cached prefix. Their
+   K/V are written past the prefix and never kept. The prefix K/V are stale w.r.t. the commits
+   made since the refresh — that is the approximation, and it is reset at every block boundary.
 
-Only committed positions ever live in the cache ("KV trimming"): ``c ≤ lo`` and the previous
-blocks are complete, so the masked positions' K/V (which change every step) are never kept.
+Only committed positions are ever kept ("KV trimming"): ``c ≤ lo`` and the previous blocks are
+complete, so the masked positions' K/V (which change every step) are never read as a prefix.
 
 ``shift`` is 1 for families with shifted logits (Dream, I-DLM), where the logits predicting
 position ``j`` come from the hidden state at ``j − 1``. The block's first position ``lo``
 therefore needs the hidden state of ``lo − 1``, a committed prefix position; keeping
-``lo − 1`` *out* of the cache and re-forwarding it at every cached step gives it a hidden
+``lo − 1`` *out* of the prefix and re-forwarding it at every cached step gives it a hidden
 state (and fresh K/V) at the cost of one extra token per forward. The prompt is non-empty for
 these families, so ``c = lo − 1 ≥ 0``.
 
@@ -31,22 +31,8 @@ With causal attention the prefix K/V do not depend on later tokens, so the cache
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
-from dllm_serve.decoding.forward_spec import AttentionKind, ForwardSpec
+from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.decoding.state import DenoiseState
-from dllm_serve.models.kv_cache import KVCache
-
-# Builds an empty cache for the serving model with room for ``capacity`` positions, e.g.
-# ``functools.partial(KVCache.for_model, model)``.
-KVCacheFactory = Callable[[int], KVCache]
-
-
-def max_prefix_length(prompt_len: int, gen_length: int, block_length: int, shift: int) -> int:
-    """The longest prefix the cache will hold: the one of the last block, ``lo_last − shift``."""
-    return max(prompt_len + gen_length - block_length - shift, 0)
 
 
 def cached_start(state: DenoiseState, shift: int) -> int:
@@ -55,39 +41,35 @@ def cached_start(state: DenoiseState, shift: int) -> int:
     return lo - shift
 
 
-def reset_for_block(state: DenoiseState) -> None:
-    """Forget the previous block's prefix; the next forward (the refresh) rebuilds it."""
-    if state.kv_cache is not None:
-        state.kv_cache.clear()  # keeps the buffer, so the refresh does not reallocate
+def prefix_spec(state: DenoiseState, shift: int, attention: AttentionKind) -> RowSpec:
+    """The row of one step with a prefix cache.
 
-
-def prefix_spec(
-    state: DenoiseState, masked: torch.Tensor, shift: int, attention: AttentionKind
-) -> ForwardSpec:
-    """The forward of one step with a prefix cache (``masked``: the block's masked positions).
-
-    Refresh step (the cache is empty): the whole canvas, writing the K/V of ``[0, c)``.
-    Cached step: ``x[c:]`` against the cached ``[0, c)``, writing nothing. Logit indices are
-    relative to the forwarded tokens: position ``j`` is predicted at ``j − shift − start``.
+    Refresh step (nothing cached): the whole canvas. Cached step: ``x[c:]`` against the cached
+    ``[0, c)``. Output offsets are relative to the forwarded tokens: position ``j`` is
+    predicted at ``j − shift − start``.
     """
-    cache = state.kv_cache
-    assert cache is not None
-    canvas = state.canvas
+    span = state.kv
+    assert span is not None
     c = cached_start(state, shift)
-    refresh = cache.length == 0
-    if not refresh and cache.length != c:
-        raise RuntimeError(f"prefix cache holds {cache.length} positions, expected {c}")
-    start = 0 if refresh else c
-    return ForwardSpec(
-        input_ids=canvas[start:],  # a view: the forward runs before update() mutates it
-        positions=torch.arange(start, canvas.numel(), device=canvas.device),
-        logits_index=masked - shift - start,
+    if span.length not in (0, c):
+        raise RuntimeError(f"prefix cache holds {span.length} positions, expected {c}")
+    start = span.length
+    return RowSpec(
+        tokens=state.tokens[start:],
+        start=start,
+        logits_at=[p - shift - start for p in state.masked],
         attention=attention,
-        kv_cache=cache,
-        kv_write=c if refresh else 0,
+        kv=span,
     )
 
 
-def release(state: DenoiseState) -> None:
-    """Drop the request's cache (finished): its memory is freed with the last reference."""
-    state.kv_cache = None
+def after_step(state: DenoiseState, shift: int) -> None:
+    """Keep the committed prefix of a refresh step (``c`` positions); cached steps keep it."""
+    if state.kv is not None and state.kv.length == 0:
+        state.kv.length = cached_start(state, shift)
+
+
+def reset_for_block(state: DenoiseState) -> None:
+    """Forget the previous block's prefix; the next forward (the refresh) rebuilds it."""
+    if state.kv is not None:
+        state.kv.length = 0

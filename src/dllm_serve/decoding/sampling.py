@@ -4,6 +4,26 @@ from __future__ import annotations
 
 import torch
 
+from dllm_serve.decoding.params import DecodingParams
+
+_SEED_MODULUS = 2**64  # torch.Generator seeds are unsigned 64-bit
+
+
+def new_generator(params: DecodingParams, device: torch.device | str) -> torch.Generator | None:
+    """The request's own generator on ``device`` (None at temperature 0, which draws nothing).
+
+    Seeded from ``params.seed`` (any int64, negative too, maps onto the unsigned 64-bit seed
+    space), else from fresh OS entropy as ``torch.seed()`` does.
+    """
+    if params.temperature <= 0:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed % _SEED_MODULUS)
+    return generator
+
 
 def gumbel_argmax(
     logits: torch.Tensor, temperature: float, generator: torch.Generator | None

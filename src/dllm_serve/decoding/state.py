@@ -1,4 +1,4 @@
-"""Per-request denoising state: the canvas, the position in the block loop, the counters."""
+"""Per-request denoising state: the canvas (on the host), the block loop, the counters."""
 
 from __future__ import annotations
 
@@ -10,28 +10,28 @@ import torch
 from dllm_serve.decoding.params import DecodingParams
 
 if TYPE_CHECKING:
-    from dllm_serve.models.kv_cache import KVCache
+    from dllm_serve.models.kv_pool import KVSpan
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class DenoiseState:
     """Per-request denoising state (lives in the engine's Request).
 
-    ``canvas`` is the 1-D LongTensor ``[P + G]`` on the model device: the prompt, then the
-    answer region of ``G = params.gen_length`` positions that start as ``mask_id``. A position
-    of the answer region is *committed* once it holds a token other than ``mask_id``; committed
-    tokens never change. ``mask_id`` and ``stop_ids`` are copied from the denoiser so that the
-    answer helpers below need nothing else.
+    ``tokens`` is the canvas as a host list ``[P + G]``: the prompt, then the answer region
+    of ``G = params.gen_length`` positions that start as ``mask_id``. A position of the answer
+    region is *committed* once it holds a token other than ``mask_id``; committed tokens never
+    change. The host copy is what makes a step cheap: which positions are masked, the block's
+    schedule and the contiguous final prefix are known without reading the device, and the
+    one device→host copy per step brings back only the tokens committed in it.
 
-    ``kv_cache`` is the request's block-level prefix cache (``decoding/prefix_cache.py``), or
-    None without one (``--kv-cache none``) and once the request finished: the state is its only
-    owner, so dropping the request frees it.
+    ``kv`` is the request's span in the KV pool when the prefix cache is on
+    (``decoding/prefix_cache.py``), None without one; ``kv.length`` is the cached prefix.
 
     Counters for usage and metrics: ``nfe`` (forward passes consumed) and ``committed``
     (canvas tokens committed); :attr:`tokens_per_forward` is their ratio.
     """
 
-    canvas: torch.Tensor
+    tokens: list[int]
     prompt_len: int
     params: DecodingParams
     generator: torch.Generator | None  # None when temperature == 0
@@ -41,17 +41,28 @@ class DenoiseState:
     step: int = 0  # step index within the active block
     # Transfer counts of the active block in top-k mode; empty in the data-dependent modes.
     schedule: list[int] = field(default_factory=list)
+    masked: list[int] = field(default_factory=list)  # active block's masked positions, ascending
     nfe: int = 0  # forward passes consumed
     committed: int = 0  # canvas tokens committed so far
+    final_len: int = 0  # contiguous committed answer prefix
+    stop_at: int | None = None  # answer index of the first stop id in that prefix
     finished: bool = False
     finish_reason: str | None = None
-    kv_cache: KVCache | None = None
+    kv: KVSpan | None = None
+    drafted: int | None = None  # self-speculation counters (not used by diffusion decoding)
+    accepted_drafts: int | None = None
 
     @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes held by the prefix cache (its buffer's capacity; 0 without one)."""
-        cache = self.kv_cache  # read once: a metrics scrape may race the engine's release
-        return cache.nbytes if cache is not None else 0
+    def canvas(self) -> torch.Tensor:
+        """The canvas as a 1-D LongTensor (a copy, for inspection and tests)."""
+        return torch.tensor(self.tokens, dtype=torch.long)
+
+    @property
+    def row_length(self) -> int:
+        """Tokens this request puts in its next forward (the scheduler's token budget)."""
+        if self.kv is not None and self.kv.length:
+            return len(self.tokens) - self.kv.length
+        return len(self.tokens)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -69,26 +80,24 @@ class DenoiseState:
         lo = self.prompt_len + self.block * self.params.block_length
         return lo, lo + self.params.block_length
 
-    def scan_answer(self) -> tuple[int, int | None]:
-        """(length of the contiguous committed answer prefix, first stop index in it or None).
+    def advance_final(self) -> int:
+        """Extend the contiguous committed prefix after commits; returns how far it moved.
 
-        One device→host transfer: both reductions are computed on the canvas's device.
+        Every block before the active one is complete, so the scan starts where it stopped;
+        the first stop id inside the final prefix is remembered (committed tokens never change,
+        so it is final too).
         """
-        answer = self.canvas[self.prompt_len :]
-        g = answer.numel()
-        pos = torch.arange(g, device=answer.device)
-        sentinel = torch.full_like(pos, g)
-        final_len = torch.where(answer == self.mask_id, pos, sentinel).min()
-        is_stop = torch.zeros_like(answer, dtype=torch.bool)
-        for stop_id in self.stop_ids:
-            is_stop |= answer == stop_id
-        first_stop = torch.where(is_stop & (pos < final_len), pos, sentinel).min()
-        final, stop = torch.stack([final_len, first_stop]).tolist()
-        return final, (stop if stop < g else None)
-
-    def answer_final_len(self) -> int:
-        """Length of the contiguous committed prefix of the answer (stops at the first mask)."""
-        return self.scan_answer()[0]
+        answer_len = len(self.tokens) - self.prompt_len
+        start = self.final_len
+        end = start
+        base = self.prompt_len
+        tokens, mask_id = self.tokens, self.mask_id
+        while end < answer_len and tokens[base + end] != mask_id:
+            if self.stop_at is None and tokens[base + end] in self.stop_ids:
+                self.stop_at = end
+            end += 1
+        self.final_len = end
+        return end - start
 
     def answer_tokens(self) -> list[int]:
         """The final answer so far: the contiguous committed prefix, cut before the first stop id.
@@ -96,6 +105,5 @@ class DenoiseState:
         Everything returned is final (committed and contiguous from the start of the answer),
         so it is safe to stream. Stop ids are excluded.
         """
-        final_len, first_stop = self.scan_answer()
-        end = final_len if first_stop is None else first_stop
-        return self.canvas[self.prompt_len : self.prompt_len + end].tolist()
+        end = self.final_len if self.stop_at is None else self.stop_at
+        return self.tokens[self.prompt_len : self.prompt_len + end]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
+import copy
 import logging
 import threading
 import time
@@ -21,15 +21,13 @@ import torch
 import uuid6
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
-from dllm_serve.engine.batch import build_batch, run_batch
+from dllm_serve.engine.algorithms import algorithm_for
+from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.observer import EngineObserver, NullObserver
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 from dllm_serve.engine.request import Request, RequestStatus
 from dllm_serve.engine.scheduler import QueueFullError, Scheduler
-from dllm_serve.engine.tiers import isd_decoder_for
-from dllm_serve.models.kv_cache import KVCache
 from dllm_serve.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -53,24 +51,21 @@ class AsyncEngine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.observer: EngineObserver = observer or NullObserver()
-        self.algorithm = LLaDADenoiser(
-            loaded.mask_id,
-            loaded.stop_ids,
-            logit_shift=loaded.family.logit_shift,
-            bidirectional=loaded.family.bidirectional,
-            kv_cache_factory=(
-                functools.partial(KVCache.for_model, loaded.model)
-                if self.config.kv_cache == "prefix"
-                else None
-            ),
-        )
-        # I-DLM checkpoints decode by exact self-speculation (docs/isd.md), stride per tiers.
-        isd = isd_decoder_for(loaded, self.config, lambda: len(self.scheduler.running))
-        if isd is not None:
-            self.algorithm = isd  # type: ignore[assignment]
+        self.algorithm = algorithm_for(loaded, self.config, lambda: len(self.scheduler.running))
         # "diffusion" (canvas denoising) or "self_speculation" (I-DLM ISD): the API rejects
         # request fields that only mean something for the other one.
-        self.decoding_mode = "self_speculation" if isd is not None else "diffusion"
+        self.decoding_mode = self.algorithm.decoding_mode
+        needs_kv = self.algorithm.kv_tokens(1, DecodingParams(gen_length=1)) > 0
+        kv_slots = 0
+        if needs_kv:
+            # Room for every running request at the longest context, unless memory says less.
+            most = self.config.max_running_requests * (loaded.max_length + 64)
+            kv_slots = ModelRunner.pool_slots(
+                loaded.model, loaded.device, self.config.kv_cache_memory, most
+            )
+            if kv_slots < 1:
+                raise ValueError("--kv-cache-memory leaves no room for a single KV slot")
+        self.runner = ModelRunner(loaded.model, loaded.device, kv_slots=kv_slots)
         self.scheduler = Scheduler(self.config)
         self._cond = threading.Condition()
         self._inbox: deque[Request] = deque()
@@ -79,6 +74,9 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._tokenizer_lock = threading.Lock()
+        # The engine thread detokenises with its own copy of the tokenizer, so it never waits
+        # for (or blocks) the API's chat templating, which holds the lock above.
+        self._detok_tokenizer = copy.deepcopy(loaded.tokenizer)
         self._thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -115,8 +113,10 @@ class AsyncEngine:
             return self.loaded.chat_prompt_ids(messages)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        with self._tokenizer_lock:
-            return self.loaded.decode(list(ids))
+        """Engine thread only (its own tokenizer copy; see ``__init__``)."""
+        return self._detok_tokenizer.decode(
+            list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
 
     # ---- requests --------------------------------------------------------------------------
     @property
@@ -124,13 +124,19 @@ class AsyncEngine:
         return len(self.scheduler.running)
 
     @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes held by the running requests' prefix KV caches (0 when idle or without).
+    def kv_pool(self):
+        return self.runner.pool
 
-        Read from other threads (metrics scrape): ``list()`` snapshots the engine thread's
-        list in one C call under the GIL, and a finished request's state holds no cache.
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV pool held by running requests (0 when idle or without a pool).
+
+        Read from other threads (metrics scrape): one integer read under the GIL.
         """
-        return sum(r.state.kv_cache_bytes for r in list(self.scheduler.running) if r.state)
+        pool = self.runner.pool
+        if pool is None:
+            return 0
+        return pool.used * (pool.nbytes // pool.slots)
 
     @property
     def num_waiting(self) -> int:
@@ -265,19 +271,47 @@ class AsyncEngine:
         )
 
     def _admit(self) -> None:
+        """Start waiting requests, in order, while slots and KV budget allow.
+
+        A request whose worst-case KV does not fit now waits (and so does everyone behind it:
+        first come, first served); one that could never fit the whole pool fails at once.
+        """
+        pool = self.runner.pool
         for request in self.scheduler.admit():
+            need = self.algorithm.kv_tokens(len(request.prompt_ids), request.params)
+            span = None
+            if need and pool is not None:
+                if need > pool.slots:
+                    self._fail(
+                        request,
+                        "error",
+                        f"the request needs {need} KV slots but the KV pool holds {pool.slots}; "
+                        "raise --kv-cache-memory",
+                    )
+                    continue
+                span = pool.allocate(need)
+                if span is None:
+                    self.scheduler.requeue(request)
+                    return
             try:
                 request.state = self.algorithm.init_state(
                     request.prompt_ids, request.params, self.loaded.device
                 )
             except Exception as exc:
+                if span is not None and pool is not None:
+                    pool.free(span)
                 self._fail_exc(request, exc, "admission")
                 continue
+            request.state.kv = span
             request.status = RequestStatus.RUNNING
             self.scheduler.run(request)
 
     def _forward(self, group: list[Request]) -> None:
-        """One batched forward for ``group``; a failure only fails the rows it concerns."""
+        """One step for ``group``: prepare → forward → sample → one device→host copy → commit.
+
+        A failure while preparing or committing one row fails only that request; a failure of
+        the forward or the batched sampler fails the rows of this forward.
+        """
         rows, specs = [], []
         for request in group:
             try:
@@ -287,27 +321,32 @@ class AsyncEngine:
                 self._fail_exc(request, exc, "prepare")
         if not rows:
             return
+        states = [r.state for r in rows]
         try:
-            batch = build_batch(specs, pad_id=self.loaded.mask_id)
-            started = time.perf_counter()
-            logits = run_batch(self.loaded.model, batch)
+            logits = self.runner.run(specs)
+            # The step's one device→host copy: every row's commits or verdicts.
+            host = self.algorithm.sample(states, logits).tolist()
             self.observer.on_forward(
-                batch.num_rows, batch.num_tokens, time.perf_counter() - started
+                len(rows), sum(len(s.tokens) for s in specs), self.runner.forward_seconds()
             )
         except Exception as exc:  # the forward itself: every row of this batch fails
             for request in rows:
                 self._fail_exc(request, exc, "forward")
             return
-        for request, row_logits in zip(rows, logits, strict=True):
+        for request, state, row in zip(rows, states, host, strict=True):
             try:
-                result = self.algorithm.update(request.state, row_logits)
-                self._emit(request, result.finished, result.finish_reason)
+                result = self.algorithm.commit([state], [row])[0]
+                self._emit(request, result.finished, result.finish_reason, result.new_tokens)
             except Exception as exc:
                 self._fail_exc(request, exc, "update")
 
-    def _emit(self, request: Request, finished: bool, finish_reason: str | None) -> None:
+    def _emit(
+        self, request: Request, finished: bool, finish_reason: str | None, new_tokens: int
+    ) -> None:
         state = request.state
         assert state is not None
+        if not new_tokens and not finished:
+            return  # nothing became final: no delta, no decode
         tokens = state.answer_tokens()
         detok = request.detokenizer
         delta = detok.update(tokens, final=finished)
@@ -334,7 +373,16 @@ class AsyncEngine:
 
     def _send(self, request: Request, output: RequestOutput) -> None:
         if output.finished:
-            # Free the slot before the client hears about it, so counts are never stale.
+            # Free the slot and the KV before the client hears about it, so counts are never
+            # stale.
             self.scheduler.remove(request)
+            self._release_kv(request)
             self.observer.on_finished(output, time.monotonic() - request.arrival_time)
         request.sink(output)
+
+    def _release_kv(self, request: Request) -> None:
+        state = request.state
+        if state is not None and state.kv is not None:
+            assert self.runner.pool is not None
+            self.runner.pool.free(state.kv)
+            state.kv = None

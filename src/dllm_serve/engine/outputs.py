@@ -34,6 +34,12 @@ class RequestOutput:
 class IncrementalDetokenizer:
     """Turns a growing list of final answer tokens into append-only text deltas.
 
+    Incremental (vLLM's offsets): each update decodes only a short window — the tokens from
+    ``prefix_offset`` on — and keeps the part past the text of ``[prefix_offset, read_offset)``,
+    so the cost per step does not grow with the answer. Decoding a window that starts a few
+    tokens back, rather than at the new tokens, keeps tokenizers that treat the first token of
+    a decode specially (SentencePiece's leading space) consistent.
+
     Text is released only once it can no longer change:
 
     - a prefix can end inside a multi-byte UTF-8 character (decoded as U+FFFD), so trailing
@@ -47,6 +53,9 @@ class IncrementalDetokenizer:
         self._decode = decode
         self._stop = tuple(s for s in stop if s)
         self._sent = ""
+        self._text = ""  # decoded text of tokens[:read_offset]
+        self._prefix_offset = 0
+        self._read_offset = 0
         self._num_tokens = 0
         self.stopped = False
 
@@ -58,7 +67,18 @@ class IncrementalDetokenizer:
         if self.stopped or (len(tokens) == self._num_tokens and not final):
             return ""
         self._num_tokens = len(tokens)
-        text = self._decode(tokens)
+        if len(tokens) > self._read_offset:
+            prefix = self._decode(tokens[self._prefix_offset : self._read_offset])
+            window = self._decode(tokens[self._prefix_offset :])
+            if len(window) > len(prefix) and (final or not window.endswith("\ufffd")):
+                self._text += window[len(prefix) :]
+                self._prefix_offset, self._read_offset = self._read_offset, len(tokens)
+        text = self._text
+        if final and len(tokens) > self._read_offset:
+            # Only undecodable bytes are left: release them as the tokenizer renders them.
+            window = self._decode(tokens[self._prefix_offset :])
+            prefix = self._decode(tokens[self._prefix_offset : self._read_offset])
+            text += window[len(prefix) :]
         cut = self._find_stop(text)
         if cut is not None:
             text, final, self.stopped = text[:cut], True, True
@@ -66,8 +86,8 @@ class IncrementalDetokenizer:
             text = text.rstrip("\ufffd")
             text = text[: len(text) - self._stop_prefix_len(text)]
         if not text.startswith(self._sent):
-            # The tokenizer re-decoded an earlier span differently; what was sent is already
-            # with the client, so keep it and release only a new tail.
+            # Defensive: what was sent is already with the client, so keep it and release
+            # only a new tail.
             common = _common_prefix_len(text, self._sent)
             text = self._sent + text[common:] if final else self._sent
         delta = text[len(self._sent) :]

@@ -7,8 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from dllm_serve.decoding.denoise import DenoiseState
-from dllm_serve.decoding.isd_state import ISDState
+from dllm_serve.decoding.algorithm import DecodeState
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 
@@ -34,7 +33,7 @@ class Request:
     detokenizer: IncrementalDetokenizer
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
-    state: DenoiseState | ISDState | None = None  # created on admission, on the engine thread
+    state: DecodeState | None = None  # created on admission, on the engine thread
     first_content_time: float | None = None
     deadline: float | None = None  # time.monotonic() past which the request times out
 
@@ -42,12 +41,11 @@ class Request:
     def row_length(self) -> int:
         """Tokens this request puts in its next forward (for packing rows into forwards).
 
-        A diffusion canvas is the whole prompt plus canvas every step; an ISD row is only its
-        pending tokens, drafts and masks, which its state knows.
+        A diffusion canvas is the whole prompt plus canvas every step (less a cached prefix);
+        an ISD row is only its pending tokens, drafts and masks, which its state knows.
         """
-        known = getattr(self.state, "row_length", None)
-        if known is not None:
-            return int(known)
+        if self.state is not None:
+            return self.state.row_length
         return len(self.prompt_ids) + self.params.gen_length
 
     def output(
@@ -68,8 +66,8 @@ class Request:
             committed=state.committed if state else 0,
             step=state.step if state else 0,
             block=state.block if state else 0,
-            drafted=getattr(state, "drafted", None),
-            accepted_drafts=getattr(state, "accepted_drafts", None),
+            drafted=state.drafted if state else None,
+            accepted_drafts=state.accepted_drafts if state else None,
             finished=finish_reason is not None,
             finish_reason=finish_reason,
             error=error,

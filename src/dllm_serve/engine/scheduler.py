@@ -17,8 +17,10 @@ class Scheduler:
     """Owns ``waiting`` (FIFO) and ``running``; engine thread only.
 
     Every engine iteration advances every running request by exactly one step: rows are grouped
-    into forwards of at most ``max_tokens_per_forward`` padded tokens (similar lengths together,
-    so little padding is wasted), and a ``force_single_batch`` request gets a forward of its own.
+    into forwards of at most ``max_tokens_per_forward`` real tokens (a forward is a flat batch
+    with no padding; a single row longer than the budget still gets a forward of its own), and
+    a ``force_single_batch`` request gets a forward of its own. Within a forward, rows are
+    ordered by length so rows of one shape sit together and share an attention call.
     A request that arrives mid-generation joins the very next iteration, whatever step, block or
     canvas length the others are at; a finished one leaves at once.
     """
@@ -32,6 +34,10 @@ class Scheduler:
         """Yield waiting requests that fit; the caller initialises them and calls :meth:`run`."""
         while self.waiting and len(self.running) < self.config.max_running_requests:
             yield self.waiting.popleft()
+
+    def requeue(self, request: Request) -> None:
+        """Put a request :meth:`admit` yielded back at the head of the queue (it must wait)."""
+        self.waiting.appendleft(request)
 
     def run(self, request: Request) -> None:
         self.running.append(request)
@@ -48,17 +54,18 @@ class Scheduler:
         shared = sorted(
             (r for r in self.running if not r.params.force_single_batch),
             key=lambda r: r.row_length,
-            reverse=True,
         )
         groups: list[list[Request]] = [[r] for r in single]
         current: list[Request] = []
+        tokens = 0
+        budget = self.config.max_tokens_per_forward
         for request in shared:
-            # Sorted by length, so the first row of a group is its padded width.
-            width = current[0].row_length if current else request.row_length
-            if current and width * (len(current) + 1) > self.config.max_tokens_per_forward:
+            length = request.row_length
+            if current and tokens + length > budget:
                 groups.append(current)
-                current = []
+                current, tokens = [], 0
             current.append(request)
+            tokens += length
         if current:
             groups.append(current)
         return groups

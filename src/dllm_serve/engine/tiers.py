@@ -16,14 +16,8 @@ stride never reallocates.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # keep this module torch-free for the CLI
-    from dllm_serve.config import EngineConfig
-    from dllm_serve.decoding.isd import ISDecoder
-    from dllm_serve.models.loader import LoadedModel
 
 ISD_FAMILIES = ("sdar",)  # families served by self-speculation (I-DLM)
 
@@ -83,26 +77,3 @@ def parse_tiers(text: str) -> tuple[tuple[int, int], ...]:
 def format_tiers(tiers: Sequence[tuple[int, int]]) -> str:
     """Inverse of :func:`parse_tiers` (for logs and ``--help`` defaults)."""
     return ",".join(f"{t}:{s}" for t, s in tiers)
-
-
-def isd_decoder_for(
-    loaded: LoadedModel, config: EngineConfig, running: Callable[[], int]
-) -> ISDecoder | None:
-    """The ISD decoder for an I-DLM checkpoint (None for other families).
-
-    ``running`` returns the engine's current number of running requests; the decoder asks it
-    at every ``prepare`` when tiers are configured, so the stride follows the load.
-    """
-    if loaded.family.name not in ISD_FAMILIES:
-        return None
-    from dllm_serve.decoding.isd import ISDecoder
-
-    tiers = BlockSizeTiers(config.isd_stride, tuple(config.block_size_tiers))
-    return ISDecoder(
-        loaded.model,
-        loaded.mask_id,
-        loaded.stop_ids,
-        stride=config.isd_stride,
-        stride_for=(lambda: tiers.stride_for(running())) if tiers.tiers else None,
-        max_stride=tiers.max_stride,
-    )

@@ -1,5 +1,5 @@
 """The model layer: per-family rules, one decoder transformer, KV caches, checkpoint loading.
 
-Read in import order: ``rope`` → ``kv_cache`` → ``transformer`` → ``families`` → ``hub`` /
+Read in import order: ``rope`` → ``kv_pool`` → ``flat_batch`` → ``transformer`` → ``families`` → ``hub`` /
 ``memory`` / ``tokenization`` → ``loader``; ``tiny`` writes test checkpoints. See docs/models.md.
 """

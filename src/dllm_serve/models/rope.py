@@ -177,12 +177,28 @@ def rotary_tables(
     return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rotary_table(
+    length: int, inv_freq: torch.Tensor, attention_factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and *signed* sin ``[length, head_dim]`` (fp32) for positions ``0..length-1``.
+
+    Row ``p`` holds exactly what :func:`rotary_tables` computes for position ``p``, except that
+    the first half of sin is negated: :func:`apply_rotary` then needs no ``rotate_half``
+    negation, only a roll (``x·cos + roll(x)·sin_signed``).
+    """
+    cos, sin = rotary_tables(torch.arange(length)[None], inv_freq, attention_factor)
+    cos, sin = cos[0, 0], sin[0, 0]
+    half = sin.shape[-1] // 2
+    return cos.contiguous(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, H, L, hd] in fp32 and return it in its own dtype."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[..., hd]`` in fp32 and return it in its own dtype.
+
+    ``rotate_half(x) = cat(-x2, x1)`` equals ``roll(x, hd/2) * [-1…, 1…]``; the sign lives in
+    ``sin_signed`` (:func:`rotary_table`), so this is a roll, a multiply and a fused
+    multiply-add.
+    """
     x32 = x.float()
-    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+    rolled = x32.roll(x32.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x32 * cos, rolled, sin_signed).to(x.dtype)

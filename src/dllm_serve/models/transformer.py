@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm_serve.models.kv_cache import KVBatch
-from dllm_serve.models.rope import RopeScaling, apply_rotary, rope_frequencies, rotary_tables
+from dllm_serve.models.flat_batch import FlatBatch
+from dllm_serve.models.kv_pool import KVPool
+from dllm_serve.models.rope import RopeScaling, apply_rotary, rope_frequencies, rotary_table
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,11 @@ class TransformerConfig:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm; the variance is taken in fp32 and cast back before the weight."""
+    """Root-mean-square norm: normalise in fp32, cast back, then scale (LLaDA, HF Llama/Qwen).
+
+    One fused ``F.rms_norm`` call, which upcasts half-precision inputs to fp32 for the
+    statistics and casts the normalised value back before the weight, as the references do.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -66,10 +71,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Matches LLaDA and HF Llama/Qwen: normalise in fp32, cast to the input dtype, then scale.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Embedding(nn.Embedding):
@@ -84,8 +86,24 @@ class Embedding(nn.Embedding):
             super().reset_parameters()
 
 
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs."""
+    weight = torch.cat([p.weight for p in parts])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if parts[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return fused
+
+
 class Attention(nn.Module):
-    """Grouped-query attention; optional q/k/v (and o) biases and per-head q/k RMSNorm."""
+    """Grouped-query attention; optional q/k/v (and o) biases and per-head q/k RMSNorm.
+
+    Checkpoints load into separate ``q_proj``/``k_proj``/``v_proj``; :meth:`fuse` replaces them
+    with one ``qkv_proj`` for serving (one matmul instead of three). GQA never copies K/V: SDPA
+    maps query head ``h`` to kv head ``h // n_rep`` itself (``enable_gqa``), the HF/LLaDA
+    ``repeat_kv`` convention.
+    """
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -94,12 +112,51 @@ class Attention(nn.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = hd
         qkv_bias = config.qkv_bias or config.o_bias
-        self.q_proj = nn.Linear(config.d_model, config.n_heads * hd, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.d_model, config.n_kv_heads * hd, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.d_model, config.n_kv_heads * hd, bias=qkv_bias)
+        self.q_proj: nn.Linear | None = nn.Linear(
+            config.d_model, config.n_heads * hd, bias=qkv_bias
+        )
+        self.k_proj: nn.Linear | None = nn.Linear(
+            config.d_model, config.n_kv_heads * hd, bias=qkv_bias
+        )
+        self.v_proj: nn.Linear | None = nn.Linear(
+            config.d_model, config.n_kv_heads * hd, bias=qkv_bias
+        )
+        self.qkv_proj: nn.Linear | None = None
         self.o_proj = nn.Linear(config.n_heads * hd, config.d_model, bias=config.o_bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+
+    def fuse(self) -> None:
+        """Replace q/k/v projections by one fused projection (same outputs)."""
+        if self.qkv_proj is None:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+            self.q_proj = self.k_proj = self.v_proj = None
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[..., H, hd]``, k and v ``[..., Hkv, hd]`` for ``x`` ``[..., D]``, RoPE applied.
+
+        ``cos``/``sin`` broadcast against ``[..., heads, hd]`` (``[..., 1, hd]``).
+        """
+        hd, h, hkv = self.head_dim, self.n_heads, self.n_kv_heads
+        lead = x.shape[:-1]
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)
+            if self.q_norm is None:
+                # Rotate q and k together: one set of RoPE ops for both.
+                qk = apply_rotary(qkv[..., : (h + hkv) * hd].view(*lead, h + hkv, hd), cos, sin)
+                v = qkv[..., (h + hkv) * hd :].view(*lead, hkv, hd)
+                return qk[..., :h, :], qk[..., h:, :], v
+            q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], dim=-1)
+        else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(*lead, h, hd), k.view(*lead, hkv, hd), v.view(*lead, hkv, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: per head, before RoPE
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(
         self,
@@ -107,42 +164,77 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None,
-        kv: tuple[KVBatch, int] | None = None,
     ) -> torch.Tensor:
+        """Padded rows ``x`` ``[B, L, D]`` with an explicit mask (training and references)."""
         b, length, _ = x.shape
-        q = self.q_proj(x).view(b, length, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, length, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, length, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: per head, before RoPE
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        if kv is not None:
-            cache, layer = kv
-            cache.write(layer, k, v)
-            past_k, past_v = cache.read(layer, k)
-            k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
-        if self.n_kv_heads != self.n_heads:
-            # Query head h reads kv head h // n_rep (the HF/LLaDA ``repeat_kv`` convention).
-            n_rep = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)
+        q, k, v = self.project(x, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=attn_mask, enable_gqa=self.n_kv_heads != self.n_heads,
+        )  # fmt: skip
         return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+    def forward_flat(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: FlatBatch,
+        kv: tuple[KVPool, int] | None,
+    ) -> torch.Tensor:
+        """Flat tokens ``x`` ``[T, D]``: one SDPA call per attention group, no padding."""
+        q, k, v = self.project(x, cos, sin)
+        pool_k = pool_v = None
+        if kv is not None and batch.slot_mapping is not None:
+            pool, layer = kv
+            pool_k, pool_v = pool.k[layer], pool.v[layer]
+            pool_k.index_copy_(0, batch.slot_mapping, k)
+            pool_v.index_copy_(0, batch.slot_mapping, v)
+        gqa = self.n_kv_heads != self.n_heads
+        outs = []
+        for g in batch.groups:
+            shape = (g.rows, g.q_len, -1, self.head_dim)
+            qg = q[g.start : g.end].view(shape).transpose(1, 2)
+            if g.kv_slots is None:
+                kg = k[g.start : g.end].view(shape).transpose(1, 2)
+                vg = v[g.start : g.end].view(shape).transpose(1, 2)
+            else:
+                assert pool_k is not None and pool_v is not None
+                kg, vg = pool_k[g.kv_slots].transpose(1, 2), pool_v[g.kv_slots].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=g.mask, is_causal=g.is_causal, enable_gqa=gqa
+            )
+            outs.append(out.transpose(1, 2).reshape(g.end - g.start, -1))
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; :meth:`fuse` merges gate and up."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.d_model, config.mlp_hidden_size, bias=False)
-        self.up_proj = nn.Linear(config.d_model, config.mlp_hidden_size, bias=False)
+        self.gate_proj: nn.Linear | None = nn.Linear(
+            config.d_model, config.mlp_hidden_size, bias=False
+        )
+        self.up_proj: nn.Linear | None = nn.Linear(
+            config.d_model, config.mlp_hidden_size, bias=False
+        )
+        self.gate_up_proj: nn.Linear | None = None
         self.down_proj = nn.Linear(config.mlp_hidden_size, config.d_model, bias=False)
 
+    def fuse(self) -> None:
+        if self.gate_up_proj is None:
+            assert self.gate_proj is not None and self.up_proj is not None
+            self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+            self.gate_proj = self.up_proj = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            assert self.gate_proj is not None and self.up_proj is not None
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -161,19 +253,32 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None,
-        kv: tuple[KVBatch, int] | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, kv)
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_flat(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: FlatBatch,
+        kv: tuple[KVPool, int] | None,
+    ) -> torch.Tensor:
+        x = x + self.attn.forward_flat(self.attn_norm(x), cos, sin, batch, kv)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class DecoderTransformer(nn.Module):
     """RMSNorm, RoPE (NeoX/HF-Llama style rotate_half, fp32 frequencies), SwiGLU MLP, GQA,
     optional q/k/v biases and q/k norm, attention through
-    ``torch.nn.functional.scaled_dot_product_attention`` with an explicit mask.
+    ``torch.nn.functional.scaled_dot_product_attention``.
 
-    ``forward`` returns the final-normed hidden states; the LM head is a separate call so that
-    callers pay for the (large) vocabulary projection only at the positions they need.
+    Two entry points: :meth:`forward` takes padded rows ``[B, L]`` and an explicit mask (the
+    training objectives and the reference tests use it), :meth:`forward_flat` takes the
+    serving runtime's :class:`FlatBatch` (real tokens only, attention per group, K/V in a
+    :class:`KVPool`). Both return final-normed hidden states; the LM head is a separate call so
+    callers pay for the (large) vocabulary projection only where they need it.
     """
 
     def __init__(self, config: TransformerConfig) -> None:
@@ -193,61 +298,70 @@ class DecoderTransformer(nn.Module):
         self._inv_freq, self._rope_factor = rope_frequencies(
             config.head_dim, config.rope_theta, config.rope_scaling
         )
-        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+        self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fuse_projections(self) -> DecoderTransformer:
+        """Fuse q/k/v and gate/up projections (for serving; same outputs, fewer kernels)."""
+        for layer in self.layers:
+            layer.attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[*positions.shape, 1, head_dim]`` (fp32) looked up in a cached table."""
+        tables = self._rope_tables.get(positions.device)
+        if tables is None:  # once per device: every position the context allows
+            tables = rotary_table(
+                self.config.max_sequence_length, self._inv_freq, self._rope_factor
+            )
+            tables = self._rope_tables[positions.device] = (
+                tables[0].to(positions.device),
+                tables[1].to(positions.device),
+            )
+        cos, sin = tables
+        return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
 
     def forward(
         self,
         input_ids: torch.LongTensor,
         positions: torch.LongTensor,
         attn_mask: torch.Tensor | None = None,
-        *,
-        kv_cache: KVBatch | None = None,
     ) -> torch.Tensor:
         """Hidden states [B, L, D] after the final norm.
 
         ``positions`` [B, L] are the rotary positions of each token. ``attn_mask`` is a bool
-        [B, 1, L, L] tensor over the current tokens (True = query may attend to key) or None
-        for full bidirectional attention among them.
-
-        With ``kv_cache`` (a :class:`KVBatch`, one cache per row) every query also sees its
-        row's whole cached prefix, and the leading ``write[b]`` tokens' keys/values are
-        appended to the row's cache. The three attention kinds are then: bidirectional
-        (no cache, mask None or key padding), strictly causal (a lower-triangular mask, with or
-        without a cached prefix), and block-bidirectional over a cached prefix (cache + mask
-        None or key padding). Positions must continue the prefix: see ``KVBatch.positions``.
+        [B, 1, L, L] tensor (True = query may attend to key) or None for full bidirectional
+        attention.
         """
         if input_ids.shape != positions.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} differ"
             )
-        b, length = input_ids.shape
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            raise TypeError(f"attn_mask must be bool, got {attn_mask.dtype}")
-        if kv_cache is not None:
-            if len(kv_cache) != b:
-                raise ValueError(f"kv_cache has {len(kv_cache)} rows, input_ids has {b}")
-            current = (
-                torch.ones(b, 1, length, length, dtype=torch.bool, device=input_ids.device)
-                if attn_mask is None
-                else attn_mask.expand(b, 1, length, length)
-            )
-            prefix = kv_cache.prefix_mask().to(input_ids.device).expand(b, 1, length, -1)
-            attn_mask = torch.cat((prefix, current), dim=-1)
         if attn_mask is not None:
+            if attn_mask.dtype != torch.bool:
+                raise TypeError(f"attn_mask must be bool, got {attn_mask.dtype}")
             # A query row with no visible key makes SDPA return NaN for it; that NaN would
             # then leak into every other row through the next layer's values (0 * NaN = NaN).
             # Such rows are padding by construction, so let them see everything instead.
             attn_mask = attn_mask | ~attn_mask.any(dim=-1, keepdim=True)
-        inv_freq = self._inv_freq_on.get(positions.device)
-        if inv_freq is None:  # one small copy per device, not one per forward
-            inv_freq = self._inv_freq_on[positions.device] = self._inv_freq.to(positions.device)
-        cos, sin = rotary_tables(positions, inv_freq, self._rope_factor)
+        cos, sin = self.rope(positions)
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn_mask, None if kv_cache is None else (kv_cache, i))
-        if kv_cache is not None:
-            kv_cache.commit()
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn_mask)
         return self.norm(x)
+
+    def forward_flat(self, batch: FlatBatch, pool: KVPool | None = None) -> torch.Tensor:
+        """Final-normed hidden states ``[N, D]`` at ``batch.logits_index`` only.
+
+        K/V of every token are written to ``pool`` at ``batch.slot_mapping`` (when given)
+        before attention reads them, so a group's keys may be gathered from the pool.
+        """
+        cos, sin = self.rope(batch.positions)
+        x = self.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_flat(x, cos, sin, batch, None if pool is None else (pool, i))
+        # The norm is per token: select first, normalise only what the LM head will read.
+        return self.norm(x.index_select(0, batch.logits_index))
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., vocab_size] for hidden states [..., D]."""

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from dllm_serve.decoding.denoise import DenoiseState, LLaDADenoiser
-from dllm_serve.decoding.forward_spec import AttentionKind, ForwardSpec, StepResult
+from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.params import DecodingParams
 
 VOCAB = 40
@@ -21,9 +21,9 @@ EOT_ID = 3
 
 
 class Model(Protocol):
-    """Anything that answers a ForwardSpec with logits ``[len(logits_index), V]``."""
+    """Anything that answers a RowSpec with logits ``[len(logits_index), V]``."""
 
-    def forward(self, spec: ForwardSpec) -> torch.Tensor: ...
+    def forward(self, spec: RowSpec) -> torch.Tensor: ...
 
 
 class MockLM:
@@ -74,7 +74,7 @@ class MockLM:
             logits[:, self.mask_id] = self.mask_logit
         return logits
 
-    def forward(self, spec: ForwardSpec) -> torch.Tensor:
+    def forward(self, spec: RowSpec) -> torch.Tensor:
         """What the engine does: logits only at ``spec.logits_index``, honouring attention."""
         causal = spec.attention is AttentionKind.CAUSAL
         return self(spec.input_ids, causal=causal)[spec.logits_index]
@@ -153,7 +153,7 @@ class ScriptedLM:
         self.vocab = vocab
         self.calls = 0
 
-    def forward(self, spec: ForwardSpec) -> torch.Tensor:
+    def forward(self, spec: RowSpec) -> torch.Tensor:
         entry = self.script[min(self.calls, len(self.script) - 1)]
         self.calls += 1
         rows = []

@@ -7,7 +7,7 @@ import torch
 from decoding_mock import EOS_ID, MASK_ID, VOCAB, MockLM, decode
 
 from dllm_serve.decoding.denoise import LLaDADenoiser
-from dllm_serve.decoding.forward_spec import AttentionKind, ForwardSpec
+from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.decoding.params import DecodingParams
 
 PROMPT = [5, 17, 8, 30, 11]
@@ -23,7 +23,7 @@ def _code(position: int) -> int:
 class PositionLM:
     """Row ``i`` of the logits confidently proposes ``_code(i)``: it tells where it came from."""
 
-    def forward(self, spec: ForwardSpec) -> torch.Tensor:
+    def forward(self, spec: RowSpec) -> torch.Tensor:
         rows = spec.logits_index
         logits = torch.zeros(rows.numel(), VOCAB)
         logits[torch.arange(rows.numel()), 4 + rows % 30] = 8.0 + rows.float() % 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dllm_serve.decoding.forward_spec import AttentionKind, ForwardSpec
+from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.engine.batch import build_batch, run_batch
 from dllm_serve.models.loader import LoadedModel, load_model
 
@@ -15,14 +15,14 @@ def loaded() -> LoadedModel:
     return load_model("tiny-llada", device="cpu", dtype="float32")
 
 
-def spec(length: int, seed: int, kind: AttentionKind, n_logits: int = 3) -> ForwardSpec:
+def spec(length: int, seed: int, kind: AttentionKind, n_logits: int = 3) -> RowSpec:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 700, (length,), generator=g)
     index = torch.sort(torch.randperm(length, generator=g)[:n_logits]).values
-    return ForwardSpec(ids, torch.arange(length), index, kind)
+    return RowSpec(ids, torch.arange(length), index, kind)
 
 
-def alone(loaded: LoadedModel, s: ForwardSpec) -> torch.Tensor:
+def alone(loaded: LoadedModel, s: RowSpec) -> torch.Tensor:
     return run_batch(loaded.model, build_batch([s], pad_id=loaded.mask_id))[0]
 
 
@@ -47,8 +47,8 @@ def test_causal_mask_is_causal_and_bidirectional_is_not(loaded: LoadedModel) -> 
     changed_ids = base.input_ids.clone()
     changed_ids[-1] = (changed_ids[-1] + 1) % 700
     for kind, first_changes in ((AttentionKind.BIDIRECTIONAL, True), (AttentionKind.CAUSAL, False)):
-        a = ForwardSpec(base.input_ids, base.positions, base.logits_index, kind)
-        b = ForwardSpec(changed_ids, base.positions, base.logits_index, kind)
+        a = RowSpec(base.input_ids, base.positions, base.logits_index, kind)
+        b = RowSpec(changed_ids, base.positions, base.logits_index, kind)
         with torch.inference_mode():
             la, lb = alone(loaded, a), alone(loaded, b)
         assert (not torch.allclose(la[0], lb[0])) is first_changes

@@ -1,0 +1,67 @@
+"""The two protocols every decoding mode implements: its per-request state and its step.
+
+A step of the engine is ``prepare`` (host: one :class:`RowSpec` per row) → the ModelRunner's
+forward → ``sample`` (device: tensor in, tensor out, batched over rows, nothing read back) →
+one device→host copy (``tolist``) by the engine → ``commit`` (host: apply, count, detect the
+end). LLaDA-style denoising (``denoise.py``) and I-DLM self-speculation (``isd.py``) implement
+it; the next modes (block diffusion, LinearSpec) plug in the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from dllm_serve.decoding.forward_spec import RowSpec, StepResult
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.models.kv_pool import KVSpan
+
+
+class DecodeState(Protocol):
+    """What the engine reads of a request's decoding state."""
+
+    params: DecodingParams
+    nfe: int
+    committed: int
+    block: int
+    finished: bool
+    finish_reason: str | None
+    kv: KVSpan | None
+    drafted: int | None  # self-speculation only (None for diffusion decoding)
+    accepted_drafts: int | None
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def row_length(self) -> int:
+        """Tokens the request's next row puts in a forward."""
+        ...
+
+    def answer_tokens(self) -> list[int]:
+        """The final answer so far (committed, contiguous, stop id excluded)."""
+        ...
+
+
+class DecodingAlgorithm(Protocol):
+    """One decoding mode, batched over the rows of a step."""
+
+    decoding_mode: str  # "diffusion" | "self_speculation": which request fields apply
+
+    def init_state(
+        self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
+    ) -> DecodeState: ...
+
+    def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
+        """KV-pool slots a request needs for its whole life (0: it keeps no K/V)."""
+        ...
+
+    def prepare(self, state: DecodeState) -> RowSpec: ...
+
+    def sample(self, states: Sequence[DecodeState], logits: torch.Tensor) -> torch.Tensor: ...
+
+    def commit(
+        self, states: Sequence[DecodeState], host: Sequence[Sequence[int]]
+    ) -> list[StepResult]: ...

@@ -1,0 +1,39 @@
+"""The one place that picks a checkpoint's decoding algorithm and its KV needs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dllm_serve.config import EngineConfig
+from dllm_serve.decoding.algorithm import DecodingAlgorithm
+from dllm_serve.decoding.denoise import LLaDADenoiser
+from dllm_serve.decoding.isd import ISDecoder
+from dllm_serve.engine.tiers import ISD_FAMILIES, BlockSizeTiers
+from dllm_serve.models.loader import LoadedModel
+
+
+def algorithm_for(
+    loaded: LoadedModel, config: EngineConfig, running: Callable[[], int]
+) -> DecodingAlgorithm:
+    """I-DLM checkpoints decode by exact self-speculation (stride per tiers, docs/isd.md);
+    every other family by LLaDA-style block denoising (prefix cache per ``--kv-cache``).
+
+    ``running`` returns the engine's current number of running requests; with tiers the ISD
+    decoder asks it at every ``prepare``, so the stride follows the load.
+    """
+    if loaded.family.name in ISD_FAMILIES:
+        tiers = BlockSizeTiers(config.isd_stride, tuple(config.block_size_tiers))
+        return ISDecoder(
+            loaded.mask_id,
+            loaded.stop_ids,
+            stride=config.isd_stride,
+            stride_for=(lambda: tiers.stride_for(running())) if tiers.tiers else None,
+            max_stride=tiers.max_stride,
+        )
+    return LLaDADenoiser(
+        loaded.mask_id,
+        loaded.stop_ids,
+        logit_shift=loaded.family.logit_shift,
+        bidirectional=loaded.family.bidirectional,
+        prefix_cache=config.kv_cache == "prefix",
+    )

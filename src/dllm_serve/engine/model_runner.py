@@ -1,0 +1,192 @@
+"""ModelRunner: owns the device side of serving — the weights, the KV pool and the forward.
+
+``run(rows)`` packs the rows of one step into a :class:`FlatBatch` (real tokens only; one
+host→device copy for all of its index tensors), runs the model and the LM head at the
+requested positions only, and returns logits ``[rows, M, V]`` with each row's requested
+outputs first (``M`` = the most any row asked for; shorter rows are padded by repeating
+their first output, which the algorithms mask out). Nothing here reads a device value back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch.nn.attention.bias import causal_lower_right
+
+from dllm_serve.decoding.forward_spec import RowSpec
+from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
+from dllm_serve.models.kv_pool import KVPool
+from dllm_serve.models.transformer import DecoderTransformer
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+CPU_DEFAULT_KV_GIB = 1.0  # CPU pool when --kv-cache-memory is not given (capped by need)
+CUDA_KV_FRACTION = 0.9  # of the memory left free after the weights, when not given
+
+
+class ModelRunner:
+    """The model, its KV pool (when the decoding algorithm keeps K/V) and the forward."""
+
+    def __init__(
+        self,
+        model: DecoderTransformer,
+        device: torch.device,
+        *,
+        kv_slots: int = 0,
+    ) -> None:
+        self.model = model.fuse_projections()
+        self.device = device
+        self.pool: KVPool | None = None
+        if kv_slots > 0:
+            cfg, weight = model.config, model.embed_tokens.weight
+            self.pool = KVPool(
+                cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_slots,
+                dtype=weight.dtype, device=device,
+            )  # fmt: skip
+        self.last_batch: FlatBatch | None = None  # for benchmarks replaying forwards
+        self._cpu_seconds = 0.0
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    @staticmethod
+    def pool_slots(
+        model: DecoderTransformer,
+        device: torch.device,
+        memory_gib: float | None,
+        max_slots: int,
+    ) -> int:
+        """Slots a pool of ``memory_gib`` holds (default: see module constants), ≤ max_slots."""
+        cfg, weight = model.config, model.embed_tokens.weight
+        per_slot = KVPool.bytes_per_slot(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, weight.dtype)
+        if memory_gib is not None:
+            budget = int(memory_gib * _GIB)
+        elif device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            budget = int(free * CUDA_KV_FRACTION) - _GIB  # headroom for activations
+        else:
+            budget = int(CPU_DEFAULT_KV_GIB * _GIB)
+        return max(0, min(budget // per_slot, max_slots))
+
+    # ---- one step ------------------------------------------------------------------------------
+    def build(self, rows: list[RowSpec]) -> tuple[FlatBatch, int]:
+        """The flat batch of ``rows`` and ``M`` (logits per row after padding)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_at: list[int] = []
+        width = max(len(r.logits_at) for r in rows)
+        any_kv = any(r.kv is not None for r in rows)
+        # Group consecutive rows of one shape; the rows arrive sorted by the scheduler.
+        groups: list[tuple[int, int, int, bool, bool]] = []  # start, rows, q_len, causal, kv
+        bases: list[list[int]] = []  # per group: each row's span start (kv groups)
+        prefixes: list[list[int]] = []  # per group: each row's cached prefix length
+        offset = 0
+        for row in rows:
+            n = len(row.tokens)
+            if n == 0 or not row.logits_at:
+                raise ValueError("a row needs tokens and at least one requested output")
+            ids.extend(row.tokens)
+            positions.extend(range(row.start, row.start + n))
+            if any_kv:
+                if row.kv is None:
+                    raise ValueError("rows with and without a KV span cannot share a forward")
+                if row.start + n > row.kv.capacity:
+                    raise ValueError(f"a row of {row.start + n} tokens overflows its KV span")
+                base = row.kv.start + row.start
+                slots.extend(range(base, base + n))
+            first = row.logits_at[0]
+            logits_at.extend(offset + i for i in row.logits_at)
+            logits_at.extend([offset + first] * (width - len(row.logits_at)))
+            key = (n, row.causal, row.kv is not None and row.start > 0)
+            last = groups[-1] if groups else None
+            if last is not None and (last[2], last[3], last[4]) == key:
+                groups[-1] = (last[0], last[1] + 1, n, row.causal, key[2])
+            else:
+                groups.append((offset, 1, n, row.causal, key[2]))
+                bases.append([])
+                prefixes.append([])
+            if key[2]:
+                assert row.kv is not None
+                bases[-1].append(row.kv.start)
+                prefixes[-1].append(row.start)
+            offset += n
+        t = len(ids)
+        packed = torch.tensor(ids + positions + slots + logits_at, dtype=torch.long)
+        packed = packed.to(self.device, non_blocking=True)
+        input_ids, pos = packed[:t], packed[t : 2 * t]
+        slot_mapping = packed[2 * t : 3 * t] if any_kv else None
+        index = packed[(3 if any_kv else 2) * t :]
+        attn = [
+            self._group(g, b, p, slot_mapping)
+            for g, b, p in zip(groups, bases, prefixes, strict=True)
+        ]
+        return FlatBatch(input_ids, pos, attn, index, slot_mapping), width
+
+    def _group(
+        self,
+        group: tuple[int, int, int, bool, bool],
+        bases: list[int],
+        prefixes: list[int],
+        slot_mapping: torch.Tensor | None,
+    ) -> AttnGroup:
+        start, n, q_len, causal, cached = group
+        if not cached:
+            return AttnGroup(start, n, q_len, is_causal=causal)
+        assert slot_mapping is not None
+        # Keys: each row's prefix then its current tokens, gathered from the pool. Rows with a
+        # shorter prefix are padded with slots past their keys and masked (built once here,
+        # shared by every layer).
+        longest = max(prefixes) + q_len
+        first = torch.tensor(bases, dtype=torch.long).to(self.device)
+        cols = torch.arange(longest, device=self.device)
+        kv_slots = first[:, None] + cols[None, :]
+        if len(set(prefixes)) == 1:
+            mask = causal_lower_right(q_len, longest) if causal else None
+            return AttnGroup(start, n, q_len, kv_slots=kv_slots, mask=mask)
+        # Ragged prefixes: keep slots inside the pool (rows' spans hold prefix + q_len keys at
+        # least; garbage past them is masked out).
+        kv_slots = kv_slots.clamp(max=self.pool.slots - 1 if self.pool else 0)
+        prefix = torch.tensor(prefixes, dtype=torch.long).to(self.device)
+        query = torch.arange(q_len, device=self.device)
+        if causal:  # key j visible to query i iff j <= prefix + i
+            limit = prefix[:, None] + query[None, :]
+        else:  # every key of the row: j < prefix + q_len
+            limit = (prefix + q_len - 1)[:, None].expand(n, q_len)
+        mask = (cols[None, None, :] <= limit[:, :, None])[:, None]
+        return AttnGroup(start, n, q_len, kv_slots=kv_slots, mask=mask)
+
+    @torch.inference_mode()
+    def run(self, rows: list[RowSpec]) -> torch.Tensor:
+        """Logits ``[len(rows), M, V]`` for one step (see the module docstring)."""
+        batch, width = self.build(rows)
+        return self.forward(batch).view(len(rows), width, -1)
+
+    def forward(self, batch: FlatBatch) -> torch.Tensor:
+        """The model and LM head on a built batch: logits ``[N, V]``."""
+        self.last_batch = batch
+        if self.device.type == "cuda":
+            # CUDA events time the kernels themselves without a host sync; they are read in
+            # :meth:`forward_seconds` after the step's one device→host copy.
+            self._events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self._events[0].record()
+        else:
+            started = time.perf_counter()
+        logits = self.model.lm_head(self.model.forward_flat(batch, self.pool))
+        if self.device.type == "cuda":
+            self._events[1].record()
+        else:
+            self._cpu_seconds = time.perf_counter() - started
+        return logits
+
+    def forward_seconds(self) -> float:
+        """Duration of the last forward; on CUDA call it after that step's results were read."""
+        if self.device.type == "cuda":
+            start, end = self._events
+            end.synchronize()  # already complete once the step's results reached the host
+            return start.elapsed_time(end) / 1000.0
+        return self._cpu_seconds

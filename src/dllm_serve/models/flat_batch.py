@@ -1,0 +1,65 @@
+"""One forward's inputs as a flat list of real tokens, with attention described per group.
+
+Rows are concatenated without padding (``input_ids``/``positions`` are ``[T]`` for ``T`` real
+tokens), so the linear layers — almost all of a forward's work — see no padded token. Attention
+is the only part that needs the row structure; it runs per :class:`AttnGroup`, a run of
+consecutive rows with the same query length and attention kind, as one SDPA call on views of
+the flat tensors. No ``[L, L]`` mask is ever built:
+
+- bidirectional, no cached prefix: the group's own keys, no mask;
+- causal, no cached prefix: ``is_causal``;
+- with a cached prefix of the same length ``P`` for every row (keys gathered from the KV pool):
+  no mask (bidirectional: a block attends to its prefix and itself) or a lower-right causal
+  bias (``causal_lower_right``, which SDPA kernels apply without materialising it);
+- rows whose prefixes differ: a ``[rows, 1, q_len, S]`` key-validity mask built once per forward
+  (``q_len`` is a decode round, a handful of tokens), shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class AttnGroup:
+    """``rows`` consecutive rows of ``q_len`` tokens starting at flat token ``start``.
+
+    ``kv_slots`` ``[rows, S]``: the KV-pool slots of each row's keys (its cached prefix, then
+    its current tokens), or None when the keys are the current tokens themselves.
+    ``mask`` is what SDPA gets as ``attn_mask`` (None, a causal bias or a bool tensor) and
+    ``is_causal`` its flag.
+    """
+
+    start: int
+    rows: int
+    q_len: int
+    kv_slots: torch.Tensor | None = None
+    mask: Any = None
+    is_causal: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows * self.q_len
+
+
+@dataclass(slots=True)
+class FlatBatch:
+    """The model's view of one forward (built by the engine's ModelRunner).
+
+    ``slot_mapping`` ``[T]``: the KV-pool slot each token's K/V is written to (None: the
+    forward writes nothing, e.g. LLaDA without a cache). ``logits_index`` ``[N]``: the flat
+    tokens whose hidden states leave the model (the LM head runs only there).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    groups: list[AttnGroup]
+    logits_index: torch.Tensor
+    slot_mapping: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
