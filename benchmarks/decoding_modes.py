@@ -4,9 +4,11 @@
     python benchmarks/decoding_modes.py --model /models/LLaDA-8B-Instruct --device cuda
     python benchmarks/decoding_modes.py --kv-cache none   # skip the prefix-cache runs
 
-Runs every prompt alone through ``LLaDADenoiser`` exactly as the engine does (prepare →
-batched forward → logits at ``logits_index`` → update), greedy, with the model's stop ids (so the
-exact EOS early stop is included), and writes ``benchmarks/results/decoding_modes.json``.
+Runs every prompt alone through ``LLaDADenoiser`` exactly as the engine steps it (prepare →
+``ModelRunner.run`` → sample → one ``.tolist()`` → commit; with the prefix cache the request
+holds a span of the runner's KV pool, sized as the engine sizes it), greedy, with the model's
+stop ids (so the exact EOS early stop is included), and writes
+``benchmarks/results/decoding_modes.json``.
 With the embedded ``tiny-llada`` (random weights) the model is never confident, so the
 numbers only show each mode's floor/ceiling; they become meaningful with a trained model.
 
@@ -18,8 +20,6 @@ canvas positions the cached run decoded to the same token as the exact one (agre
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 import platform
 import sys
@@ -31,11 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PROMPTS
 
-from dllm_serve.decoding.denoise import LLaDADenoiser
+from dllm_serve.decoding.denoise import DenoiseState, LLaDADenoiser
+from dllm_serve.decoding.forward_spec import RowSpec
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.engine.batch import build_batch, run_batch
-from dllm_serve.models.kv_cache import KVCache
-from dllm_serve.models.loader import LoadedModel, load_model
+from dllm_serve.engine.model_runner import ModelRunner
+from dllm_serve.models.loader import load_model
 
 MODES: dict[str, dict] = {
     "uniform": {"block_schedule": "uniform"},
@@ -47,18 +47,55 @@ MODES: dict[str, dict] = {
 RESULTS = Path(__file__).resolve().parent / "results" / "decoding_modes.json"
 
 
-def run_one(loaded: LoadedModel, denoiser: LLaDADenoiser, ids: list[int], params) -> dict:
-    state = denoiser.init_state(ids, params, loaded.device)
+def sync(device: torch.device) -> None:
+    """Wait for queued kernels: wall times on CUDA are meaningless without it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def init(
+    runner: ModelRunner, denoiser: LLaDADenoiser, ids: list[int], params: DecodingParams
+) -> DenoiseState:
+    """A request's state, with its KV span when the denoiser keeps a prefix cache."""
+    state = denoiser.init_state(ids, params, runner.device)
+    need = denoiser.kv_tokens(len(ids), params)
+    if need:
+        assert runner.pool is not None
+        state.kv = runner.pool.allocate(need)
+        if state.kv is None:
+            raise RuntimeError(f"the KV pool has no span of {need} slots")
+    return state
+
+
+def release(runner: ModelRunner, state: DenoiseState) -> None:
+    if state.kv is not None:
+        assert runner.pool is not None
+        runner.pool.free(state.kv)
+        state.kv = None
+
+
+@torch.inference_mode()  # as the engine's loop: the sampler may work on the logits in place
+def step(runner: ModelRunner, denoiser: LLaDADenoiser, state: DenoiseState) -> RowSpec:
+    """One engine step of a one-row batch; returns the row it forwarded."""
+    spec = denoiser.prepare(state)
+    logits = runner.run([spec])
+    # The step's one device→host copy, as in the engine.
+    denoiser.commit([state], denoiser.sample([state], logits).tolist())
+    return spec
+
+
+def run_one(
+    runner: ModelRunner, denoiser: LLaDADenoiser, ids: list[int], params: DecodingParams
+) -> dict:
+    state = init(runner, denoiser, ids, params)
     fed = 0
-    with torch.inference_mode():
+    try:
         while not state.finished:
-            # The engine's own forward path (one-row batch): attention kind and logit
-            # positions are honoured exactly as in serving.
-            batch = build_batch([denoiser.prepare(state)], pad_id=loaded.mask_id)
-            fed += batch.num_tokens
-            denoiser.update(state, run_batch(loaded.model, batch)[0])
+            fed += len(step(runner, denoiser, state).tokens)
+    finally:
+        release(runner, state)
     return {
-        "canvas": state.canvas[len(ids) :].tolist(),
+        "canvas": state.tokens[len(ids) :],
         "fed_tokens": fed,
         "nfe": state.nfe,
         "committed": state.committed,
@@ -67,38 +104,43 @@ def run_one(loaded: LoadedModel, denoiser: LLaDADenoiser, ids: list[int], params
     }
 
 
-def forward_timing(loaded: LoadedModel, prefix: LLaDADenoiser, ids: list[int], params) -> dict:
+def forward_timing(
+    runner: ModelRunner, prefix: LLaDADenoiser, ids: list[int], params: DecodingParams
+) -> dict:
     """One full-canvas forward vs one cached forward of the same step, best of many.
 
     Mid-canvas (the block at the middle): the refresh forward of that block is replayed as
-    the full forward, the block's second step as the cached one. Neither mutates anything
-    (``kv_write`` 0 for the cached one; the full one is rebuilt without a cache).
+    the full forward (without a KV span: it writes nothing), the block's second step as the
+    cached one (it rewrites only the K/V past the cached prefix, which the request does not
+    keep, so every call is the same forward). Each call is ``ModelRunner.run`` (packing the
+    row included), synchronised on CUDA.
     """
-    state = prefix.init_state(ids, params, loaded.device)
-    with torch.inference_mode():
+    state = init(runner, prefix, ids, params)
+    try:
         while state.block < params.num_blocks // 2 or state.step < 1:
-            batch = build_batch([prefix.prepare(state)], pad_id=loaded.mask_id)
-            prefix.update(state, run_batch(loaded.model, batch)[0])
+            step(runner, prefix, state)
         cached = prefix.prepare(state)
-        full = dataclasses.replace(
-            cached,
-            input_ids=state.canvas,
-            positions=torch.arange(state.canvas.numel(), device=state.canvas.device),
-            logits_index=cached.logits_index + cached.positions[0],
-            kv_cache=None,
+        full = RowSpec(
+            tokens=state.tokens,
+            start=0,
+            logits_at=[i + cached.start for i in cached.logits_at],
+            attention=cached.attention,
         )
         best = {}
         for name, spec in (("full", full), ("cached", cached)):
             times = []
             for _ in range(50):
-                start = time.perf_counter()  # a KVBatch serves one forward: build included
-                batch = build_batch([spec], pad_id=loaded.mask_id)
-                run_batch(loaded.model, batch)
+                sync(runner.device)
+                start = time.perf_counter()
+                runner.run([spec])
+                sync(runner.device)
                 times.append(time.perf_counter() - start)
             best[name] = {
-                "tokens": spec.input_ids.numel(),
+                "tokens": len(spec.tokens),
                 "ms_best_of_50": round(min(times) * 1e3, 3),
             }
+    finally:
+        release(runner, state)
     return best
 
 
@@ -155,14 +197,15 @@ def main(argv: list[str] | None = None) -> None:
             loaded.stop_ids,
             logit_shift=loaded.family.logit_shift,
             bidirectional=loaded.family.bidirectional,
-            kv_cache_factory=(
-                functools.partial(KVCache.for_model, loaded.model) if kv == "prefix" else None
-            ),
+            prefix_cache=kv == "prefix",
         )
         for kv in caches
     }
     prompts = [loaded.chat_prompt_ids([{"role": "user", "content": p}]) for p in PROMPTS]
-    run_one(loaded, denoisers[caches[0]], prompts[0], DecodingParams(gen_length=8, steps=8))
+    # One request at a time: the pool holds one span of the longest prompt's canvas.
+    slots = max(map(len, prompts)) + max(args.gen_length, 8) if "prefix" in denoisers else 0
+    runner = ModelRunner(loaded.model, loaded.device, kv_slots=slots)
+    run_one(runner, denoisers[caches[0]], prompts[0], DecodingParams(gen_length=8, steps=8))
     rows = []
     for name, mode in MODES.items():
         params = DecodingParams(
@@ -176,8 +219,9 @@ def main(argv: list[str] | None = None) -> None:
             for kv, denoiser in denoisers.items():
                 best = float("inf")
                 for _ in range(args.repeat):
+                    sync(loaded.device)
                     start = time.perf_counter()
-                    run = run_one(loaded, denoiser, ids, params)
+                    run = run_one(runner, denoiser, ids, params)
                     best = min(best, time.perf_counter() - start)
                 runs[kv].append(run)
                 seconds[kv] += best
@@ -196,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         params = DecodingParams(
             gen_length=args.gen_length, block_length=args.block_length, steps=args.steps
         )
-        timing = forward_timing(loaded, denoisers["prefix"], prompts[0], params)
+        timing = forward_timing(runner, denoisers["prefix"], prompts[0], params)
         print(f"one forward, mid-canvas: {timing}")
     for row in rows:  # the canvases were only kept for the agreement
         for run in row["per_prompt"]:

@@ -6,20 +6,32 @@
 
 A random-weight ``DecoderTransformer`` with the shape of LLaDA-8B-Instruct (the config in
 ``tests/fixtures/llada-8b-instruct/config.json`` through the llada family's
-``transformer_config``) is built on the meta device, materialised directly in bf16 on the GPU
-and filled with random values: no checkpoint is read or written. For each batch size it times:
+``transformer_config``) is built on the meta device (q/k/v and gate/up already fused, as the
+serving :class:`ModelRunner` runs it), materialised directly in bf16 on the GPU and filled with
+random values: no checkpoint is read or written. The forwards go through the serving runtime:
+each row is a :class:`RowSpec`, one :class:`ModelRunner` (with a :class:`KVPool` holding a span
+of prefix + block slots per row) packs them into a flat batch. For each batch size it times:
 
 - ``no_cache``: one bidirectional forward over prefix + block (what a step costs without a KV
   cache: the whole sequence is recomputed), LM head at the block's positions;
-- ``prefix_cache``: one forward over the block only, reading the prefix's cached keys/values
-  (Fast-dLLM prefix cache; the cache is filled once beforehand and never written during timing).
+- ``prefix_refresh``: the same forward with each row's KV span, writing the K/V of all
+  prefix + block tokens to the pool (the first step of a block with the Fast-dLLM prefix cache);
+- ``prefix_cache``: one forward over the block only, reading the prefix's K/V from the pool
+  (a cached step: the prefix is filled once beforehand by a refresh; the block's own K/V are
+  rewritten with the same values at every call, so every call is the same forward).
 
-and reports latency (median and best of ``--iters`` after warm-up), block positions per second
-(``batch × block / latency``: multiply by TPF / block for answer tokens/s) and the floor from
-``../shared/reference/algorithms.md`` §6: weight bytes / HBM bandwidth (H100 SXM 3.35 TB/s,
-H200 4.8 TB/s; from the GPU name, or ``--bandwidth-tbps``). Needs only torch, safetensors and the
-project; a deadline (``--max-seconds``, default 240) keeps it under 5 minutes. Writes
-``benchmarks/results/gpu_llada8b.json`` (+ ``.png`` with matplotlib).
+The headline ``latency_ms_*`` time ``ModelRunner.forward`` on a prebuilt :class:`FlatBatch`
+(the model and LM head, CUDA synchronised before and after each call); ``run_ms_median``
+times ``ModelRunner.run`` on the rows (host packing + host→device copy + forward), what an
+engine step pays before sampling; ``runner_forward_ms_median`` is the runner's own
+``forward_seconds()`` (CUDA events around the kernels, what the server's
+``dllm:forward_duration_seconds`` reports). It reports median and best of ``--iters`` after warm-up,
+block positions per second (``batch × block / latency``: multiply by TPF / block for answer
+tokens/s) and the floor from ``../shared/reference/algorithms.md`` §6: weight bytes / HBM
+bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s; from the GPU name, or ``--bandwidth-tbps``).
+Needs only torch, safetensors and the project; a deadline (``--max-seconds``, default 240)
+keeps it under 5 minutes. Writes ``benchmarks/results/gpu_llada8b.json`` (+ ``.png`` with
+matplotlib).
 """
 
 from __future__ import annotations
@@ -46,14 +58,17 @@ from _common import (
     write_json,
 )
 
+from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families.llada import LLADA
-from dllm_serve.models.kv_cache import KVBatch, KVCache
+from dllm_serve.models.kv_pool import KVSpan
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "tests" / "fixtures" / "llada-8b-instruct" / "config.json"
 # HBM bandwidth in bytes/s, algorithms.md §6.1 (SXM parts; PCIe/NVL variants are lower).
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
+MODES = ("no_cache", "prefix_refresh", "prefix_cache")
 
 
 def bandwidth_for(name: str) -> float | None:
@@ -72,13 +87,15 @@ def tiny_config(full: TransformerConfig) -> TransformerConfig:
 def build_model(
     cfg: TransformerConfig, device: torch.device, dtype: torch.dtype
 ) -> DecoderTransformer:
-    """Meta → empty ``dtype`` storage on ``device`` → random values, in place.
+    """Meta → fused projections → empty ``dtype`` storage on ``device`` → random values.
 
     Never materialises an fp32 copy (32 GB at 8B) and never touches the disk; the values only
-    need to be finite, since timing does not depend on them.
+    need to be finite, since timing does not depend on them. The projections are fused on the
+    meta device, so the ModelRunner's ``fuse_projections`` has nothing left to do (fusing real
+    weights would build each fused ``nn.Linear`` on the CPU first).
     """
     with torch.device("meta"):
-        model = DecoderTransformer(cfg)
+        model = DecoderTransformer(cfg).fuse_projections()
     model = model.to(dtype=dtype).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -95,22 +112,57 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_it(fn: Any, device: torch.device, warmup: int, iters: int) -> list[float]:
-    """Wall seconds of ``fn()`` per call, synchronised, after ``warmup`` untimed calls."""
+def time_it(
+    fn: Any, runner: ModelRunner, device: torch.device, warmup: int, iters: int
+) -> tuple[list[float], list[float]]:
+    """Wall seconds of ``fn()`` per call, synchronised before and after each call, after
+    ``warmup`` untimed calls; and the runner's own duration of each call's forward (CUDA
+    events on a GPU: the kernels alone, without the host-side packing)."""
     for _ in range(warmup):
         fn()
     sync(device)
-    times = []
+    times, forward = [], []
     for _ in range(iters):
         start = time.perf_counter()
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return times
+        forward.append(runner.forward_seconds())
+    return times, forward
+
+
+def make_rows(
+    runner: ModelRunner, batch: int, prefix: int, block: int
+) -> tuple[dict[str, list[RowSpec]], list[KVSpan]]:
+    """Each mode's rows (random tokens, one KV span of prefix + block slots per row)."""
+    assert runner.pool is not None
+    vocab = runner.model.config.vocab_size
+    gen = torch.Generator(device="cpu").manual_seed(batch)
+    ids = torch.randint(0, vocab, (batch, prefix + block), generator=gen).tolist()
+    spans = []
+    for _ in range(batch):
+        span = runner.pool.allocate(prefix + block)
+        if span is None:
+            raise RuntimeError("the KV pool was sized for every row: allocation cannot fail")
+        spans.append(span)
+    block_at = list(range(prefix, prefix + block))
+    bi = AttentionKind.BIDIRECTIONAL
+    rows = {
+        # Logits only where the block is, as the denoiser asks for its active block.
+        "no_cache": [RowSpec(row, 0, block_at, bi) for row in ids],
+        "prefix_refresh": [
+            RowSpec(row, 0, block_at, bi, kv) for row, kv in zip(ids, spans, strict=True)
+        ],
+        "prefix_cache": [
+            RowSpec(row[prefix:], prefix, list(range(block)), bi, kv)
+            for row, kv in zip(ids, spans, strict=True)
+        ],
+    }
+    return rows, spans
 
 
 def measure(
-    model: DecoderTransformer,
+    runner: ModelRunner,
     batch: int,
     prefix: int,
     block: int,
@@ -118,43 +170,49 @@ def measure(
     warmup: int,
     iters: int,
 ) -> dict[str, Any]:
-    """No-cache and prefix-cache forward latency for one batch size."""
-    vocab = model.config.vocab_size
-    gen = torch.Generator(device="cpu").manual_seed(batch)
-    full_ids = torch.randint(0, vocab, (batch, prefix + block), generator=gen).to(device)
-    full_pos = torch.arange(prefix + block, device=device).expand(batch, -1)
-    block_ids = full_ids[:, prefix:]
-
-    def no_cache() -> None:
-        hidden = model(full_ids, full_pos, None)  # bidirectional over all positions
-        model.lm_head(hidden[:, prefix:])  # logits only where the block is
-
-    caches = [KVCache.for_model(model, capacity=prefix) for _ in range(batch)]
-    with torch.inference_mode():
-        # Fill each row's cache with the prefix once (write=prefix), as a block refresh would.
-        model(full_ids[:, :prefix], full_pos[:, :prefix], None, kv_cache=KVBatch(caches, prefix))
-
-    def prefix_cache() -> None:
-        kv = KVBatch(caches, write=0)  # read only: every call is the same forward
-        hidden = model(block_ids, kv.positions(block, device), None, kv_cache=kv)
-        model.lm_head(hidden)
-
+    """No-cache, refresh and cached-step latency for one batch size."""
+    assert runner.pool is not None
+    rows, spans = make_rows(runner, batch, prefix, block)
     out: dict[str, Any] = {"batch": batch}
-    with torch.inference_mode():
-        for name, fn, fed in (
-            ("no_cache", no_cache, prefix + block),
-            ("prefix_cache", prefix_cache, block),
-        ):
-            times = time_it(fn, device, warmup, iters)
-            med = statistics.median(times)
-            out[name] = {
-                "tokens_fed_per_row": fed,
-                "latency_ms_median": ms(med),
-                "latency_ms_best": ms(min(times)),
-                "block_positions_per_s": round(batch * block / med, 1),
-                "forwards_per_s": round(1 / med, 2),
-            }
-    out["kv_cache_bytes"] = sum(c.nbytes for c in caches)
+    try:
+        with torch.inference_mode():
+            for mode in MODES:
+                if mode == "prefix_cache":
+                    # The refresh forwards (timed just before) wrote every row's prefix K/V.
+                    for span in spans:
+                        span.length = prefix
+                flat, _width = runner.build(rows[mode])
+                fed = len(rows[mode][0].tokens)
+                times, kernels = time_it(
+                    lambda flat=flat: runner.forward(flat), runner, device, warmup, iters
+                )
+                run_times, _ = time_it(
+                    lambda mode=mode: runner.run(rows[mode]), runner, device, 0, iters
+                )
+                med = statistics.median(times)
+                out[mode] = {
+                    "tokens_fed_per_row": fed,
+                    "flat_tokens": flat.num_tokens,
+                    "latency_ms_median": ms(med),
+                    "latency_ms_best": ms(min(times)),
+                    "runner_forward_ms_median": ms(statistics.median(kernels)),
+                    "run_ms_median": ms(statistics.median(run_times)),
+                    "block_positions_per_s": round(batch * block / med, 1),
+                    "forwards_per_s": round(1 / med, 2),
+                }
+                del flat
+            # Sanity: with the prefix K/V of this very canvas, the cached step's logits are the
+            # refresh's (exact up to kernel rounding), else the timing measured a wrong forward.
+            full = runner.run(rows["prefix_refresh"]).float()
+            cached = runner.run(rows["prefix_cache"]).float()
+            out["cached_vs_refresh_max_abs_logit_diff"] = round(
+                (full - cached).abs().max().item(), 6
+            )
+        pool = runner.pool
+        out["kv_pool_used_bytes"] = pool.used * (pool.nbytes // pool.slots)
+    finally:
+        for span in spans:
+            runner.pool.free(span)
     return out
 
 
@@ -166,17 +224,18 @@ def draw(report: dict[str, Any]) -> Any:
         rows = report["results"]
         labels = [str(r["batch"]) for r in rows]
         x = range(len(rows))
-        for i, mode in enumerate(("no_cache", "prefix_cache")):
+        width = 0.8 / len(MODES)
+        for i, mode in enumerate(MODES):
             ax.bar(
-                [xi + 0.4 * i for xi in x],
+                [xi + width * i for xi in x],
                 [r[mode]["latency_ms_median"] for r in rows],
-                width=0.4,
+                width=width,
                 label=mode,
             )
         floor = report["bandwidth_floor_ms"]
         if floor:
             ax.axhline(floor, color="k", linestyle="--", label="weight-read floor")
-        ax.set_xticks([xi + 0.2 for xi in x], labels)
+        ax.set_xticks([xi + width * (len(MODES) - 1) / 2 for xi in x], labels)
         ax.set(xlabel="batch", ylabel="ms per forward", title=report["device_name"])
         ax.legend()
 
@@ -228,21 +287,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     floor_s = weight_bytes / bw if bw else None
     print(f"{name}: {params / 1e9:.3f} B params, {weight_bytes / 1e9:.2f} GB weights, floor "
           f"{ms(floor_s)} ms/forward at {bw and bw / 1e12} TB/s")  # fmt: skip
+    # One KV span of prefix + block slots per row of the largest batch, as the engine sizes a
+    # request's span for its whole canvas.
+    runner = ModelRunner(model, device, kv_slots=max(args.batches) * (args.prefix + args.block))
+    assert runner.pool is not None
 
     results = []
     for batch in args.batches:
         if time.monotonic() - started > args.max_seconds:
             print(f"deadline reached: batch {batch} skipped")
             break
-        row = measure(model, batch, args.prefix, args.block, device, args.warmup, args.iters)
-        for mode in ("no_cache", "prefix_cache"):
+        row = measure(runner, batch, args.prefix, args.block, device, args.warmup, args.iters)
+        for mode in MODES:
             m = row[mode]
             # Achieved fraction of the weight-read floor: 1.0 = as fast as HBM allows.
             m["floor_over_latency"] = (
                 round(floor_s * 1e3 / m["latency_ms_median"], 3) if floor_s else None
             )
             print(
-                f"batch {batch:3d} {mode:12s} {m['latency_ms_median']:9.3f} ms  "
+                f"batch {batch:3d} {mode:14s} {m['latency_ms_median']:9.3f} ms  "
                 f"{m['block_positions_per_s']:10.1f} block pos/s  floor/latency "
                 f"{m['floor_over_latency']}"
             )
@@ -269,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "block": args.block,
         "warmup": args.warmup,
         "iters": args.iters,
+        "kv_pool_slots": runner.pool.slots,
+        "kv_pool_bytes": runner.pool.nbytes,
         "results": results,
         "peak_memory_bytes": (
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

@@ -13,11 +13,13 @@ RSS_GROWTH_BOUND_MIB. With 32 clients against 8 running + 8 waiting slots most a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -48,7 +50,8 @@ INVALID_BODIES: list[bytes] = [
 def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     log = tmp_path_factory.mktemp("load") / "server.log"
     limits = ["--max-running-requests", "8", "--max-waiting-requests", "8"]
-    server = RemoteServer.start([*limits, "--log-level", "warning"], log)
+    # The prefix KV cache on: requests hold KV-pool spans, so "back to idle" means something.
+    server = RemoteServer.start([*limits, "--kv-cache", "prefix", "--log-level", "warning"], log)
     yield server
     server.stop()
     assert "unhandled error" not in log.read_text()
@@ -150,6 +153,29 @@ def run_load(url: str, requests: list[tuple[str, str]], seed: int) -> dict[str, 
     return outcomes
 
 
+def watch_peak(url: str, name: str) -> Callable[[], float]:
+    """Poll a gauge in a background thread until the returned function is called; it returns
+    the largest value seen."""
+    stop = threading.Event()
+    peak = [0.0]
+
+    def poll() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                peak[0] = max(peak[0], metric(url, name))
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+
+    def finish() -> float:
+        stop.set()
+        thread.join(5)
+        return peak[0]
+
+    return finish
+
+
 def settled_finishes(url: str, before: dict[str, float], expected_total: int) -> dict[str, float]:
     """Finish counters (deltas); aborts are counted when the engine sees them, so poll a bit."""
     deadline = time.monotonic() + 15
@@ -166,7 +192,9 @@ def test_mixed_load_every_request_has_one_outcome(tight: RemoteServer) -> None:
     run_load(tight.url, plan(WARMUP, seed=1, prefix="warm"), seed=1)
     wait_idle(tight.url)
     rss_before = rss_kib(pid)
-    kv_idle = metric(tight.url, "dllm:kv_cache_bytes")  # 0 while no request holds a cache
+    kv_idle = metric(tight.url, "dllm:kv_cache_bytes")
+    assert kv_idle == 0  # no request holds KV
+    peak_kv = watch_peak(tight.url, "dllm:kv_cache_bytes")
     finishes_before = finished(tight.url)
     rejected_before = metric(tight.url, "dllm:requests_rejected_total", reason="queue_full")
 
@@ -174,6 +202,8 @@ def test_mixed_load_every_request_has_one_outcome(tight: RemoteServer) -> None:
     requests = plan(REQUESTS, seed=2, prefix="load")
     outcomes = run_load(tight.url, requests, seed=2)
     elapsed = time.monotonic() - started
+    peak = peak_kv()
+    assert peak > 0, "requests held no KV during the load: the idle check below would be vacuous"
     seen = Counter(outcomes.values())
     print(f"load: {dict(seen)} in {elapsed:.1f}s")
 

@@ -73,8 +73,8 @@ class Metrics:
             buckets=FORWARD_BUCKETS,
             registry=r,
         )
-        self.padded_tokens = Counter(
-            "dllm:forward_padded_tokens", "Tokens fed to the model, padding included.", registry=r
+        self.forward_tokens = Counter(
+            "dllm:forward_tokens", "Tokens fed to the model (flat batches: no padding).", registry=r
         )
         self.busy = Counter(
             "dllm:engine_busy_seconds",
@@ -105,10 +105,10 @@ class Metrics:
         )
 
     # ---- EngineObserver ----------------------------------------------------------------------
-    def on_forward(self, rows: int, padded_tokens: int, model_seconds: float) -> None:
+    def on_forward(self, rows: int, tokens: int, model_seconds: float) -> None:
         self.forward_rows.observe(rows)
         self.forward_duration.observe(model_seconds)
-        self.padded_tokens.inc(padded_tokens)
+        self.forward_tokens.inc(tokens)
 
     def on_iteration(self, busy_seconds: float) -> None:
         self.busy.inc(busy_seconds)

@@ -43,8 +43,12 @@ def entropy_inverse(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     (the suppressed mask id) have ``p = 0`` and contribute ``0·log 0 = 0``.
     """
     del tokens  # same signature as top1_prob; the entropy does not depend on the proposal
-    p = torch.softmax(logits, dim=-1)
-    entropy = -torch.special.xlogy(p, p).sum(dim=-1)
+    return entropy_inverse_of(torch.softmax(logits, dim=-1))
+
+
+def entropy_inverse_of(probs: torch.Tensor) -> torch.Tensor:
+    """:func:`entropy_inverse` from probabilities ``[..., V]`` already computed."""
+    entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)
     # Rounding can make H of a one-hot row a hair negative; clamp so the score stays ≤ 1.
     return torch.exp(-entropy.clamp_min(0.0))
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from dllm_serve.decoding.commit import threshold_commit_rows, topk_commit_rows
-from dllm_serve.decoding.confidence import entropy_inverse, top1_prob
+from dllm_serve.decoding.confidence import entropy_inverse_of
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.local_leap import local_leap_commit_rows
 from dllm_serve.decoding.params import DecodingParams
@@ -17,6 +17,14 @@ from dllm_serve.decoding.schedules import block_schedule
 from dllm_serve.decoding.state import DenoiseState
 
 __all__ = ["DenoiseState", "LLaDADenoiser"]
+
+
+def _writable(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` itself when it may be overwritten in place, else a copy (an inference-mode
+    tensor used outside inference mode)."""
+    if logits.is_inference() and not torch.is_inference_mode_enabled():
+        return logits.clone()
+    return logits
 
 
 class LLaDADenoiser:
@@ -119,7 +127,8 @@ class LLaDADenoiser:
         """Proposals and commits for every row: ``[R, M]`` committed tokens (else ``mask_id``).
 
         ``logits`` ``[R, M, V]``: row ``r``'s first ``len(states[r].masked)`` entries are its
-        masked positions in ascending order (padding after). No value is read back here.
+        masked positions in ascending order (padding after); they are consumed (overwritten in
+        place). No value is read back here.
         """
         rows, width = logits.shape[0], logits.shape[1]
         device = logits.device
@@ -131,9 +140,9 @@ class LLaDADenoiser:
 
         # The mask id is a real vocabulary entry; proposing it would "commit" a mask and break
         # the count (dInfer guards the same way). Excluding it here also removes it from the
-        # distribution the confidence is computed under.
-        z = logits.float() if logits.dtype != torch.float32 else logits
-        z = z.index_fill(-1, torch.tensor([self.mask_id], device=device), float("-inf"))
+        # distribution the confidence is computed under. In place: the logits are this step's.
+        z = _writable(logits.float())
+        z[..., self.mask_id] = float("-inf")
         x0 = z.argmax(dim=-1)
         for r, state in enumerate(states):
             # A zero-commit step draws no noise, so the generator stays in step.
@@ -141,16 +150,19 @@ class LLaDADenoiser:
                 m = counts[r]
                 x0[r, :m] = gumbel_argmax(z[r, :m], state.params.temperature, state.generator)
 
+        # One fused softmax serves both metrics: top1_prob is p[x0] (LLaDA's low_confidence,
+        # the untempered probability of the proposal), entropy_inverse is exp(−H(p)).
+        probs = torch.softmax(z, dim=-1)
         metrics = {s.params.confidence_metric for s in states}
         if metrics == {"entropy_inverse"}:
-            score = entropy_inverse(z, x0)
+            score = entropy_inverse_of(probs)
         else:
-            score = top1_prob(z, x0)
+            score = probs.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
             if "entropy_inverse" in metrics:
                 entropic = torch.tensor(
                     [s.params.confidence_metric == "entropy_inverse" for s in states]
                 ).to(device)
-                score = torch.where(entropic[:, None], entropy_inverse(z, x0), score)
+                score = torch.where(entropic[:, None], entropy_inverse_of(probs), score)
         score = score.masked_fill(~valid, float("-inf"))
 
         commit = self._commit_rule(states, score, k, device)
@@ -260,7 +272,7 @@ class LLaDADenoiser:
                 f"expected logits [{len(state.masked)}, V] for the positions prepare() returned, "
                 f"got {tuple(logits.shape)}"
             )
-        committed = self.sample([state], logits[None]).tolist()
+        committed = self.sample([state], logits[None].clone()).tolist()
         return self.commit([state], committed)[0]
 
     # ---- helpers -------------------------------------------------------------------------------

@@ -136,8 +136,11 @@ class ISDecoder:
         )
 
     def sample(self, states: Sequence[ISDState], logits: torch.Tensor) -> torch.Tensor:
-        """Every row's verdict material ``[R, 1 + M]`` (see the class docstring)."""
+        """Every row's verdict material ``[R, 1 + M]`` (see the class docstring); ``logits``
+        are consumed (the mask id's entries are overwritten in place)."""
         rows = logits.shape[0]
+        if logits.is_inference() and not torch.is_inference_mode_enabled():
+            logits = logits.clone()  # greedy_tokens writes in place
         best = greedy_tokens(logits, self.mask_id)  # [R, M]: one argmax for every row
         out = torch.cat([best.new_full((rows, 1), -1), best], dim=1)
         for r, state in enumerate(states):
@@ -207,7 +210,7 @@ class ISDecoder:
         k, n = state.round_shape
         if logits.dim() != 2 or logits.shape[0] != k + n:
             raise ValueError(f"expected logits [{k + n}, V], got {tuple(logits.shape)}")
-        return self.commit([state], self.sample([state], logits[None]).tolist())[0]
+        return self.commit([state], self.sample([state], logits[None].clone()).tolist())[0]
 
     @staticmethod
     def _emit(state: ISDState, tokens: list[int]) -> int:

@@ -36,10 +36,11 @@ def target_probs(logits: torch.Tensor, temperature: float, mask_id: int) -> torc
 def greedy_tokens(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     """``argmax`` per row with the mask id excluded (the T = 0 limit of :func:`target_probs`).
 
-    In the logits' own precision: widening to float64 is exact, so it cannot change an argmax.
+    In the logits' own precision (widening to float64 is exact, so it cannot change an argmax)
+    and in place: the mask id's logits are set to −inf.
     """
-    index = torch.tensor([mask_id], device=logits.device)
-    return logits.index_fill(-1, index, float("-inf")).argmax(dim=-1)
+    logits[..., mask_id] = float("-inf")
+    return logits.argmax(dim=-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

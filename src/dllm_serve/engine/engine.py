@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 import uuid6
@@ -33,6 +33,15 @@ from dllm_serve.models.loader import LoadedModel
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
+
+
+Sink = Callable[[RequestOutput], None]
+
+
+def _deliver(items: list[tuple[Sink, RequestOutput]]) -> None:
+    """Runs on the event loop: put each output in its request's queue."""
+    for sink, output in items:
+        sink(output)
 
 
 class EngineDeadError(RuntimeError):
@@ -78,6 +87,7 @@ class AsyncEngine:
         # for (or blocks) the API's chat templating, which holds the lock above.
         self._detok_tokenizer = copy.deepcopy(loaded.tokenizer)
         self._thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput]]] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
     @property
@@ -160,17 +170,13 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
-        def sink(output: RequestOutput) -> None:
-            # A closed loop means nobody is listening any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(queue.put_nowait, output)
-
         request = Request(
             request_id=request_id or str(uuid6.uuid7()),
             prompt_ids=list(prompt_ids),
             params=params,
-            sink=sink,
+            sink=queue.put_nowait,
             detokenizer=IncrementalDetokenizer(self._decode, stop=tuple(stop)),
+            loop=loop,
         )
         if timeout is not None:
             request.deadline = request.arrival_time + timeout
@@ -233,6 +239,7 @@ class AsyncEngine:
                 self.scheduler.running.clear()
             for request in pending:
                 self._fail(request, "error", reason)
+            self._flush()
 
     def _iterate(self) -> bool:
         with self._cond:
@@ -254,8 +261,10 @@ class AsyncEngine:
             elif request.deadline is not None and now >= request.deadline:
                 self._fail(request, "timeout", "the request exceeded its time limit")
         self._admit()
+        self._flush()
         for group in self.scheduler.groups():
             self._forward(group)
+            self._flush()
         self.observer.on_iteration(time.perf_counter() - started)
         return True
 
@@ -378,7 +387,18 @@ class AsyncEngine:
             self.scheduler.remove(request)
             self._release_kv(request)
             self.observer.on_finished(output, time.monotonic() - request.arrival_time)
-        request.sink(output)
+        if request.loop is None:
+            request.sink(output)  # a synchronous consumer (tests, tools)
+        else:
+            self._outbox.setdefault(request.loop, []).append((request.sink, output))
+
+    def _flush(self) -> None:
+        """Hand this step's outputs to their event loops: one wake-up per loop, not per row."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            # A closed loop means nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _release_kv(self, request: Request) -> None:
         state = request.state

@@ -13,7 +13,6 @@ import logging
 import time
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
 
 from dllm_serve.decoding.forward_spec import RowSpec
 from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
@@ -118,38 +117,33 @@ class ModelRunner:
         input_ids, pos = packed[:t], packed[t : 2 * t]
         slot_mapping = packed[2 * t : 3 * t] if any_kv else None
         index = packed[(3 if any_kv else 2) * t :]
-        attn = [
-            self._group(g, b, p, slot_mapping)
-            for g, b, p in zip(groups, bases, prefixes, strict=True)
-        ]
+        attn = [self._group(g, b, p) for g, b, p in zip(groups, bases, prefixes, strict=True)]
         return FlatBatch(input_ids, pos, attn, index, slot_mapping), width
 
     def _group(
-        self,
-        group: tuple[int, int, int, bool, bool],
-        bases: list[int],
-        prefixes: list[int],
-        slot_mapping: torch.Tensor | None,
+        self, group: tuple[int, int, int, bool, bool], bases: list[int], prefixes: list[int]
     ) -> AttnGroup:
         start, n, q_len, causal, cached = group
         if not cached:
             return AttnGroup(start, n, q_len, is_causal=causal)
-        assert slot_mapping is not None
-        # Keys: each row's prefix then its current tokens, gathered from the pool. Rows with a
-        # shorter prefix are padded with slots past their keys and masked (built once here,
-        # shared by every layer).
+        # Keys: each row's prefix then its current tokens, gathered from the pool (the masks
+        # are built here, once per forward, and shared by every layer).
         longest = max(prefixes) + q_len
-        first = torch.tensor(bases, dtype=torch.long).to(self.device)
+        packed = torch.tensor(bases + prefixes, dtype=torch.long).to(self.device)
+        first, prefix = packed[:n], packed[n:]
         cols = torch.arange(longest, device=self.device)
         kv_slots = first[:, None] + cols[None, :]
-        if len(set(prefixes)) == 1:
-            mask = causal_lower_right(q_len, longest) if causal else None
-            return AttnGroup(start, n, q_len, kv_slots=kv_slots, mask=mask)
-        # Ragged prefixes: keep slots inside the pool (rows' spans hold prefix + q_len keys at
-        # least; garbage past them is masked out).
-        kv_slots = kv_slots.clamp(max=self.pool.slots - 1 if self.pool else 0)
-        prefix = torch.tensor(prefixes, dtype=torch.long).to(self.device)
         query = torch.arange(q_len, device=self.device)
+        if len(set(prefixes)) == 1:
+            mask = None
+            if causal:  # lower-right causal: query i sees keys j <= prefix + i ([q_len, S])
+                mask = cols[None, :] <= (query + prefixes[0])[:, None]
+            return AttnGroup(start, n, q_len, kv_slots=kv_slots, mask=mask)
+        # Ragged prefixes: a row's keys past its own (prefix + current tokens) read the pool's
+        # zero slot, masked; never another request's slots, whatever they hold.
+        assert self.pool is not None
+        own = cols[None, :] < (prefix + q_len)[:, None]
+        kv_slots = torch.where(own, kv_slots, self.pool.zero_slot)
         if causal:  # key j visible to query i iff j <= prefix + i
             limit = prefix[:, None] + query[None, :]
         else:  # every key of the row: j < prefix + q_len

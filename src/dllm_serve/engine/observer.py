@@ -11,7 +11,7 @@ from dllm_serve.engine.outputs import RequestOutput
 
 
 class EngineObserver(Protocol):
-    def on_forward(self, rows: int, padded_tokens: int, model_seconds: float) -> None: ...
+    def on_forward(self, rows: int, tokens: int, model_seconds: float) -> None: ...
 
     def on_iteration(self, busy_seconds: float) -> None: ...
 
@@ -23,7 +23,7 @@ class EngineObserver(Protocol):
 class NullObserver:
     """The default: observe nothing."""
 
-    def on_forward(self, rows: int, padded_tokens: int, model_seconds: float) -> None:
+    def on_forward(self, rows: int, tokens: int, model_seconds: float) -> None:
         pass
 
     def on_iteration(self, busy_seconds: float) -> None:

@@ -54,8 +54,10 @@ class IncrementalDetokenizer:
         self._stop = tuple(s for s in stop if s)
         self._sent = ""
         self._text = ""  # decoded text of tokens[:read_offset]
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._prefix_offset = 0  # the window starts here (vLLM's prefix_offset)
+        self._read_offset = 0  # ... and its text is final up to here (read_offset)
+        self._prefix_ids: list[int] = []  # tokens[prefix_offset:read_offset]
+        self._prefix_text: str | None = ""
         self._num_tokens = 0
         self.stopped = False
 
@@ -67,18 +69,20 @@ class IncrementalDetokenizer:
         if self.stopped or (len(tokens) == self._num_tokens and not final):
             return ""
         self._num_tokens = len(tokens)
-        if len(tokens) > self._read_offset:
-            prefix = self._decode(tokens[self._prefix_offset : self._read_offset])
-            window = self._decode(tokens[self._prefix_offset :])
-            if len(window) > len(prefix) and (final or not window.endswith("\ufffd")):
-                self._text += window[len(prefix) :]
-                self._prefix_offset, self._read_offset = self._read_offset, len(tokens)
         text = self._text
-        if final and len(tokens) > self._read_offset:
-            # Only undecodable bytes are left: release them as the tokenizer renders them.
+        if len(tokens) > self._read_offset:
+            if self._prefix_text is None:  # decoded once per window, lazily
+                self._prefix_text = self._decode(self._prefix_ids) if self._prefix_ids else ""
             window = self._decode(tokens[self._prefix_offset :])
-            prefix = self._decode(tokens[self._prefix_offset : self._read_offset])
-            text += window[len(prefix) :]
+            tail = window[len(self._prefix_text) :]
+            text += tail
+            if tail and (final or not window.endswith("\ufffd")):
+                # The window is complete: move it forward (a trailing U+FFFD may still become
+                # a character when the next token arrives, so it stays in the window).
+                self._text = text
+                self._prefix_ids = list(tokens[self._read_offset :])
+                self._prefix_offset, self._read_offset = self._read_offset, len(tokens)
+                self._prefix_text = None
         cut = self._find_stop(text)
         if cut is not None:
             text, final, self.stopped = text[:cut], True, True

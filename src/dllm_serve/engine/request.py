@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ class RequestStatus(StrEnum):
 class Request:
     """One generation: its prompt, parameters, denoising state and output sink.
 
-    ``sink`` is called on the engine thread with each :class:`RequestOutput`; the async side
-    installs one that hops to the event loop with ``call_soon_threadsafe``.
+    ``sink`` receives each :class:`RequestOutput`: on the engine thread when ``loop`` is None,
+    else on ``loop`` — the engine batches one step's outputs per loop into one
+    ``call_soon_threadsafe`` (one wake-up per step, not one per row).
     """
 
     request_id: str
@@ -36,6 +38,7 @@ class Request:
     state: DecodeState | None = None  # created on admission, on the engine thread
     first_content_time: float | None = None
     deadline: float | None = None  # time.monotonic() past which the request times out
+    loop: asyncio.AbstractEventLoop | None = None  # where ``sink`` runs (None: engine thread)
 
     @property
     def row_length(self) -> int:

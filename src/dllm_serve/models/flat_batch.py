@@ -9,10 +9,12 @@ the flat tensors. No ``[L, L]`` mask is ever built:
 - bidirectional, no cached prefix: the group's own keys, no mask;
 - causal, no cached prefix: ``is_causal``;
 - with a cached prefix of the same length ``P`` for every row (keys gathered from the KV pool):
-  no mask (bidirectional: a block attends to its prefix and itself) or a lower-right causal
-  bias (``causal_lower_right``, which SDPA kernels apply without materialising it);
-- rows whose prefixes differ: a ``[rows, 1, q_len, S]`` key-validity mask built once per forward
-  (``q_len`` is a decode round, a handful of tokens), shared by every layer.
+  no mask (bidirectional: a block attends to its prefix and itself) or, causal, a lower-right
+  ``[q_len, P + q_len]`` mask shared by the group's rows;
+- rows whose prefixes differ: a ``[rows, 1, q_len, S]`` key-validity mask.
+
+Masks are built once per forward (by the ModelRunner) and shared by every layer; ``q_len`` is
+then a decode round or a block — a handful of tokens — never the whole canvas.
 """
 
 from __future__ import annotations

@@ -47,11 +47,14 @@ class KVPool:
     ) -> None:
         if slots < 1:
             raise ValueError("the KV pool needs at least one slot")
-        shape = (n_layers, slots, n_kv_heads, head_dim)
-        # Zeros, not empty: a slot read before it is written must not hold NaNs.
+        # One extra slot past the allocatable ones stays zero forever: masked key positions of
+        # ragged rows point there, so a non-finite K/V elsewhere in the pool (another request's,
+        # or a stale one) can never reach a row through its masked keys (0 · NaN = NaN).
+        shape = (n_layers, slots + 1, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.slots = slots
+        self.zero_slot = slots
         self._free: list[tuple[int, int]] = [(0, slots)]  # (start, size), sorted by start
         self.used = 0
 
@@ -62,7 +65,8 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes of the allocatable slots (K and V, every layer)."""
+        return self.slots * (2 * self.k[:, 0].numel() * self.k.element_size())
 
     @property
     def free_slots(self) -> int:

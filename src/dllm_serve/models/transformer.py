@@ -89,7 +89,9 @@ class Embedding(nn.Embedding):
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs."""
     weight = torch.cat([p.weight for p in parts])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
+    # Built on meta: a random init of the fused shape would be computed and thrown away.
+    with torch.device("meta"):
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
     fused.weight = nn.Parameter(weight, requires_grad=False)
     if parts[0].bias is not None:
         fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)

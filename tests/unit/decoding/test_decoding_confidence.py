@@ -12,7 +12,8 @@ from dllm_serve.decoding.confidence import confidence, entropy_inverse, top1_pro
 
 
 def _logits(n: int = 64, v: int = 50, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
-    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * scale
+    # float64: these tests pin the math to 1e-12; the engine passes its float32 logits.
+    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed)).double() * scale
 
 
 def test_entropy_inverse_is_exp_minus_entropy() -> None:
@@ -24,13 +25,21 @@ def test_entropy_inverse_is_exp_minus_entropy() -> None:
     torch.testing.assert_close(got, torch.exp(-entropy), rtol=1e-12, atol=0)
 
 
+def test_float32_logits_give_float32_scores_close_to_float64() -> None:
+    z = _logits()
+    for metric in (top1_prob, entropy_inverse):
+        single = metric(z.float(), z.argmax(-1))
+        assert single.dtype == torch.float32
+        torch.testing.assert_close(single.double(), metric(z, z.argmax(-1)), rtol=1e-5, atol=0)
+
+
 def test_entropy_inverse_scale() -> None:
     # one-hot → 1; uniform over k tokens → 1/k; always in (0, 1] and ≤ the top-1 probability
-    one_hot = torch.full((1, 10), -float("inf"))
+    one_hot = torch.full((1, 10), -float("inf"), dtype=torch.float64)
     one_hot[0, 3] = 0.0
     assert entropy_inverse(one_hot, torch.tensor([3])).item() == 1.0
     for k in (1, 2, 7, 40):
-        z = torch.full((1, 40), -float("inf"))
+        z = torch.full((1, 40), -float("inf"), dtype=torch.float64)
         z[0, :k] = 1.5
         assert math.isclose(entropy_inverse(z, torch.tensor([0])).item(), 1 / k, rel_tol=1e-12)
     z = _logits(n=500, scale=5.0)

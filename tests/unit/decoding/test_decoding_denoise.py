@@ -238,7 +238,8 @@ def test_errors() -> None:
 
 def _hand_built(answer: list[int]) -> DenoiseState:
     state = LLaDADenoiser(MASK_ID, STOPS).init_state([7, 7], _params(len(answer), 1, 8), "cpu")
-    state.canvas[2:] = torch.tensor(answer)
+    state.tokens[2:] = answer
+    state.advance_final()  # what a commit does after writing tokens
     return state
 
 
@@ -259,5 +260,5 @@ M = MASK_ID
 )
 def test_answer_helpers(answer: list[int], final_len: int, tokens: list[int]) -> None:
     state = _hand_built(answer)
-    assert state.answer_final_len() == final_len
+    assert state.final_len == final_len
     assert state.answer_tokens() == tokens

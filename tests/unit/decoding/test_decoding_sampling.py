@@ -67,9 +67,14 @@ def test_low_precision_and_empty_inputs() -> None:
         gumbel_argmax(torch.zeros(8), 1.0, None)
 
 
-def test_top1_prob_is_float64_softmax_of_token() -> None:
+def test_top1_prob_is_the_softmax_of_token_in_the_logits_precision() -> None:
     logits = torch.randn(6, 13, generator=torch.Generator().manual_seed(1))
     tokens = torch.tensor([0, 3, 12, 5, 5, 7])
+    single = top1_prob(logits, tokens)  # the engine's float32: no float64 copy of the logits
+    assert single.dtype == torch.float32
+    reference = torch.softmax(logits.double(), -1)[torch.arange(6), tokens]
+    torch.testing.assert_close(single.double(), reference, rtol=1e-6, atol=0)
+    logits = logits.double()  # float64 logits: float64 scores
     probs = top1_prob(logits, tokens)
     assert probs.dtype == torch.float64
     expected = torch.softmax(logits.double(), -1)[torch.arange(6), tokens]

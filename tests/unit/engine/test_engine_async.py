@@ -10,6 +10,7 @@ import pytest
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine, EngineDeadError, QueueFullError
+from dllm_serve.engine.observer import NullObserver
 from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.models.loader import LoadedModel, load_model
 
@@ -89,14 +90,31 @@ def test_concurrent_requests_match_running_alone(engine: AsyncEngine, loaded: Lo
         assert "".join(o.delta_text for o in outs) == expected
 
 
-def test_abort_frees_the_request(engine: AsyncEngine, loaded: LoadedModel) -> None:
-    long = DecodingParams(gen_length=64, steps=64)
+class FinishRecorder(NullObserver):
+    """Records every finished output the engine reports (on the engine thread)."""
+
+    def __init__(self) -> None:
+        self.finished: list[RequestOutput] = []
+
+    def on_finished(self, output: RequestOutput, seconds_since_arrival: float) -> None:
+        self.finished.append(output)
+
+
+def test_abort_frees_the_request(loaded: LoadedModel) -> None:
+    recorder = FinishRecorder()
+    engine = AsyncEngine(loaded, EngineConfig(max_running_requests=4), observer=recorder)
+    engine.start()
+    long = DecodingParams(gen_length=512, steps=512)  # far longer than the test waits
 
     async def scenario() -> RequestOutput:
-        task = asyncio.ensure_future(collect(engine, prompt(loaded, "x"), long))
+        gen = engine.generate(prompt(loaded, "x"), long, request_id="cancelled")
+        task = asyncio.ensure_future(anext(gen))
+        await task  # the request runs: it produced an output
+        task = asyncio.ensure_future(anext(gen))
         await asyncio.sleep(0.05)
         task.cancel()  # like a disconnected client: the generator's finally aborts
         await asyncio.gather(task, return_exceptions=True)
+        await gen.aclose()
         for _ in range(200):
             if engine.num_running == 0 and engine.num_waiting == 0:
                 break
@@ -105,9 +123,15 @@ def test_abort_frees_the_request(engine: AsyncEngine, loaded: LoadedModel) -> No
         outs = await collect(engine, prompt(loaded, "y"), PARAMS)
         return outs[-1]
 
-    last = asyncio.run(scenario())
+    try:
+        last = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
     assert last.finish_reason in ("stop", "length")
     assert engine.num_running == 0 and engine.num_waiting == 0
+    aborted = [o for o in recorder.finished if o.request_id == "cancelled"]
+    assert len(aborted) == 1 and aborted[0].finish_reason == "abort"
+    assert aborted[0].nfe < long.steps  # stopped by the abort, not by running to the end
 
 
 def test_abort_by_id_from_another_thread(engine: AsyncEngine, loaded: LoadedModel) -> None:
@@ -131,14 +155,14 @@ def test_abort_by_id_from_another_thread(engine: AsyncEngine, loaded: LoadedMode
 def test_a_failing_request_does_not_disturb_others(
     engine: AsyncEngine, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = engine.algorithm.update
+    original = engine.algorithm.commit
 
-    def update(state, logits):  # type: ignore[no-untyped-def]
-        if state.params.seed == 666:
+    def commit(states, rows):  # type: ignore[no-untyped-def]
+        if any(state.params.seed == 666 for state in states):
             raise RuntimeError("boom")
-        return original(state, logits)
+        return original(states, rows)
 
-    monkeypatch.setattr(engine.algorithm, "update", update)
+    monkeypatch.setattr(engine.algorithm, "commit", commit)
     bad = DecodingParams(gen_length=8, steps=8, temperature=1.0, seed=666)
     good = DecodingParams(gen_length=8, steps=8, temperature=1.0, seed=5)
     ids = prompt(loaded, "z")
@@ -218,18 +242,16 @@ def test_concurrent_rows_share_forwards(loaded: LoadedModel) -> None:
 def test_a_failing_forward_fails_only_its_batch(
     engine: AsyncEngine, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dllm_serve.engine.engine as engine_module
-
-    real_run_batch = engine_module.run_batch
+    real_forward = engine.runner.forward
     calls = {"n": 0}
 
-    def flaky(model, batch):  # type: ignore[no-untyped-def]
+    def flaky(batch):  # type: ignore[no-untyped-def]
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("CUDA error: device-side assert (simulated)")
-        return real_run_batch(model, batch)
+        return real_forward(batch)
 
-    monkeypatch.setattr(engine_module, "run_batch", flaky)
+    monkeypatch.setattr(engine.runner, "forward", flaky)
     params = DecodingParams(gen_length=8, steps=8)
 
     async def scenario() -> tuple[list[RequestOutput], list[RequestOutput]]:

@@ -55,8 +55,9 @@ def test_unchanged_tokens_give_empty_delta_without_decoding() -> None:
 
 
 def test_redecoding_never_rewrites_sent_text() -> None:
-    outputs = iter(["ab", "aXc"])  # a tokenizer that changes its mind about an earlier span
-    detok = IncrementalDetokenizer(lambda ids: next(outputs))
+    # A tokenizer that changes its mind about an earlier span once more tokens follow.
+    texts = {(1,): "ab", (1, 2): "aXc", (2,): "c"}
+    detok = IncrementalDetokenizer(lambda ids: texts[tuple(ids)])
     first = detok.update([1], final=False)
     second = detok.update([1, 2], final=True)
     assert first == "ab"
@@ -96,3 +97,20 @@ def test_stop_split_across_steps_and_earliest_of_several() -> None:
 def test_stop_prefix_at_the_end_is_released_when_final() -> None:
     deltas, stopped = run_stop(["value: <", "/"], ("</end>",))
     assert not stopped and "".join(deltas) == "value: </"
+
+
+def test_each_update_decodes_a_short_window_not_the_whole_answer() -> None:
+    calls: list[int] = []
+
+    def decode(ids: Sequence[int]) -> str:
+        calls.append(len(ids))
+        return byte_decode(ids)
+
+    detok = IncrementalDetokenizer(decode)
+    tokens: list[int] = []
+    text = ""
+    for i in range(200):
+        tokens += list(b"ab")
+        text += detok.update(tokens, final=i == 199)
+    assert text == "ab" * 200
+    assert max(calls) <= 4  # the previous step's tokens and this step's, never all 400
