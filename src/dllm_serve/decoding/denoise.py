@@ -12,7 +12,7 @@ from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.local_leap import local_leap_commit_rows
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.prefix_cache import after_step, prefix_spec, reset_for_block
-from dllm_serve.decoding.sampling import gumbel_argmax, new_generator
+from dllm_serve.decoding.sampling import argmax_, gumbel_argmax, new_generator
 from dllm_serve.decoding.schedules import block_schedule
 from dllm_serve.decoding.state import DenoiseState
 
@@ -143,16 +143,18 @@ class LLaDADenoiser:
         # distribution the confidence is computed under. In place: the logits are this step's.
         z = _writable(logits.float())
         z[..., self.mask_id] = float("-inf")
-        x0 = z.argmax(dim=-1)
+        # One fused softmax serves both metrics: top1_prob is p[x0] (LLaDA's low_confidence,
+        # the untempered probability of the proposal), entropy_inverse is exp(−H(p)).
+        probs = torch.softmax(z, dim=-1)
+        sampled = {}
         for r, state in enumerate(states):
             # A zero-commit step draws no noise, so the generator stays in step.
             if state.params.temperature > 0 and topk[r] != 0:
                 m = counts[r]
-                x0[r, :m] = gumbel_argmax(z[r, :m], state.params.temperature, state.generator)
-
-        # One fused softmax serves both metrics: top1_prob is p[x0] (LLaDA's low_confidence,
-        # the untempered probability of the proposal), entropy_inverse is exp(−H(p)).
-        probs = torch.softmax(z, dim=-1)
+                sampled[r] = gumbel_argmax(z[r, :m], state.params.temperature, state.generator)
+        x0 = argmax_(z)  # greedy proposals; overwrites z, which is not needed any more
+        for r, tokens in sampled.items():
+            x0[r, : tokens.shape[0]] = tokens
         metrics = {s.params.confidence_metric for s in states}
         if metrics == {"entropy_inverse"}:
             score = entropy_inverse_of(probs)

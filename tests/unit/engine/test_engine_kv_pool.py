@@ -1,0 +1,115 @@
+"""Admission by KV budget: the engine's KV pool decides who runs (runtime v2)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from dllm_serve.config import EngineConfig
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
+from dllm_serve.engine.request import Request
+from dllm_serve.models.kv_pool import KVPool
+from dllm_serve.models.loader import LoadedModel, load_model
+from dllm_serve.models.tiny import write_tiny_idlm
+
+PROMPT = [11, 12, 13, 14, 15, 16]
+PARAMS = DecodingParams(gen_length=24)
+
+
+@pytest.fixture(scope="module")
+def idlm(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = write_tiny_idlm(Path(tmp_path_factory.mktemp("idlm")) / "tiny-idlm")
+    return load_model(str(path), device="cpu", dtype="float32")
+
+
+def gib_for(loaded: LoadedModel, slots: int) -> float:
+    cfg = loaded.model.config
+    per_slot = KVPool.bytes_per_slot(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, loaded.dtype)
+    return slots * per_slot / 2**30
+
+
+def request(engine: AsyncEngine, name: str, outputs: list[RequestOutput]) -> Request:
+    return Request(
+        request_id=name,
+        prompt_ids=PROMPT,
+        params=PARAMS,
+        sink=outputs.append,
+        detokenizer=IncrementalDetokenizer(engine._decode),
+    )
+
+
+def test_a_request_that_does_not_fit_waits_then_runs(idlm: LoadedModel) -> None:
+    probe = AsyncEngine(idlm, EngineConfig())
+    need = probe.algorithm.kv_tokens(len(PROMPT), PARAMS)
+    # Room for one request's worst case, not two.
+    engine = AsyncEngine(idlm, EngineConfig(kv_cache_memory=gib_for(idlm, need + need // 2)))
+    pool = engine.runner.pool
+    assert pool is not None and pool.slots == need + need // 2
+    outs: dict[str, list[RequestOutput]] = {"a": [], "b": []}
+    engine.scheduler.waiting.extend(request(engine, n, outs[n]) for n in "ab")
+    engine._admit()
+    assert [r.request_id for r in engine.scheduler.running] == ["a"]
+    assert [r.request_id for r in engine.scheduler.waiting] == ["b"]  # waits, not rejected
+    assert pool.used == need
+    steps = 0
+    while engine.scheduler.running or engine.scheduler.waiting:
+        for group in engine.scheduler.groups():
+            engine._forward(group)
+        engine._admit()
+        steps += 1
+        assert steps < 200
+        if not outs["a"] or not outs["a"][-1].finished:
+            assert not outs["b"], "b started before a released its KV"
+    assert pool.used == 0 and pool.largest_free_span == pool.slots  # back to idle, one interval
+    texts = {n: "".join(o.delta_text for o in outs[n]) for n in "ab"}
+    assert outs["a"][-1].finish_reason in ("stop", "length") and texts["a"] == texts["b"]
+
+
+def test_a_request_that_can_never_fit_fails_clearly(idlm: LoadedModel) -> None:
+    engine = AsyncEngine(idlm, EngineConfig(kv_cache_memory=gib_for(idlm, 16)))
+    outs: list[RequestOutput] = []
+    engine.scheduler.waiting.append(request(engine, "big", outs))
+    engine._admit()
+    assert engine.num_running == 0 and engine.num_waiting == 0
+    assert outs[-1].finish_reason == "error"
+    assert "KV pool holds 16" in (outs[-1].error or "") and "--kv-cache-memory" in outs[-1].error
+
+
+def test_the_pool_returns_to_idle_after_concurrent_isd_requests(idlm: LoadedModel) -> None:
+    engine = AsyncEngine(idlm, EngineConfig(max_running_requests=4, isd_stride=4))
+    engine.start()
+    pool = engine.runner.pool
+    assert pool is not None
+    seen_used: list[int] = []
+    spans_exact: list[bool] = []
+    real_commit = engine.algorithm.commit
+
+    def commit(states, rows):  # type: ignore[no-untyped-def]
+        results = real_commit(states, rows)
+        for state in states:  # after every round the kept KV is exactly prompt + emitted[:-1]
+            if state.kv is not None and not state.finished:
+                spans_exact.append(state.kv.length == len(PROMPT) + len(state.emitted) - 1)
+        seen_used.append(pool.used)
+        return results
+
+    engine.algorithm.commit = commit  # type: ignore[method-assign]
+
+    async def run_all() -> list[list[RequestOutput]]:
+        async def one(i: int) -> list[RequestOutput]:
+            params = DecodingParams(gen_length=16 + 4 * i, temperature=0.5 * (i % 2), seed=i)
+            return [o async for o in engine.generate(PROMPT, params)]
+
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    try:
+        results = asyncio.run(run_all())
+    finally:
+        engine.shutdown()
+    assert all(r[-1].finish_reason in ("stop", "length") for r in results)
+    assert max(seen_used) > 0 and spans_exact and all(spans_exact)
+    assert pool.used == 0 and pool.largest_free_span == pool.slots
+    assert engine.kv_cache_bytes == 0
