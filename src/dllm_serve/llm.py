@@ -70,7 +70,18 @@ class LLM:
             if len(per_row) != len(conversations):
                 raise ValueError("give one DecodingParams per conversation, or a single one")
         prompts = [self.engine.chat_prompt_ids(list(c)) for c in conversations]
-        return asyncio.run(self._run(prompts, per_row, tuple(stop)))
+        return self.generate_ids(prompts, per_row, stop)
+
+    def generate_ids(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[DecodingParams],
+        stop: Sequence[str] = (),
+    ) -> list[Completion]:
+        """Generate from prompt token ids (already templated), one ``params`` per prompt."""
+        if len(params) != len(prompts):
+            raise ValueError("give one DecodingParams per prompt")
+        return asyncio.run(self._run([list(p) for p in prompts], list(params), tuple(stop)))
 
     async def _run(
         self, prompts: list[list[int]], params: list[DecodingParams], stop: tuple[str, ...]

@@ -64,11 +64,12 @@ class AsyncEngine:
         # "diffusion" (canvas denoising) or "self_speculation" (I-DLM ISD): the API rejects
         # request fields that only mean something for the other one.
         self.decoding_mode = self.algorithm.decoding_mode
-        needs_kv = self.algorithm.kv_tokens(1, DecodingParams(gen_length=1)) > 0
+        # Slots a request of the longest context needs (0: the algorithm keeps no K/V).
+        longest = self.algorithm.kv_tokens(loaded.max_length - 1, DecodingParams(gen_length=1))
         kv_slots = 0
-        if needs_kv:
+        if longest:
             # Room for every running request at the longest context, unless memory says less.
-            most = self.config.max_running_requests * (loaded.max_length + 64)
+            most = self.config.max_running_requests * longest
             kv_slots = ModelRunner.pool_slots(
                 loaded.model, loaded.device, self.config.kv_cache_memory, most
             )

@@ -128,7 +128,8 @@ class ModelRunner:
         slot_mapping = packed[2 * t : 3 * t] if any_kv else None
         index = packed[(3 if any_kv else 2) * t :]
         attn = [self._group(g, b, p) for g, b, p in zip(groups, bases, prefixes, strict=True)]
-        return FlatBatch(input_ids, pos, attn, index, slot_mapping), width
+        top = max(r.start + len(r.tokens) for r in rows) - 1
+        return FlatBatch(input_ids, pos, attn, index, slot_mapping, max_position=top), width
 
     def _group(
         self, group: tuple[int, int, int, bool, bool], bases: list[int], prefixes: list[int]

@@ -61,6 +61,7 @@ class FlatBatch:
     groups: list[AttnGroup]
     logits_index: torch.Tensor
     slot_mapping: torch.Tensor | None = None
+    max_position: int = 0  # the largest entry of ``positions`` (known on the host)
 
     @property
     def num_tokens(self) -> int:

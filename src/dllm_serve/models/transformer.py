@@ -309,16 +309,27 @@ class DecoderTransformer(nn.Module):
             layer.mlp.fuse()
         return self
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[*positions.shape, 1, head_dim]`` (fp32) looked up in a cached table."""
+    def rope(
+        self, positions: torch.Tensor, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[*positions.shape, 1, head_dim]`` (fp32) looked up in a cached table.
+
+        The table covers the model's context and grows (doubling) when a position past it is
+        asked for: an I-DLM round places its masks a few positions past the answer's last one.
+        ``max_position`` (the largest position, when the caller knows it on the host) avoids
+        reading it from the device.
+        """
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
         tables = self._rope_tables.get(positions.device)
-        if tables is None:  # once per device: every position the context allows
-            tables = rotary_table(
-                self.config.max_sequence_length, self._inv_freq, self._rope_factor
-            )
+        if tables is None or tables[0].shape[0] <= max_position:
+            length = max(self.config.max_sequence_length, 1)
+            while length <= max_position:
+                length *= 2
+            cos, sin = rotary_table(length, self._inv_freq, self._rope_factor)
             tables = self._rope_tables[positions.device] = (
-                tables[0].to(positions.device),
-                tables[1].to(positions.device),
+                cos.to(positions.device),
+                sin.to(positions.device),
             )
         cos, sin = tables
         return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
@@ -358,7 +369,7 @@ class DecoderTransformer(nn.Module):
         K/V of every token are written to ``pool`` at ``batch.slot_mapping`` (when given)
         before attention reads them, so a group's keys may be gathered from the pool.
         """
-        cos, sin = self.rope(batch.positions)
+        cos, sin = self.rope(batch.positions, batch.max_position)
         x = self.embed_tokens(batch.input_ids)
         for i, layer in enumerate(self.layers):
             x = layer.forward_flat(x, cos, sin, batch, None if pool is None else (pool, i))

@@ -6,16 +6,9 @@ import pytest
 import torch
 
 from dllm_serve.decoding.isd import ISDecoder
-from dllm_serve.decoding.isd_verify import (
-    accept_probability,
-    residual,
-    sample,
-    target_probs,
-    verify_draft,
-    verify_specs,
-)
+from dllm_serve.decoding.isd_verify import residual, sample, target_probs, verify_row
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.engine.batch import build_batch, run_batch
+from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.loader import LoadedModel
 
 
@@ -41,6 +34,12 @@ def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
          torch.tensor([0.0, 0.0, 0.5, 0.5], dtype=torch.float64)),  # disjoint supports
     ]  # fmt: skip
     return pairs
+
+
+def accept_probability(p: torch.Tensor, q: torch.Tensor, x: int) -> float:
+    """``min(1, p(x) / q(x))``: the acceptance probability the kernel's ``u·q(x) < p(x)``
+    test realises (local, for the enumeration and the published rule)."""
+    return min(1.0, float(p[x]) / float(q[x]))
 
 
 def exact_rule_output(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -79,6 +78,12 @@ def test_published_argmax_mix_is_biased() -> None:
     assert worst > 0.4  # total-variation error of the published rule; the exact one is 0
 
 
+def verify_one(p: torch.Tensor, q: torch.Tensor, x: int, gen: torch.Generator) -> int:
+    """The kernel on a single draft ``x ~ q``: the emitted token (``x`` or its correction)."""
+    accepted, corrections = verify_row(p[None], q[None], torch.tensor([x]), gen)
+    return x if int(accepted) == 1 else int(corrections[0])
+
+
 def test_sample_and_verify_are_p_distributed_monte_carlo() -> None:
     """Seeded, so deterministic: 20k draws, TV < 0.02 (the expected TV here is ≈ 0.006)."""
     gen = torch.Generator().manual_seed(1234)
@@ -90,12 +95,12 @@ def test_sample_and_verify_are_p_distributed_monte_carlo() -> None:
     freq = torch.bincount(drawn, minlength=5).double() / n
     assert 0.5 * float((freq - p).abs().sum()) < 0.02
     drafts = sample(q.expand(n, -1), gen).tolist()
-    outs = [verify_draft(p, q, x, gen)[1] for x in drafts]
+    outs = [verify_one(p, q, x, gen) for x in drafts]
     freq = torch.bincount(torch.tensor(outs), minlength=5).double() / n
     assert 0.5 * float((freq - p).abs().sum()) < 0.02
 
 
-def test_verify_specs_is_sequentially_exact_monte_carlo() -> None:
+def test_verify_row_is_sequentially_exact_monte_carlo() -> None:
     """Two specs: the 1st emitted token ~ p0 and, when spec 0 was accepted, the 2nd ~ p1.
 
     Seeded (deterministic); 10k trials, TV < 0.03 for the first token (expected ≈ 0.01) and
@@ -106,15 +111,60 @@ def test_verify_specs_is_sequentially_exact_monte_carlo() -> None:
     q = torch.tensor([[0.3, 0.3, 0.2, 0.2], [0.0, 0.5, 0.25, 0.25]], dtype=torch.float64)
     first, second = [], []
     for _ in range(10_000):
-        specs = sample(q, gen).tolist()
-        j, correction = verify_specs(p, q, specs, gen)
-        emitted = [*specs[:j], correction] if correction is not None else specs
+        specs = sample(q, gen)
+        accepted, corrections = verify_row(p, q, specs, gen)
+        j, specs_list = int(accepted), specs.tolist()
+        emitted = [*specs_list[:j], int(corrections[j])] if j < 2 else specs_list
         first.append(emitted[0])
         if j >= 1:
             second.append(emitted[1])
     for samples, target, bound in ((first, p[0], 0.03), (second, p[1], 0.05)):
         freq = torch.bincount(torch.tensor(samples), minlength=4).double() / len(samples)
         assert 0.5 * float((freq - target).abs().sum()) < bound
+
+
+def test_verify_row_accepts_the_leading_run_and_corrects_from_the_residual() -> None:
+    """Deterministic cases: a ≥ 1 always accepts, p(x) = 0 always rejects, acceptance stops
+    at the first rejection, and every correction lies in the support of max(0, p − q)."""
+    gen = torch.Generator().manual_seed(3)
+    p = torch.tensor([[0.7, 0.3, 0.0], [0.0, 0.5, 0.5], [0.2, 0.8, 0.0]], dtype=torch.float64)
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0], [0.2, 0.8, 0.0]], dtype=torch.float64)
+    for _ in range(200):
+        # spec 0 = 0 (p ≥ q: accepted), spec 1 = 0 (p = 0: rejected), spec 2 accepted alone.
+        accepted, corrections = verify_row(p, q, torch.tensor([0, 0, 1]), gen)
+        assert int(accepted) == 1  # the accepted spec 2 after the rejection does not count
+        assert corrections.shape == (3,)
+        assert int(corrections[0]) == 0  # residual of row 0 is max(0, p − q) = [.2, 0, 0]
+        assert int(corrections[1]) == 2  # residual of row 1 is [0, 0, .5]
+        assert int(corrections[2]) in (0, 1)  # p == q: no residual, the kernel falls back to p
+    accepted, corrections = verify_row(p[:0], q[:0], torch.tensor([], dtype=torch.long), gen)
+    assert int(accepted) == 0 and corrections.numel() == 0
+
+
+def test_verify_row_corrections_follow_the_residual_on_every_pair() -> None:
+    """The kernel's K corrections are independent draws of each spec's residual (the
+    enumeration-checked ``residual``, p itself when p == q): K = 4000 copies of one (p, q)
+    give 4000 draws; TV < 0.05 on every pair of ``_pairs()`` (expected ≲ 0.02; seeded)."""
+    gen = torch.Generator().manual_seed(99)
+    k = 4000
+    for p, q in _pairs():
+        specs = sample(q.expand(k, -1), gen)
+        _, corrections = verify_row(p.expand(k, -1), q.expand(k, -1), specs, gen)
+        freq = torch.bincount(corrections, minlength=p.numel()).double() / k
+        assert 0.5 * float((freq - residual(p, q)).abs().sum()) < 0.05, (p, q)
+
+
+def test_verify_row_consumes_randomness_by_k_alone() -> None:
+    """All K uniforms and K corrections are drawn up front, whatever the verdict: the
+    generator ends in the same state for an all-accept and an immediate-reject round."""
+    p = torch.tensor([[0.6, 0.4, 0.0], [0.0, 0.5, 0.5]], dtype=torch.float64)
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]], dtype=torch.float64)
+    after = []
+    for specs in ([0, 1], [2, 0], [0, 0]):  # all accepted / rejected at 0 / rejected at 1
+        gen = torch.Generator().manual_seed(11)
+        verify_row(p, q, torch.tensor(specs), gen)
+        after.append(torch.rand(4, generator=gen, dtype=torch.float64))
+    assert all(torch.equal(a, after[0]) for a in after[1:])
 
 
 def test_greedy_target_is_the_t0_limit() -> None:
@@ -154,17 +204,19 @@ def test_end_to_end_isd_sampling_matches_ar(idlm: LoadedModel) -> None:
     """
     prompt, temperature, n = [5, 17, 8], 0.05, 800
     joint = ar_joint(idlm, prompt, temperature).flatten()
-    decoder = ISDecoder(idlm.model, idlm.mask_id, (), stride=3)
-    states = [
-        decoder.init_state(prompt, DecodingParams(gen_length=3, steps=3, temperature=temperature,
-                                                  seed=s), "cpu")
-        for s in range(n)
-    ]  # fmt: skip
+    decoder = ISDecoder(idlm.mask_id, (), stride=3)
+    params = [DecodingParams(gen_length=3, steps=3, temperature=temperature, seed=s)
+              for s in range(n)]  # fmt: skip
+    per_row = decoder.kv_tokens(len(prompt), params[0])
+    runner = ModelRunner(idlm.model, torch.device("cpu"), kv_slots=n * per_row)
+    assert runner.pool is not None
+    states = [decoder.init_state(prompt, q, "cpu") for q in params]
+    for s in states:
+        s.kv = runner.pool.allocate(per_row)
     with torch.inference_mode():
         while live := [s for s in states if not s.finished]:
-            batch = build_batch([decoder.prepare(s) for s in live], pad_id=idlm.mask_id)
-            for s, logits in zip(live, run_batch(idlm.model, batch), strict=True):
-                decoder.update(s, logits)
+            logits = runner.run([decoder.prepare(s) for s in live])
+            decoder.commit(live, decoder.sample(live, logits).tolist())
     assert sum(s.drafted for s in states) >= n  # the second token was verified in every row
     v = idlm.model.config.vocab_size
     cells = torch.tensor([s.emitted[0] * v + s.emitted[1] for s in states])

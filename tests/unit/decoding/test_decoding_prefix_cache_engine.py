@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import time
-import weakref
 
 import pytest
 import torch
@@ -17,9 +14,12 @@ from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.outputs import RequestOutput
-from dllm_serve.models.kv_cache import KVBatch, KVCache
+from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import LoadedModel, load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -29,19 +29,18 @@ def loaded() -> LoadedModel:
 
 def alone(loaded: LoadedModel, ids: list[int], params: DecodingParams) -> list[int]:
     """The prefix-cached denoiser on its own, one row per forward, no engine."""
-    algo = LLaDADenoiser(
-        loaded.mask_id,
-        loaded.stop_ids,
-        kv_cache_factory=functools.partial(KVCache.for_model, loaded.model),
-    )
+    algo = LLaDADenoiser(loaded.mask_id, loaded.stop_ids, prefix_cache=True)
+    need = algo.kv_tokens(len(ids), params)
+    runner = ModelRunner(loaded.model, torch.device("cpu"), kv_slots=need)
+    assert runner.pool is not None
     state = algo.init_state(ids, params, "cpu")
+    state.kv = runner.pool.allocate(need)
     with torch.inference_mode():
         while not state.finished:
             spec = algo.prepare(state)
-            assert spec.kv_cache is not None
-            cache = KVBatch([spec.kv_cache], write=[spec.kv_write])
-            hidden = loaded.model(spec.input_ids[None], spec.positions[None], kv_cache=cache)
-            algo.update(state, loaded.model.lm_head(hidden[0, spec.logits_index]))
+            assert spec.kv is state.kv
+            logits = runner.run([spec])
+            algo.commit([state], algo.sample([state], logits).tolist())
     return state.answer_tokens()
 
 
@@ -78,21 +77,23 @@ def test_concurrent_cached_rows_match_running_alone(loaded: LoadedModel) -> None
 
 def test_abort_frees_the_cache(loaded: LoadedModel) -> None:
     engine = AsyncEngine(loaded, EngineConfig(max_running_requests=2, kv_cache="prefix"))
+    pool = engine.runner.pool
+    assert pool is not None and pool.used == 0
     engine.start()
     ids = loaded.chat_prompt_ids([{"role": "user", "content": "x"}])
     long = DecodingParams(gen_length=64, block_length=8, steps=64)
     try:
 
-        async def scenario() -> tuple[int, weakref.ref]:
+        async def scenario():
             task = asyncio.ensure_future(collect(engine, ids, long))
-            for _ in range(400):  # wait until the request runs and holds its cache
+            for _ in range(400):  # wait until the request runs and holds its span
                 running = list(engine.scheduler.running)
                 if running and running[0].state is not None:
                     break
                 await asyncio.sleep(0.005)
             state = running[0].state
-            assert state is not None and state.kv_cache is not None
-            held, ref = engine.kv_cache_bytes, weakref.ref(state.kv_cache)
+            assert state is not None and state.kv is not None
+            held, span = engine.kv_cache_bytes, state.kv
             del state, running
             task.cancel()  # a disconnected client: the generator's finally aborts
             await asyncio.gather(task, return_exceptions=True)
@@ -100,25 +101,58 @@ def test_abort_frees_the_cache(loaded: LoadedModel) -> None:
                 if engine.num_running == 0:
                     break
                 await asyncio.sleep(0.005)
-            return held, ref
+            return held, span
 
-        held, ref = asyncio.run(scenario())
+        held, span = asyncio.run(scenario())
         cfg = loaded.model.config
-        per_position = 2 * 4 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # K+V, fp32
-        assert held == per_position * (len(ids) + 64 - 8)  # the last block's prefix
+        per_slot = 2 * 4 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # K+V, fp32
+        assert per_slot == KVPool.bytes_per_slot(
+            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.float32
+        )
+        assert held == per_slot * (len(ids) + 64)  # the whole canvas, reserved at admission
         assert engine.num_running == 0 and engine.kv_cache_bytes == 0
-        for _ in range(100):  # the engine thread may still be unwinding its iteration
-            if ref() is None:
-                break
-            time.sleep(0.01)
-        assert ref() is None  # nothing else kept the aborted request's cache alive
+        # The span went back to the pool (once: a freed span has no slots left to free) and
+        # the pool is one free interval again.
+        assert span.capacity == 0 and pool.used == 0
+        assert pool.largest_free_span == pool.slots
     finally:
         engine.shutdown()
 
 
 def test_no_cache_engine_holds_nothing(loaded: LoadedModel) -> None:
     engine = AsyncEngine(loaded, EngineConfig())
-    assert engine.algorithm.kv_cache_factory is None and engine.kv_cache_bytes == 0
+    assert engine.algorithm.kv_tokens(10, DecodingParams(gen_length=8)) == 0
+    assert engine.runner.pool is None and engine.kv_cache_bytes == 0
+
+
+def test_kv_cache_memory_bounds_the_pool(loaded: LoadedModel) -> None:
+    """``--kv-cache-memory`` sizes the pool: a request whose span does not fit next to the
+    running one waits for it, one that could never fit fails at once."""
+    cfg = loaded.model.config
+    per_slot = KVPool.bytes_per_slot(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.float32)
+    gib = 40 * per_slot / (1 << 30)  # room for 40 slots
+    config = EngineConfig(max_running_requests=4, kv_cache="prefix", kv_cache_memory=gib)
+    engine = AsyncEngine(loaded, config)
+    pool = engine.runner.pool
+    assert pool is not None and pool.slots == 40
+    fits = DecodingParams(gen_length=24, block_length=8, steps=24)  # 27 slots: one at a time
+    too_big = DecodingParams(gen_length=64, block_length=8, steps=64)
+    prompts = [[5, 17, 8], [9, 10, 11]]
+    engine.start()
+    try:
+
+        async def scenario():
+            return await asyncio.gather(*(collect(engine, p, fits) for p in prompts))
+
+        results = asyncio.run(scenario())
+        bad = asyncio.run(collect(engine, [5, 17, 8], too_big))
+        assert bad[-1].finish_reason == "error" and "KV" in (bad[-1].error or "")
+        assert engine.kv_cache_bytes == 0 and pool.used == 0
+    finally:
+        engine.shutdown()
+    for prompt, outs in zip(prompts, results, strict=True):
+        assert outs[-1].finished and outs[-1].error is None
+        assert "".join(o.delta_text for o in outs) == loaded.decode(alone(loaded, prompt, fits))
 
 
 def test_gauge_reads_the_engine_at_scrape_time() -> None:

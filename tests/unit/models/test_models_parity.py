@@ -1,5 +1,6 @@
 """Dream vs transformers' Qwen2 (bidirectional) and I-DLM vs Qwen3 (causal), fp32 on CPU:
-unpadded, padded, and reading a KV prefix (vs the same attention without a cache)."""
+unpadded, padded, and reading a KV prefix from the KV pool through the serving path
+(``ModelRunner`` → ``forward_flat``; vs the same attention without a cache)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 from hf_reference import float_mask, hf_reference, padded_mask, perturb_norms
 
+from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families import DREAM, SDAR
-from dllm_serve.models.kv_cache import KVBatch, KVCache
 from dllm_serve.models.loader import load_model
 from dllm_serve.models.tiny import write_tiny_dream, write_tiny_idlm
 
@@ -79,28 +81,31 @@ def block_mask(prefix: int, length: int) -> torch.Tensor:
 @torch.no_grad()
 def test_dream_kv_prefix_block_bidirectional(dream) -> None:
     ours, ref = dream
+    runner = ModelRunner(ours, torch.device("cpu"), kv_slots=64)
+    assert runner.pool is not None
+    bi = AttentionKind.BIDIRECTIONAL
     prefixes, blocks = [9, 4, 0], [5, 3, 5]
-    caches = [KVCache.for_model(ours) for _ in prefixes]
-    width = max(blocks)
-    ids = [random_ids(ours.config.vocab_size, 1, p + n, 10 + r)[0]
+    ids = [random_ids(ours.config.vocab_size, 1, p + n, 10 + r)[0].tolist()
            for r, (p, n) in enumerate(zip(prefixes, blocks, strict=True))]  # fmt: skip
-    # Prefill every row's prefix alone (bidirectional), storing it.
-    for cache, p, row in zip(caches, prefixes, ids, strict=True):
+    spans = [runner.pool.allocate(p + n) for p, n in zip(prefixes, blocks, strict=True)]
+    # Prefill every row's prefix alone (bidirectional), keeping it.
+    for span, p, row in zip(spans, prefixes, ids, strict=True):
         if p:
-            ours(row[None, :p], torch.arange(p)[None], kv_cache=KVBatch([cache], write=p))
-    # One batched forward over the blocks, right-padded, reading the prefixes.
-    batch = KVBatch(caches)
-    cur = torch.zeros(3, width, dtype=torch.long)
-    for r, (p, n) in enumerate(zip(prefixes, blocks, strict=True)):
-        cur[r, :n] = ids[r][p:]
-    mask = padded_mask(blocks, width, causal=False, left=False)
-    hidden = ours(cur, batch.positions(width), mask, kv_cache=batch)
-    assert [c.length for c in caches] == prefixes  # read only: nothing stored
+            runner.run([RowSpec(row[:p], 0, [0], bi, kv=span)])
+            span.length = p
+    # One flat forward over the blocks, reading the prefixes.
+    rows = [
+        RowSpec(row[p:], p, list(range(n)), bi, kv=span)
+        for row, p, n, span in zip(ids, prefixes, blocks, spans, strict=True)
+    ]
+    logits = runner.run(rows)
+    assert [s.length for s in spans] == prefixes  # what is kept is the caller's call
     for r, (p, n) in enumerate(zip(prefixes, blocks, strict=True)):
         full = block_mask(p, n)
         pos = torch.arange(p + n)[None]
-        want = ref(input_ids=ids[r][None], position_ids=pos, attention_mask=float_mask(full))
-        assert max_diff(ours.lm_head(hidden[r, :n]), want.logits[0, p:]) <= TOL, r
+        row = torch.tensor([ids[r]])
+        want = ref(input_ids=row, position_ids=pos, attention_mask=float_mask(full))
+        assert max_diff(logits[r, :n], want.logits[0, p:]) <= TOL, r
 
 
 @torch.no_grad()
@@ -133,38 +138,40 @@ def test_idlm_padded(idlm, left: bool) -> None:
 @torch.no_grad()
 def test_idlm_kv_prefix_causal(idlm) -> None:
     ours, ref = idlm
+    runner = ModelRunner(ours, torch.device("cpu"), kv_slots=64)
+    pool = runner.pool
+    assert pool is not None
+    causal = AttentionKind.CAUSAL
     prefixes, steps = [8, 3], [4, 2]
-    width = max(steps)
-    ids = [random_ids(ours.config.vocab_size, 1, p + n, 20 + r)[0]
+    ids = [random_ids(ours.config.vocab_size, 1, p + n, 20 + r)[0].tolist()
            for r, (p, n) in enumerate(zip(prefixes, steps, strict=True))]  # fmt: skip
-    caches = [KVCache.for_model(ours) for _ in prefixes]
-    # Causal prefill of both prefixes in one right-padded forward, storing only real tokens.
-    pw = max(prefixes)
-    pre = torch.zeros(2, pw, dtype=torch.long)
-    for r, p in enumerate(prefixes):
-        pre[r, :p] = ids[r][:p]
-    batch = KVBatch(caches, write=prefixes)
-    ours(pre, batch.positions(pw), padded_mask(prefixes, pw, causal=True, left=False),
-         kv_cache=batch)  # fmt: skip
-    assert [c.length for c in caches] == prefixes
-    # Then the new tokens, causal among themselves, storing them too (the AR/ISD step).
-    cur = torch.zeros(2, width, dtype=torch.long)
+    spans = [pool.allocate(p + n) for p, n in zip(prefixes, steps, strict=True)]
+    # Causal prefill of both prefixes in one flat forward, keeping them.
+    runner.run([RowSpec(row[:p], 0, [p - 1], causal, kv=span)
+                for row, p, span in zip(ids, prefixes, spans, strict=True)])  # fmt: skip
+    for span, p in zip(spans, prefixes, strict=True):
+        span.length = p
+    # Then the new tokens, causal among themselves and over the prefix, kept too (the AR/ISD
+    # step).
+    rows = [
+        RowSpec(row[p:], p, list(range(n)), causal, kv=span)
+        for row, p, n, span in zip(ids, prefixes, steps, spans, strict=True)
+    ]
+    logits = runner.run(rows)
+    for span, p, n in zip(spans, prefixes, steps, strict=True):
+        span.length = p + n
     for r, (p, n) in enumerate(zip(prefixes, steps, strict=True)):
-        cur[r, :n] = ids[r][p:]
-    batch = KVBatch(caches, write=steps)
-    mask = padded_mask(steps, width, causal=True, left=False)
-    hidden = ours(cur, batch.positions(width), mask, kv_cache=batch)
-    assert [c.length for c in caches] == [p + n for p, n in zip(prefixes, steps, strict=True)]
-    for r, (p, n) in enumerate(zip(prefixes, steps, strict=True)):
-        want = ref(input_ids=ids[r][None], position_ids=torch.arange(p + n)[None]).logits[0]
-        assert max_diff(ours.lm_head(hidden[r, :n]), want[p:]) <= TOL, r
-        # The cache now equals a fresh causal prefill of prefix + new tokens.
-        fresh = KVCache.for_model(ours)
-        ours(ids[r][None], torch.arange(p + n)[None],
-             torch.ones(p + n, p + n, dtype=torch.bool).tril()[None, None],
-             kv_cache=KVBatch([fresh], write=p + n))  # fmt: skip
-        assert max_diff(caches[r].keys, fresh.keys) <= 1e-5
-        assert max_diff(caches[r].values, fresh.values) <= 1e-5
+        row = torch.tensor([ids[r]])
+        want = ref(input_ids=row, position_ids=torch.arange(p + n)[None]).logits[0]
+        assert max_diff(logits[r, :n], want[p:]) <= TOL, r
+        # The span now equals a fresh causal prefill of prefix + new tokens.
+        fresh = pool.allocate(p + n)
+        assert fresh is not None
+        runner.run([RowSpec(ids[r], 0, [0], causal, kv=fresh)])
+        for buf in (pool.k, pool.v):
+            kept = buf[:, spans[r].start : spans[r].start + p + n]
+            assert max_diff(kept, buf[:, fresh.start : fresh.start + p + n]) <= 1e-5, r
+        pool.free(fresh)
 
 
 def test_families_expose_decoding_rules() -> None:

@@ -216,22 +216,30 @@ def test_config_rejects_bad_head_split() -> None:
 @torch.no_grad()
 def test_kv_prefix_matches_llama_block_mask(tiny_pair) -> None:
     """A block read over a cached prompt == Llama over prompt + block, where the prompt sees
-    only itself and the block sees everything (what prefix caching for LLaDA computes)."""
-    from dllm_serve.models.kv_cache import KVBatch, KVCache
+    only itself and the block sees everything (what prefix caching for LLaDA computes). The
+    two rows have different prefixes and share one attention call (a ragged group)."""
+    import copy
+
+    from dllm_serve.decoding.forward_spec import RowSpec
+    from dllm_serve.engine.model_runner import ModelRunner
 
     ours, llama = tiny_pair
+    runner = ModelRunner(copy.deepcopy(ours), torch.device("cpu"), kv_slots=64)
+    assert runner.pool is not None
     prefixes, blocks = [10, 6], [4, 4]
-    caches = [KVCache.for_model(ours) for _ in prefixes]
-    rows = [inputs(ours.config.vocab_size, 1, p + n, seed=30 + r)[0][0]
+    rows = [inputs(ours.config.vocab_size, 1, p + n, seed=30 + r)[0][0].tolist()
             for r, (p, n) in enumerate(zip(prefixes, blocks, strict=True))]  # fmt: skip
-    for cache, p, row in zip(caches, prefixes, rows, strict=True):
-        ours(row[None, :p], torch.arange(p)[None], kv_cache=KVBatch([cache], write=p))
-    view = KVBatch(caches)
-    cur = torch.stack([row[p:] for row, p in zip(rows, prefixes, strict=True)])
-    hidden = ours(cur, view.positions(4), kv_cache=view)
+    spans = [runner.pool.allocate(p + n) for p, n in zip(prefixes, blocks, strict=True)]
+    for span, p, row in zip(spans, prefixes, rows, strict=True):
+        assert span is not None
+        runner.run([RowSpec(row[:p], 0, [p - 1], kv=span)])  # the prompt alone: its K/V
+        span.length = p
+    specs = [RowSpec(row[p:], p, list(range(n)), kv=span)
+             for row, p, n, span in zip(rows, prefixes, blocks, spans, strict=True)]  # fmt: skip
+    logits = runner.run(specs)
     for r, (p, n) in enumerate(zip(prefixes, blocks, strict=True)):
         mask = torch.ones(1, 1, p + n, p + n, dtype=torch.bool)
         mask[..., :p, p:] = False
-        ref = llama(input_ids=rows[r][None], position_ids=torch.arange(p + n)[None],
+        ref = llama(input_ids=torch.tensor(rows[r])[None], position_ids=torch.arange(p + n)[None],
                     attention_mask=float_mask(mask)).logits  # fmt: skip
-        assert (ours.lm_head(hidden[r]) - ref[0, p:]).abs().max().item() <= TOL
+        assert (logits[r, :n] - ref[0, p:]).abs().max().item() <= TOL
