@@ -136,7 +136,10 @@ class LLaDADenoiser:
         topk = [s.schedule[s.step] if s.params.mode == "topk" else -1 for s in states]
         ints = torch.tensor(counts + topk, dtype=torch.long).to(device, non_blocking=True)
         count, k = ints[:rows], ints[rows:]
-        valid = torch.arange(width, device=device)[None, :] < count[:, None]
+        # Padding entries (rows with fewer masks than the widest) must never commit; when
+        # every row is as wide as the batch there is none, and no mask is needed.
+        ragged = any(c != width for c in counts)
+        valid = torch.arange(width, device=device)[None, :] < count[:, None] if ragged else None
 
         # The mask id is a real vocabulary entry; proposing it would "commit" a mask and break
         # the count (dInfer guards the same way). Excluding it here also removes it from the
@@ -165,10 +168,13 @@ class LLaDADenoiser:
                     [s.params.confidence_metric == "entropy_inverse" for s in states]
                 ).to(device)
                 score = torch.where(entropic[:, None], entropy_inverse_of(probs), score)
-        score = score.masked_fill(~valid, float("-inf"))
+        if valid is not None:
+            score = score.masked_fill(~valid, float("-inf"))
 
         commit = self._commit_rule(states, score, k, device)
-        return torch.where(commit & valid, x0, self.mask_id)
+        if valid is not None:
+            commit &= valid
+        return torch.where(commit, x0, self.mask_id)
 
     def _commit_rule(
         self,

@@ -77,5 +77,6 @@ def argmax_(logits: torch.Tensor) -> torch.Tensor:
             vocab, 0, -1, dtype=logits.dtype, device=logits.device
         )
     top = logits.amax(dim=-1, keepdim=True)
-    logits.sub_(top).sign_().add_(1).mul_(weights)
-    return (vocab - logits.amax(dim=-1).long()).clamp_(0, vocab - 1)
+    signs = logits.sub_(top).sign_()
+    marked = torch.addcmul(weights, signs, weights, out=logits)  # (sign + 1)·w, one pass
+    return (vocab - marked.amax(dim=-1).long()).clamp_(0, vocab - 1)

@@ -84,3 +84,17 @@ def test_top1_prob_is_the_softmax_of_token_in_the_logits_precision() -> None:
     masked[:, 4] = -float("inf")
     expected = torch.softmax(masked.double(), -1)[torch.arange(6), tokens]
     torch.testing.assert_close(top1_prob(masked, tokens), expected, rtol=1e-12, atol=0)
+
+
+def test_in_place_argmax_is_torch_argmax_with_first_maximum_on_ties() -> None:
+    from dllm_serve.decoding.sampling import argmax_
+
+    for seed in range(10):
+        z = torch.randn(6, 5, 300, generator=torch.Generator().manual_seed(seed))
+        z[0, 0, 10] = z[0, 0].max()  # a tie: the first maximal index wins
+        z[..., 3] = -float("inf")  # an excluded token
+        z[1, 1, :] = 0.0  # every token tied
+        z[2, 2, :] = -float("inf")
+        z[2, 2, 299] = -5.0  # the maximum is the last entry
+        want = z.argmax(dim=-1)
+        assert torch.equal(argmax_(z.clone()), want)
