@@ -83,6 +83,8 @@ class LLaDADenoiser:
     ) -> DenoiseState:
         """Build the canvas ``[prompt ; mask × gen_length]`` and the request's generator."""
         prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+        if self.mask_id in params.stop_token_ids:
+            raise ValueError("the mask id cannot be a stop id")
         if self.logit_shift and prompt.numel() == 0:
             # The first answer position is predicted from the last prompt position.
             raise ValueError("a model with shifted logits needs a non-empty prompt")
@@ -104,7 +106,7 @@ class LLaDADenoiser:
             params=params,
             generator=generator,
             mask_id=self.mask_id,
-            stop_ids=self.stop_ids,
+            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
         )
         if self.kv_cache_factory is not None:
             assert params.block_length is not None  # resolved by DecodingParams

@@ -32,10 +32,10 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
     ("unknown-field", body(foo=1), JSON, "foo", "Unrecognized request argument supplied: foo"),
     (
         "unknown-msg-field",
-        body(messages=[{"role": "user", "content": "x", "name": "a"}]),
+        body(messages=[{"role": "user", "content": "x", "tool_call_id": "a"}]),
         JSON,
-        "messages[0].name",
-        "Unrecognized request argument supplied: messages[0].name",
+        "messages[0].tool_call_id",
+        "Unrecognized request argument supplied: messages[0].tool_call_id",
     ),
     (
         "missing-messages",
