@@ -36,12 +36,13 @@ class ChatMessage(BaseModel):
     content: Any = None
     name: str | None = Field(None, description="Passed to the chat template (where it has one).")
     # Fields of the assistant message this API returns: a client appending the returned
-    # message object to its history sends them back. Only their empty values are accepted.
-    refusal: None = None
-    annotations: list[Any] | None = None
-    audio: None = None
-    function_call: None = None
-    tool_calls: list[Any] | None = None
+    # message object to its history sends them back. Only their empty values are accepted
+    # (null; [] for the lists), checked in validation.py.
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
+    tool_calls: Any = None
 
 
 class _GenerationRequest(BaseModel):

@@ -22,7 +22,7 @@ from dllm_serve.api.field_rules import (
     reject_noop_fields,
     reject_unavailable_fields,
 )
-from dllm_serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from dllm_serve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DEFAULT_STEPS, DecodingParams
 
 MAX_STEPS = 512
@@ -272,18 +272,7 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         raise invalid("'messages' must contain at least one message.", "messages")
     out = []
     for i, m in enumerate(req.messages):
-        if m.tool_calls:
-            raise invalid(
-                f"'messages[{i}].tool_calls' is not supported by diffusion decoding: function "
-                "calling is out of scope. Only null or an empty list is accepted.",
-                f"messages[{i}].tool_calls",
-                code="unsupported_parameter",
-            )
-        if m.annotations:
-            raise invalid(
-                f"'messages[{i}].annotations' must be null or empty: this server returns none.",
-                f"messages[{i}].annotations",
-            )
+        _check_returned_fields(m, i)
         # "developer" is OpenAI's current name for the system role.
         role = "system" if m.role == "developer" else m.role
         message = {"role": role, "content": _content_text(m.content, f"messages[{i}].content")}
@@ -291,6 +280,26 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
             message["name"] = m.name  # chat templates that have a slot for it use it
         out.append(message)
     return out
+
+
+def _check_returned_fields(m: ChatMessage, i: int) -> None:
+    """Fields of the assistant message this server returns: only their empty values."""
+    for name in ("tool_calls", "function_call"):
+        if getattr(m, name) not in (None, []):
+            raise invalid(
+                f"'messages[{i}].{name}' is not supported by diffusion decoding: function "
+                f"calling is out of scope. Only null{' or []' if name == 'tool_calls' else ''} "
+                "is accepted.",
+                f"messages[{i}].{name}",
+                code="unsupported_parameter",
+            )
+    for name, empty in (("refusal", "null"), ("audio", "null"), ("annotations", "null or []")):
+        value = getattr(m, name)
+        if value is not None and not (name == "annotations" and value == []):
+            raise invalid(
+                f"'messages[{i}].{name}' must be {empty}: this server never returns one.",
+                f"messages[{i}].{name}",
+            )
 
 
 def _content_text(content: Any, param: str) -> str:
