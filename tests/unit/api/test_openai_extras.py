@@ -345,3 +345,27 @@ def test_log_requests_logs_informational_fields(
         logged = "\n".join(r.getMessage() for r in caplog.records)
         for value in ("pck-1", "sid-1", "u-1", "'team': 'eval'", "top-k sampling"):
             assert (value in logged) is enabled, value
+
+
+def test_ignore_eos_and_stop_token_ids_on_a_self_speculative_model() -> None:
+    """The same per-request stop set on I-DLM (demo-idlm, exact self-speculation)."""
+    idlm = load_model("demo-idlm", device="cpu", dtype="float32")
+    engine = AsyncEngine(idlm)
+    engine.start()
+    try:
+        app = build_app(engine, ServerConfig())
+        plain = chat(app).json()
+        assert plain["choices"][0]["message"]["content"] == ANSWER
+        full = chat(app, ignore_eos=True).json()
+        assert full["usage"]["completion_tokens"] == 32
+        assert full["choices"][0]["finish_reason"] == "length"
+        assert full["choices"][0]["message"]["content"].startswith(ANSWER)
+        equals = idlm.tokenizer.convert_tokens_to_ids("=")
+        cut = chat(app, stop_token_ids=[equals]).json()
+        assert cut["choices"][0]["message"]["content"] == "123 + 456 "
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        # The canvas-only fields are still refused for this model; ignore_eos is not one.
+        response = chat(app, ignore_eos=True, block_length=8, max_tokens=32)
+        assert response.json()["error"]["param"] == "block_length"
+    finally:
+        engine.shutdown()
