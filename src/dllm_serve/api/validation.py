@@ -224,9 +224,9 @@ def check_context_length(
         param = prompt_param if prompt_tokens >= max_length else "max_tokens"
         raise invalid(
             f"This model's maximum context length is {max_length} tokens. However, you "
-            f"requested {prompt_tokens + gen_length} tokens ({prompt_tokens} in the messages, "
-            f"{gen_length} in the completion canvas). Please reduce the length of the messages "
-            "or the completion.",
+            f"requested {prompt_tokens + gen_length} tokens ({prompt_tokens} in the "
+            f"{prompt_param}, {gen_length} in the completion canvas). Please reduce the length "
+            f"of the {prompt_param} or the completion.",
             param,
             code="context_length_exceeded",
         )
@@ -285,7 +285,8 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 def _check_returned_fields(m: ChatMessage, i: int) -> None:
     """Fields of the assistant message this server returns: only their empty values."""
     for name in ("tool_calls", "function_call"):
-        if getattr(m, name) not in (None, []):
+        value = getattr(m, name)
+        if value is not None and not (name == "tool_calls" and value == []):
             raise invalid(
                 f"'messages[{i}].{name}' is not supported by diffusion decoding: function "
                 f"calling is out of scope. Only null{' or []' if name == 'tool_calls' else ''} "

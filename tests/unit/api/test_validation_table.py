@@ -428,6 +428,13 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
         "not available yet",
     ),
     ("messages-null", body(messages=None), JSON, "messages", "valid array"),
+    (
+        "function-call-empty-list-in-history",
+        body(messages=[{"role": "assistant", "content": "x", "function_call": []}]),
+        JSON,
+        "messages[0].function_call",
+        "Only null is accepted",
+    ),
 ]
 
 
