@@ -218,6 +218,11 @@ def serve(config: ServerConfig) -> None:
         log_level=config.log_level,
         log_config=log_config,
         timeout_graceful_shutdown=5,  # connections left after the drain below
+        # Fixed, not auto-detected: with httptools/uvloop installed (uvicorn[standard], or as
+        # dependencies of other packages) uvicorn would switch parser and loop, and the
+        # httptools parser answers some malformed headers with a bare 400 outside the app.
+        http="h11",
+        loop="asyncio",
     )
     server = DrainingServer(uv_config, engine, app.state.lifecycle, config.shutdown_timeout)
     server.run()

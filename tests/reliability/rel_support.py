@@ -123,7 +123,9 @@ def in_process_server(**engine_limits: int) -> Iterator[InProcessServer]:
     engine = AsyncEngine(loaded, engine_config)
     port = free_port()
     app = build_app(engine, ServerConfig(host="127.0.0.1", port=port, engine=engine_config))
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", http="h11", loop="asyncio"
+    )  # as the CLI does
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-in-process", daemon=True)
     thread.start()

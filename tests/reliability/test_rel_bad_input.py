@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from rel_support import CHAT, REL_BODY_LIMIT, assert_envelope, sse_events, wait_idle
 from remote_server import RemoteServer
 
-from dllm_serve.api.protocol import ChatCompletionRequest
+from dllm_serve.api.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
 
 LIMIT = REL_BODY_LIMIT
 BASE: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -343,12 +343,12 @@ def with_field(path: str, value: Any) -> dict[str, Any]:
 
 def test_every_field_of_the_request_model_is_covered() -> None:
     paths = {path for path, _, _ in field_cases()}
-    expected = set(ChatCompletionRequest.model_fields) | {
-        "messages[0].role",
-        "messages[0].content",
-        "stream_options.include_usage",
-        "stream_options.include_obfuscation",
-    }
+    expected = (
+        set(ChatCompletionRequest.model_fields)
+        | {f"messages[0].{name}" for name in ChatMessage.model_fields}
+        | {f"stream_options.{name}" for name in StreamOptions.model_fields}
+    )
+    assert {"messages[0].refusal", "stream_options.continuous_usage_stats"} <= expected
     assert paths == expected
 
 

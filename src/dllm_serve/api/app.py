@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +20,13 @@ from starlette.requests import ClientDisconnect
 
 from dllm_serve import __version__
 from dllm_serve.api.deviations import DEVIATIONS_TABLE
-from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, error_response, server_error
+from dllm_serve.api.errors import (
+    REQUEST_ID_HEADER,
+    APIError,
+    error_response,
+    invalid,
+    server_error,
+)
 from dllm_serve.api.metrics import Metrics
 from dllm_serve.api.middleware import (
     ApiKeyMiddleware,
@@ -30,11 +37,20 @@ from dllm_serve.api.middleware import (
 from dllm_serve.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
     ModelCard,
     ModelList,
 )
-from dllm_serve.api.streaming import chat_chunks, failure, usage_dict
-from dllm_serve.api.validation import check_context_length, parse_chat_request
+from dllm_serve.api.stops import keep_stop_strings
+from dllm_serve.api.streaming import chat_chunks, failure, text_chunks, usage_dict
+from dllm_serve.api.validation import (
+    RequestSpec,
+    check_context_length,
+    check_token_ids,
+    parse_chat_request,
+    parse_completion_request,
+)
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine, EngineDeadError, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
@@ -99,7 +115,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             expose_headers=["X-Request-ID"],
         )
     app.add_middleware(DrainGate, is_draining=lambda: lifecycle.draining)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(
+        RequestIdMiddleware, on_reject=lambda error, path: record_rejection(app, error, path)
+    )
     _install_error_handlers(app)
 
     # HEAD too: probes and uptime checkers may use it (RFC 9110: HEAD wherever GET is).
@@ -115,52 +133,99 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/v1/models", response_model=ModelList, tags=["openai"])
-    async def list_models() -> ModelList:
-        card = ModelCard(
+    def model_card() -> ModelCard:
+        return ModelCard(
             id=engine.model_name, created=app.state.started, max_model_len=engine.max_length
         )
-        return ModelList(data=[card])
+
+    @app.get("/v1/models", response_model=ModelList, tags=["openai"])
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, tags=["openai"])
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id != engine.model_name:
+            raise APIError(
+                f"The model '{model_id}' does not exist. This server serves '{engine.model_name}'.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        return model_card()
+
+    facts = _ModelFacts(engine)
 
     @app.post(
         "/v1/chat/completions",
         tags=["openai"],
         response_model=ChatCompletionResponse,
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {
-                        "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}
-                    }
-                },
-            }
-        },
+        openapi_extra=_request_body("ChatCompletionRequest"),
     )
     async def chat_completions(request: Request) -> Any:
         # The body is parsed by hand so every malformed input becomes a 400 in the OpenAI
         # envelope (FastAPI would answer 422, and some inputs would never reach pydantic).
         spec = parse_chat_request(
-            await request.body(), request.headers.get("content-type"), engine.default_gen_length
+            await request.body(),
+            request.headers.get("content-type"),
+            engine.default_gen_length,
+            facts.default_block_length,
         )
         spec.check_decoding_mode(engine.decoding_mode)
+        facts.check_stop_token_ids(spec)
         if not engine.is_alive:
             raise _unavailable()
+        assert spec.messages is not None
         prompt_ids = await asyncio.to_thread(engine.chat_prompt_ids, spec.messages)
         check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length)
-        request_id = request.state.request_id
-        response_id = f"chatcmpl-{request_id}"
-        created = int(time.time())
         if config.log_requests:
-            logger.info("messages=%r params=%r", spec.messages, spec.params)
+            logger.info("messages=%r params=%r%s", spec.messages, spec.params, _info(spec))
+        return await run(request, spec, prompt_ids, "chat")
+
+    @app.post(
+        "/v1/completions",
+        tags=["openai"],
+        response_model=CompletionResponse,
+        openapi_extra=_request_body("CompletionRequest"),
+    )
+    async def completions(request: Request) -> Any:
+        spec = parse_completion_request(
+            await request.body(),
+            request.headers.get("content-type"),
+            engine.default_gen_length,
+            facts.default_block_length,
+        )
+        spec.check_decoding_mode(engine.decoding_mode)
+        facts.check_stop_token_ids(spec)
+        if not engine.is_alive:
+            raise _unavailable()
+        if isinstance(spec.prompt, str):
+            prompt_ids = await asyncio.to_thread(facts.prompt_ids, spec.prompt)
+        else:
+            assert spec.prompt is not None
+            check_token_ids(spec.prompt, facts.vocab_size, facts.mask_id, "prompt")
+            prompt_ids = spec.prompt
+        if not prompt_ids:
+            raise invalid("'prompt' is empty: it must hold at least one token.", "prompt")
+        check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length, "prompt")
+        if config.log_requests:
+            logger.info("prompt=%r params=%r%s", spec.prompt, spec.params, _info(spec))
+        return await run(request, spec, prompt_ids, "text")
+
+    async def run(request: Request, spec: RequestSpec, prompt_ids: list[int], kind: str) -> Any:
+        """Submit to the engine and answer as JSON or SSE in the route's shape."""
+        request_id = request.state.request_id
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+        created = int(time.time())
         if lifecycle.draining:  # drain began while this request was being read
             raise _unavailable("The server is shutting down.", "server_shutting_down")
+        # include_stop_str_in_output: stop strings are matched here instead of in the engine.
+        keep_stops = spec.include_stop_str and bool(spec.stop)
         try:
             outputs = engine.generate(
                 prompt_ids,
                 spec.params,
                 request_id=lifecycle.engine_request_id(request_id),
-                stop=spec.stop,
+                stop=() if keep_stops else spec.stop,
                 timeout=config.request_timeout,
             )
         except QueueFullError as exc:
@@ -172,14 +237,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                 code="rate_limit_exceeded",
                 headers={"Retry-After": "1"},
             ) from None
+        if keep_stops:
+            outputs = keep_stop_strings(outputs, spec.stop)
         if spec.stream:
-            chunks = chat_chunks(
+            chunks = (chat_chunks if kind == "chat" else text_chunks)(
                 outputs,
                 response_id=response_id,
                 created=created,
                 model=engine.model_name,
                 canvas_length=spec.params.gen_length,
                 include_usage=spec.include_usage,
+                continuous_usage=spec.continuous_usage,
+                prompt_tokens=len(prompt_ids),
             )
             return EventSourceResponse(chunks, headers={REQUEST_ID_HEADER: request_id})
         text, last = await _collect_unless_disconnected(request, outputs)
@@ -188,21 +257,22 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         if config.log_requests:
             logger.info("answer=%r finish_reason=%s", text, last.finish_reason)
         if last.finish_reason not in ("stop", "length"):
-            status, message, kind, code = failure(last)
-            raise APIError(message, status=status, type=kind, code=code)
+            status, message, err_type, code = failure(last)
+            raise APIError(message, status=status, type=err_type, code=code)
+        if kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+            }
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"logprobs": None, "finish_reason": last.finish_reason}
         return {
             "id": response_id,
-            "object": "chat.completion",
+            "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": created,
             "model": engine.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": None,
-                    "finish_reason": last.finish_reason,
-                }
-            ],
+            "choices": [choice],
             "usage": usage_dict(last, spec.params.gen_length),
         }
 
@@ -250,6 +320,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status == 400:
+            record_rejection(app, exc, request.url.path)
         return error_response(exc, rid(request))
 
     @app.exception_handler(EngineDeadError)
@@ -265,7 +337,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(APIError(f"Invalid request: {exc.errors()[0]['msg']}"), rid(request))
+        error = APIError(f"Invalid request: {exc.errors()[0]['msg']}")
+        record_rejection(app, error, request.url.path)
+        return error_response(error, rid(request))
 
     @app.exception_handler(ClientDisconnect)
     async def on_client_gone(request: Request, exc: ClientDisconnect) -> Response:
@@ -279,18 +353,68 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(server_error(), rid(request))
 
 
+def record_rejection(app: FastAPI, error: APIError, path: str) -> None:
+    """Every 400: ``dllm:requests_rejected_total{reason=<code>}`` and one log line naming the
+    param and code (never the request body; the message only with --log-requests)."""
+    reason = error.code or "invalid_request"
+    app.state.metrics.rejected.labels(reason).inc()
+    if app.state.config.log_requests:
+        logger.info(
+            "rejected %s: status=%d param=%s code=%s message=%r",
+            path, error.status, error.param, reason, error.message,
+        )  # fmt: skip
+    else:
+        logger.info(
+            "rejected %s: status=%d param=%s code=%s", path, error.status, error.param, reason
+        )
+
+
+class _ModelFacts:
+    """What the API layer reads from the loaded model: block, vocabulary, mask id, tokenizer."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        loaded = getattr(engine, "loaded", None)
+        self.default_block_length: int | None = getattr(loaded, "default_block_length", None)
+        self.vocab_size: int = getattr(loaded, "vocab_size", 0) or 0
+        self.mask_id: int | None = getattr(loaded, "mask_id", None)
+
+    def check_stop_token_ids(self, spec: RequestSpec) -> None:
+        if spec.params.stop_token_ids:
+            check_token_ids(
+                spec.params.stop_token_ids, self.vocab_size, self.mask_id, "stop_token_ids"
+            )
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A raw prompt's token ids (no chat template), under the engine's tokenizer lock."""
+        lock = getattr(self.engine, "_tokenizer_lock", None) or contextlib.nullcontext()
+        with lock:
+            return self.engine.loaded.prompt_ids(text)
+
+
+def _info(spec: RequestSpec) -> str:
+    """Informational fields (user, metadata, ...) for --log-requests."""
+    return "".join(f" {name}={value!r}" for name, value in spec.info.items())
+
+
+def _request_body(schema: str) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{schema}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
 def _register_request_schema(app: FastAPI) -> None:
-    """Publish ChatCompletionRequest in /openapi.json (the route parses the body itself)."""
+    """Publish the request models in /openapi.json (the routes parse the bodies themselves)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema
         schema = build()
-        defs = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        components.update(defs.pop("$defs", {}))
-        components["ChatCompletionRequest"] = defs
+        for model in (ChatCompletionRequest, CompletionRequest):
+            defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(defs.pop("$defs", {}))
+            components[model.__name__] = defs
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_serve.api.errors import ADR_REF, APIError, invalid
-from dllm_serve.api.protocol import ChatCompletionRequest
+from dllm_serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from dllm_serve.decoding.params import DecodingParams
 
 LOCAL_LEAP_PARAMS = (
@@ -15,6 +15,7 @@ LOCAL_LEAP_PARAMS = (
     "local_leap_radius",
 )
 NOT_YET = "is not available yet in this server version"
+Request = ChatCompletionRequest | CompletionRequest
 DEFAULT_LEAP = DecodingParams()  # LocalLeap defaults (κ 0.9, τ 0.75, W 4) live in one place
 
 # Fields that steer canvas denoising and mean nothing to a self-speculative model.
@@ -38,7 +39,7 @@ def _ar_only(param: str, what: str, accepted: str) -> APIError:
     )
 
 
-def reject_autoregressive_fields(req: ChatCompletionRequest) -> None:
+def reject_autoregressive_fields(req: Request) -> None:
     if req.top_p is not None and req.top_p != 1:
         raise _ar_only("top_p", "nucleus sampling is autoregressive-only", "top_p=1")
     if req.top_k is not None and req.top_k > 1:
@@ -50,21 +51,71 @@ def reject_autoregressive_fields(req: ChatCompletionRequest) -> None:
             raise _ar_only(name, "per-token penalties are autoregressive-only", f"{name}=0")
     if req.logit_bias:
         raise _ar_only("logit_bias", "logit bias is deferred", "an empty logit_bias")
-    if req.logprobs:
-        raise _ar_only("logprobs", "log probabilities are deferred", "logprobs=false")
-    if req.top_logprobs:
-        raise _ar_only("top_logprobs", "log probabilities are deferred", "top_logprobs=0")
-    if req.tools:
-        raise _ar_only("tools", "function calling is out of scope", "an empty tools list")
-    if req.functions:
-        raise _ar_only("functions", "function calling is out of scope", "an empty list")
-    for name in ("tool_choice", "function_call"):
-        if getattr(req, name) not in (None, "none"):
-            raise _ar_only(name, "function calling is out of scope", f'{name}="none"')
+    if isinstance(req, ChatCompletionRequest):  # /v1/completions: logprobs is an int, see there
+        if req.logprobs:
+            raise _ar_only("logprobs", "log probabilities are deferred", "logprobs=false")
+        if req.top_logprobs:
+            raise _ar_only("top_logprobs", "log probabilities are deferred", "top_logprobs=0")
+        if req.tools:
+            raise _ar_only("tools", "function calling is out of scope", "an empty tools list")
+        if req.functions:
+            raise _ar_only("functions", "function calling is out of scope", "an empty list")
+        for name in ("tool_choice", "function_call"):
+            if getattr(req, name) not in (None, "none"):
+                raise _ar_only(name, "function calling is out of scope", f'{name}="none"')
+    if req.best_of not in (None, 1):
+        raise _ar_only("best_of", "several candidates per request are deferred", "best_of=1")
+    if req.repetition_penalty not in (None, 1):
+        raise _ar_only("repetition_penalty", "per-token penalties are autoregressive-only", "1")
 
 
-def reject_unavailable_fields(req: ChatCompletionRequest) -> None:
-    if req.response_format is not None and req.response_format != {"type": "text"}:
+def _no_op_only(param: str, what: str, accepted: str) -> APIError:
+    return invalid(
+        f"'{param}' {what}. Only {accepted} is accepted; {ADR_REF}.",
+        param,
+        code="unsupported_parameter",
+    )
+
+
+def reject_noop_fields(req: Request) -> None:
+    """OpenAI and vLLM fields that are accepted with their no-op values only."""
+    if req.echo:
+        raise _no_op_only("echo", "(repeating the prompt in the answer) is not supported", "false")
+    if req.min_tokens not in (None, 0):
+        raise _no_op_only(
+            "min_tokens",
+            "is not supported: the canvas length is fixed and the model decides where the "
+            "answer ends (use ignore_eos for fixed-length output)",
+            "0",
+        )
+    if req.skip_special_tokens is False:
+        raise _no_op_only(
+            "skip_special_tokens", "is not supported: answers never contain special tokens", "true"
+        )
+    if req.store:
+        raise _no_op_only("store", "is not supported: this server stores nothing", "false")
+    if req.service_tier not in (None, "auto", "default"):
+        raise _no_op_only(
+            "service_tier",
+            f"'{req.service_tier}' is not offered: there is one tier",
+            "'auto' or 'default'",
+        )
+    if not isinstance(req, ChatCompletionRequest):
+        return
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise _no_op_only("modalities", "other than text are not supported", '["text"]')
+    for name, what in (
+        ("audio", "output is not supported"),
+        ("prediction", "(predicted outputs) is not supported"),
+        ("reasoning_effort", "does not apply: this server has no reasoning models"),
+    ):
+        if getattr(req, name) is not None:
+            raise _no_op_only(name, what, "null")
+
+
+def reject_unavailable_fields(req: Request) -> None:
+    response_format = getattr(req, "response_format", None)  # chat only
+    if response_format is not None and response_format != {"type": "text"}:
         raise invalid(
             f'Only response_format {{"type": "text"}} is supported; structured output {NOT_YET}.',
             "response_format",
@@ -78,7 +129,7 @@ def reject_unavailable_fields(req: ChatCompletionRequest) -> None:
         )
 
 
-def check_commit_rule(req: ChatCompletionRequest) -> None:
+def check_commit_rule(req: Request) -> None:
     """Combinations of the decoding extensions that would silently do nothing are 400s."""
     if not req.use_local_leap:
         for name in LOCAL_LEAP_PARAMS:
@@ -115,7 +166,7 @@ def check_commit_rule(req: ChatCompletionRequest) -> None:
         )
 
 
-def local_leap_settings(req: ChatCompletionRequest) -> dict[str, Any]:
+def local_leap_settings(req: Request) -> dict[str, Any]:
     """The LocalLeap fields the client set (the rest keep DecodingParams' defaults)."""
     return {
         name: getattr(req, name) for name in LOCAL_LEAP_PARAMS if getattr(req, name) is not None

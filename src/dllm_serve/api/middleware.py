@@ -32,8 +32,11 @@ class RequestIdMiddleware:
     handlers, and exception handlers that run outside this middleware add the header themselves.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(
+        self, app: ASGIApp, on_reject: Callable[[APIError, str], None] | None = None
+    ) -> None:
         self.app = app
+        self.on_reject = on_reject  # told of the 400 for an invalid X-Request-ID
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -48,6 +51,8 @@ class RequestIdMiddleware:
                 f"Invalid {REQUEST_ID_HEADER} header: use 1 to 256 visible ASCII characters.",
                 code="invalid_request_id",
             )
+            if self.on_reject is not None:
+                self.on_reject(error, scope.get("path", ""))
             await error_response(error, request_id)(scope, receive, send)
             return
 

@@ -1,7 +1,9 @@
-"""Pydantic v2 models of the wire format: the chat request (ADR 005) and the responses.
+"""Pydantic v2 models of the wire format: the chat and text-completion requests (ADR 005) and
+the responses.
 
-The request model only checks types and ranges; what a value *means* for diffusion decoding
-(defaults, divisibility, fields that are rejected) is decided in ``validation.py``.
+The request models only check types and ranges; what a value *means* for diffusion decoding
+(defaults, divisibility, fields that are rejected) is decided in ``validation.py``. ``null``
+for any optional field means the same as leaving it out.
 """
 
 from __future__ import annotations
@@ -19,32 +21,42 @@ class StreamOptions(BaseModel):
 
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM extension: cumulative usage on every chunk."
+    )
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
+    # "developer" is OpenAI's current name for "system" (treated as system).
+    role: Literal["system", "developer", "user", "assistant"]
     # str, or a list of {"type": "text", "text": ...} parts; checked in validation.py so the
     # error can name the exact part instead of pydantic's union noise.
     content: Any = None
+    name: str | None = Field(None, description="Passed to the chat template (where it has one).")
+    # Fields of the assistant message this API returns: a client appending the returned
+    # message object to its history sends them back. Only their empty values are accepted
+    # (null; [] for the lists), checked in validation.py.
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
+    tool_calls: Any = None
 
 
-class ChatCompletionRequest(BaseModel):
-    """POST /v1/chat/completions body. Unknown fields are rejected (no silent ignores)."""
+class _GenerationRequest(BaseModel):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = Field(None, description="Accepted and ignored: one server = one model.")
-    messages: list[ChatMessage]
     temperature: float | None = Field(None, ge=0, le=2, description="0 (default) = greedy.")
     seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, description="Canvas length (gen_length).")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
     user: str | None = Field(None, description="Informational only, as in OpenAI.")
-    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
     stop: Any = Field(None, description="A string or up to 4 strings; checked in validation.py.")
     # Autoregressive-only OpenAI fields: accepted only with their no-op values (ADR 005).
     top_p: float | None = Field(None, ge=0, le=1)
@@ -53,12 +65,23 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
+    best_of: int | None = Field(None, ge=1, description="Only 1 (one completion per request).")
+    echo: bool | None = Field(None, description="Only false.")
+    # Informational OpenAI fields (logged only with --log-requests).
+    metadata: dict[str, str] | None = None
+    store: bool | None = Field(None, description="Only false: nothing is stored.")
+    service_tier: str | None = Field(None, description="Only 'auto' or 'default'.")
+    # vLLM extensions: honoured, or accepted with their no-op values.
+    ignore_eos: bool | None = Field(
+        None, description="Decode and return the whole canvas; EOS does not end the answer."
+    )
+    stop_token_ids: list[int] | None = Field(None, description="Extra token ids that end it.")
+    include_stop_str_in_output: bool | None = Field(
+        None, description="Keep the matched stop string at the end of the answer."
+    )
+    min_tokens: int | None = Field(None, ge=0, description="Only 0.")
+    repetition_penalty: float | None = Field(None, gt=0, description="Only 1.")
+    skip_special_tokens: bool | None = Field(None, description="Only true.")
     # Diffusion extension fields (ADR 005), top level.
     num_denoising_steps: int | None = Field(None, ge=1, le=512)
     block_length: int | None = Field(None, ge=1)
@@ -80,6 +103,38 @@ class ChatCompletionRequest(BaseModel):
     confidence_threshold: float | None = Field(
         None, gt=0, le=1, description="Threshold (Fast-dLLM) parallel decoding; off by default."
     )
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions body. Unknown fields are rejected (no silent ignores)."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
+    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = Field(None, description="Accepted (no tools are sent).")
+    functions: list[Any] | None = None
+    function_call: Any = None
+    prompt_cache_key: str | None = Field(None, description="Informational only.")
+    safety_identifier: str | None = Field(None, description="Informational only.")
+    modalities: list[str] | None = Field(None, description='Only ["text"].')
+    audio: Any = Field(None, description="Only null (no audio output).")
+    prediction: Any = Field(None, description="Only null (no predicted outputs).")
+    reasoning_effort: Any = Field(None, description="Only null (not a reasoning model).")
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions body: a raw prompt, no chat template."""
+
+    prompt: Any = Field(
+        description="A string, a list of token ids, or a list holding one string or one list "
+        "of token ids; checked in validation.py."
+    )
+    suffix: str | None = Field(None, description="Only empty: infilling is not available.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Only null.")
 
 
 class DiffusionUsage(BaseModel):
@@ -128,6 +183,23 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "dllm-serve"
     max_model_len: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
 
 
 class ModelList(BaseModel):

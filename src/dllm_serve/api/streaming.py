@@ -1,15 +1,16 @@
-"""Chat completion chunks over SSE, in the OpenAI order.
+"""Chat and text completion chunks over SSE, in the OpenAI order.
 
-role chunk → one chunk per denoising step that made text final → finish chunk →
-optional usage chunk (``stream_options.include_usage``) → ``[DONE]``. A failure after the
-200 has been sent becomes one ``{"error": ...}`` event followed by ``[DONE]``, which the
-openai SDK raises as ``APIError``.
+(chat: role chunk →) one chunk per denoising step that made text final → finish chunk →
+optional usage chunk (``stream_options.include_usage``) → ``[DONE]``. With
+``stream_options.continuous_usage_stats`` (vLLM) every chunk also carries the usage so far.
+A failure after the 200 has been sent becomes one ``{"error": ...}`` event followed by
+``[DONE]``, which the openai SDK raises as ``APIError``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from dllm_serve.engine.outputs import RequestOutput
@@ -70,38 +71,100 @@ async def chat_chunks(
     model: str,
     canvas_length: int,
     include_usage: bool,
+    continuous_usage: bool = False,
+    prompt_tokens: int = 0,
 ) -> AsyncIterator[str]:
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": response_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            ],
-        }
-        if include_usage:
+    """``chat.completion.chunk`` events: the text is in ``choices[0].delta.content``."""
+    async for event in _chunks(
+        outputs,
+        head={"id": response_id, "object": "chat.completion.chunk", "created": created},
+        model=model,
+        canvas_length=canvas_length,
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        prompt_tokens=prompt_tokens,
+        choice=lambda text, finish: {
+            "index": 0,
+            "delta": {} if finish else {"content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        },
+        first={"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None},
+    ):
+        yield event
+
+
+async def text_chunks(
+    outputs: AsyncIterator[RequestOutput],
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    canvas_length: int,
+    include_usage: bool,
+    continuous_usage: bool = False,
+    prompt_tokens: int = 0,
+) -> AsyncIterator[str]:
+    """``text_completion`` events (/v1/completions): the text is in ``choices[0].text``."""
+    async for event in _chunks(
+        outputs,
+        head={"id": response_id, "object": "text_completion", "created": created},
+        model=model,
+        canvas_length=canvas_length,
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        prompt_tokens=prompt_tokens,
+        choice=lambda text, finish: {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish,
+        },
+        first=None,
+    ):
+        yield event
+
+
+async def _chunks(
+    outputs: AsyncIterator[RequestOutput],
+    *,
+    head: dict[str, Any],
+    model: str,
+    canvas_length: int,
+    include_usage: bool,
+    continuous_usage: bool,
+    prompt_tokens: int,
+    choice: Callable[[str, str | None], dict[str, Any]],
+    first: dict[str, Any] | None,
+) -> AsyncIterator[str]:
+    usage: dict[str, Any] | None = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 0,
+        "total_tokens": prompt_tokens,
+    }
+
+    def chunk(choice_body: dict[str, Any]) -> str:
+        body: dict[str, Any] = {**head, "model": model, "choices": [choice_body]}
+        if continuous_usage:
+            body["usage"] = usage
+        elif include_usage:
             body["usage"] = None
         return json.dumps(body, ensure_ascii=False)
 
-    yield chunk({"role": "assistant", "content": ""})
+    if first is not None:
+        if first.get("finish_reason", None) is None:
+            first = {**first, "finish_reason": None}
+        yield chunk(first)
     async for output in outputs:
+        usage = usage_dict(output, canvas_length)  # cumulative: everything so far
         if output.delta_text:
-            yield chunk({"content": output.delta_text})
+            yield chunk(choice(output.delta_text, None))
         if not output.finished:
             continue
         if output.finish_reason in ("stop", "length"):
-            yield chunk({}, output.finish_reason)
+            yield chunk(choice("", output.finish_reason))
             if include_usage:
-                final = {
-                    "id": response_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage_dict(output, canvas_length),
-                }
+                final = {**head, "model": model, "choices": [], "usage": usage}
                 yield json.dumps(final, ensure_ascii=False)
         else:
             _, message, kind, code = failure(output)

@@ -89,6 +89,8 @@ class LLaDADenoiser:
     ) -> DenoiseState:
         """The canvas ``[prompt ; mask × gen_length]`` and the request's generator."""
         prompt = [int(t) for t in prompt_ids]
+        if self.mask_id in params.stop_token_ids:
+            raise ValueError("the mask id cannot be a stop id")
         if self.logit_shift and not prompt:
             # The first answer position is predicted from the last prompt position.
             raise ValueError("a model with shifted logits needs a non-empty prompt")
@@ -98,7 +100,7 @@ class LLaDADenoiser:
             params=params,
             generator=new_generator(params, device),
             mask_id=self.mask_id,
-            stop_ids=self.stop_ids,
+            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
         )
         self._start_block(state)
         return state

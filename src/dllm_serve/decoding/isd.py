@@ -93,6 +93,8 @@ class ISDecoder:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("ISD needs a non-empty prompt (its last token predicts the first)")
+        if self.mask_id in params.stop_token_ids:
+            raise ValueError("the mask id cannot be a stop id")
         if self.draft_hook is not None and params.temperature > 0:
             # Forced drafts are not samples of their q; the sampling rule would not be exact.
             raise ValueError("forced drafts are for greedy decoding only")
@@ -100,7 +102,7 @@ class ISDecoder:
             prompt_ids=prompt,
             params=params,
             generator=new_generator(params, device),
-            stop_ids=self.stop_ids,
+            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
             pending=list(prompt),
             device=torch.device(device),
         )

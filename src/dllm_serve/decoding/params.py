@@ -49,6 +49,10 @@ class DecodingParams:
     local_leap_anchor_threshold: float = 0.9  # κ
     local_leap_neighbor_threshold: float = 0.75  # τ
     local_leap_radius: int = 4  # W
+    # Per-request stop set: ignore_eos decodes the whole canvas (no stop id ends the answer);
+    # stop_token_ids are stop ids in addition to the model's.
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.gen_length < 1:

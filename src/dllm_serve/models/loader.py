@@ -68,6 +68,14 @@ class LoadedModel:
     # (None: the server-wide default). Our demo models set it to the canvas they were trained
     # for; real checkpoints do not set it.
     default_gen_length: int | None = None
+    # The block a long canvas is decoded in when a request names none: generation_config.json's
+    # block_length, else its max_new_tokens (the canvas our demo models were trained on).
+    default_block_length: int | None = None
+    vocab_size: int = 0  # rows of the embedding: valid token ids are 0 .. vocab_size - 1
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """Token ids of a raw prompt (no chat template), with the tokenizer's own specials."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the rendered chat prompt, ending with the assistant header."""
@@ -246,14 +254,21 @@ def load_model(
         dtype=dt,
         config=config,
         default_gen_length=_default_gen_length(gen, gen_path),
+        default_block_length=_positive_int(gen, "block_length", gen_path)
+        or _default_gen_length(gen, gen_path),
+        vocab_size=tcfg.vocab_size,
         **ids,
     )
 
 
 def _default_gen_length(gen: dict[str, Any], gen_path: Path) -> int | None:
-    value = gen.get("max_new_tokens")
+    return _positive_int(gen, "max_new_tokens", gen_path)
+
+
+def _positive_int(gen: dict[str, Any], key: str, gen_path: Path) -> int | None:
+    value = gen.get(key)
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ModelLoadError(f"{gen_path}: max_new_tokens must be a positive integer: {value!r}")
+        raise ModelLoadError(f"{gen_path}: {key} must be a positive integer: {value!r}")
     return value

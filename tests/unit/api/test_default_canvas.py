@@ -66,3 +66,36 @@ def test_checkpoint_without_max_new_tokens_keeps_128(tmp_path: Path) -> None:
 def test_invalid_max_new_tokens_is_a_load_error(tmp_path: Path, bad: object) -> None:
     with pytest.raises(ModelLoadError, match="max_new_tokens must be a positive integer"):
         load_model(str(_checkpoint(tmp_path, bad)), device="cpu", dtype="float32")
+
+
+def _with_gen(tmp_path: Path, **gen_fields: object) -> Path:
+    path = _checkpoint(tmp_path, None)
+    gen_path = path / "generation_config.json"
+    gen_path.write_text(json.dumps(json.loads(gen_path.read_text()) | gen_fields))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("gen_fields", "block"),
+    [
+        ({"block_length": 16, "max_new_tokens": 64}, 16),  # the model's own block
+        ({"max_new_tokens": 24}, 24),  # else the canvas it was trained on (our demos)
+        ({}, None),  # else none: one block, as before
+    ],
+)
+def test_loader_reads_the_recommended_block(
+    tmp_path: Path, gen_fields: dict, block: int | None
+) -> None:
+    loaded = load_model(str(_with_gen(tmp_path, **gen_fields)), device="cpu", dtype="float32")
+    assert loaded.default_block_length == block
+    assert loaded.vocab_size == loaded.config["vocab_size"]
+
+
+def test_invalid_block_length_is_a_load_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="block_length must be a positive integer"):
+        load_model(str(_with_gen(tmp_path, block_length=0)), device="cpu", dtype="float32")
+
+
+def test_demo_models_recommend_blocks_of_32() -> None:
+    for name in ("demo-llada", "demo-idlm"):
+        assert load_model(name, device="cpu", dtype="float32").default_block_length == 32

@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from dllm_serve.api.errors import APIError
+from dllm_serve.api.protocol import ChatCompletionRequest
 from dllm_serve.api.validation import check_context_length, parse_chat_request
+from dllm_serve.decoding.params import DecodingParams
 
 MSG = [{"role": "user", "content": "hi"}]
 JSON = "application/json"
@@ -32,10 +34,10 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
     ("unknown-field", body(foo=1), JSON, "foo", "Unrecognized request argument supplied: foo"),
     (
         "unknown-msg-field",
-        body(messages=[{"role": "user", "content": "x", "name": "a"}]),
+        body(messages=[{"role": "user", "content": "x", "tool_call_id": "a"}]),
         JSON,
-        "messages[0].name",
-        "Unrecognized request argument supplied: messages[0].name",
+        "messages[0].tool_call_id",
+        "Unrecognized request argument supplied: messages[0].tool_call_id",
     ),
     (
         "missing-messages",
@@ -334,6 +336,105 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
         "has no effect with 'confidence_threshold'",
     ),
     ("model-int", body(model=5), JSON, "model", "valid string"),
+    # Still rejected: what diffusion decoding cannot honour (issue 15 keeps these 400s).
+    ("store-true", body(store=True), JSON, "store", "stores nothing"),
+    ("service-tier-flex", body(service_tier="flex"), JSON, "service_tier", "'flex' is not"),
+    ("service-tier-priority", body(service_tier="priority"), JSON, "service_tier", "one tier"),
+    ("modalities-audio", body(modalities=["text", "audio"]), JSON, "modalities", "text"),
+    ("modalities-empty", body(modalities=[]), JSON, "modalities", "other than text"),
+    ("audio", body(audio={"voice": "alloy", "format": "mp3"}), JSON, "audio", "Only null"),
+    (
+        "prediction",
+        body(prediction={"type": "content", "content": "x"}),
+        JSON,
+        "prediction",
+        "null",
+    ),
+    ("reasoning-effort", body(reasoning_effort="low"), JSON, "reasoning_effort", "no reasoning"),
+    ("min-tokens", body(min_tokens=5), JSON, "min_tokens", "Only 0 is accepted"),
+    ("min-tokens-neg", body(min_tokens=-1), JSON, "min_tokens", "greater than or equal to 0"),
+    ("repetition-penalty", body(repetition_penalty=1.1), JSON, "repetition_penalty", "Only 1"),
+    ("repetition-penalty-0", body(repetition_penalty=0), JSON, "repetition_penalty", "greater"),
+    ("skip-special-false", body(skip_special_tokens=False), JSON, "skip_special_tokens", "true"),
+    ("echo-true", body(echo=True), JSON, "echo", "Only false is accepted"),
+    ("best-of-2", body(best_of=2), JSON, "best_of", "best_of=1"),
+    ("ignore-eos-str", body(ignore_eos="yes"), JSON, "ignore_eos", "valid boolean"),
+    ("stop-token-ids-str", body(stop_token_ids=["a"]), JSON, "stop_token_ids[0]", "integer"),
+    (
+        "include-stop-str-int",
+        body(include_stop_str_in_output=1),
+        JSON,
+        "include_stop_str_in_output",
+        "valid boolean",
+    ),
+    ("parallel-tool-calls-str", body(parallel_tool_calls="y"), JSON, "parallel_tool_calls", "bool"),
+    ("metadata-not-str", body(metadata={"k": 1}), JSON, "metadata.k", "valid string"),
+    (
+        "continuous-usage-no-stream",
+        body(stream_options={"include_usage": True, "continuous_usage_stats": True}),
+        JSON,
+        "stream_options",
+        "only allowed when 'stream' is true",
+    ),
+    (
+        "tool-calls-in-history",
+        body(messages=[{"role": "assistant", "content": "x", "tool_calls": [{"id": "c"}]}]),
+        JSON,
+        "messages[0].tool_calls",
+        "function calling is out of scope. Only null or [] is accepted",
+    ),
+    (
+        "refusal-text",
+        body(messages=[{"role": "assistant", "content": "x", "refusal": "no"}]),
+        JSON,
+        "messages[0].refusal",
+        "'messages[0].refusal' must be null: this server never returns one",
+    ),
+    (
+        "function-call-in-history",
+        body(messages=[{"role": "assistant", "content": "x", "function_call": {"name": "f"}}]),
+        JSON,
+        "messages[0].function_call",
+        "function calling is out of scope. Only null is accepted",
+    ),
+    (
+        "audio-in-history",
+        body(messages=[{"role": "assistant", "content": "x", "audio": {"id": "a"}}]),
+        JSON,
+        "messages[0].audio",
+        "must be null",
+    ),
+    (
+        "annotations-in-history",
+        body(messages=[{"role": "assistant", "content": "x", "annotations": [{"type": "u"}]}]),
+        JSON,
+        "messages[0].annotations",
+        "must be null or []",
+    ),
+    (
+        "name-int",
+        body(messages=[{"role": "user", "content": "x", "name": 3}]),
+        JSON,
+        "messages[0].name",
+        "valid string",
+    ),
+    ("tool-choice-required", body(tool_choice="required"), JSON, "tool_choice", "ADR 005"),
+    ("function-call-auto", body(function_call="auto"), JSON, "function_call", "ADR 005"),
+    (
+        "json-schema",
+        body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        JSON,
+        "response_format",
+        "not available yet",
+    ),
+    ("messages-null", body(messages=None), JSON, "messages", "valid array"),
+    (
+        "function-call-empty-list-in-history",
+        body(messages=[{"role": "assistant", "content": "x", "function_call": []}]),
+        JSON,
+        "messages[0].function_call",
+        "Only null is accepted",
+    ),
 ]
 
 
@@ -457,6 +558,13 @@ GOOD: list[tuple[str, bytes, tuple[int, int, int, float, int | None], bool, bool
         False,
     ),
     ("charset", body(), (128, 128, 128, 0.0, None), False, False),
+    (
+        "continuous-usage",
+        body(stream=True, stream_options={"continuous_usage_stats": True, "include_usage": None}),
+        (128, 128, 128, 0.0, None),
+        True,
+        False,
+    ),
 ]
 
 
@@ -596,3 +704,137 @@ def test_denoising_fields_are_rejected_for_self_speculative_models() -> None:
         spec.check_decoding_mode("self_speculation")
     assert (info.value.status, info.value.param) == (400, "num_denoising_steps")
     assert info.value.code == "not_applicable"
+
+
+# Every optional OpenAI (and vLLM / diffusion extension) field sent as null = left out.
+NULLABLE = [name for name in ChatCompletionRequest.model_fields if name != "messages"]
+
+
+def test_every_optional_field_may_be_null() -> None:
+    assert len(NULLABLE) > 50
+    spec = parse_chat_request(body(**dict.fromkeys(NULLABLE)), JSON)
+    assert spec.params == parse_chat_request(body(), JSON).params
+    assert (spec.stream, spec.include_usage, spec.stop, spec.info) == (False, False, (), {})
+    assert not spec.continuous_usage and not spec.include_stop_str
+    options = dict.fromkeys(("include_usage", "include_obfuscation", "continuous_usage_stats"))
+    assert parse_chat_request(body(stream=True, stream_options=options), JSON).stream
+
+
+# Accepted no-op values (issue 15): each leaves the decoding parameters at their defaults.
+NO_OPS: list[tuple[str, dict[str, Any]]] = [
+    ("store-false", {"store": False}),
+    ("service-tier-auto", {"service_tier": "auto"}),
+    ("service-tier-default", {"service_tier": "default"}),
+    ("modalities-text", {"modalities": ["text"]}),
+    ("metadata", {"metadata": {"team": "eval", "run": "7"}}),
+    ("prompt-cache-key", {"prompt_cache_key": "k"}),
+    ("safety-identifier", {"safety_identifier": "hash-1"}),
+    ("user", {"user": "u"}),
+    ("parallel-tool-calls-true", {"parallel_tool_calls": True}),
+    ("parallel-tool-calls-false", {"parallel_tool_calls": False}),
+    ("min-tokens-0", {"min_tokens": 0}),
+    ("repetition-penalty-1", {"repetition_penalty": 1}),
+    ("repetition-penalty-1.0", {"repetition_penalty": 1.0}),
+    ("skip-special-tokens", {"skip_special_tokens": True}),
+    ("echo-false", {"echo": False}),
+    ("best-of-1", {"best_of": 1}),
+    ("ignore-eos-false", {"ignore_eos": False}),
+    ("include-stop-str-false", {"include_stop_str_in_output": False}),
+    ("stop-token-ids-empty", {"stop_token_ids": []}),
+    ("tool-choice-none", {"tool_choice": "none"}),
+    ("function-call-none", {"function_call": "none"}),
+    ("functions-empty", {"functions": []}),
+    ("top-logprobs-0", {"top_logprobs": 0}),
+    ("audio-null", {"audio": None}),
+    ("prediction-null", {"prediction": None}),
+    ("reasoning-effort-null", {"reasoning_effort": None}),
+    ("response-format-null", {"response_format": None}),
+]
+
+
+@pytest.mark.parametrize("fields", [r[1] for r in NO_OPS], ids=[r[0] for r in NO_OPS])
+def test_no_op_values_are_accepted(fields: dict[str, Any]) -> None:
+    assert parse_chat_request(body(**fields), JSON).params == DecodingParams(
+        gen_length=128, steps=128
+    )
+
+
+def test_informational_fields_are_kept_for_the_request_log() -> None:
+    spec = parse_chat_request(
+        body(metadata={"a": "b"}, prompt_cache_key="k", safety_identifier="s", user="u"), JSON
+    )
+    assert spec.info == {
+        "user": "u",
+        "metadata": {"a": "b"},
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+    }
+
+
+def test_returned_assistant_message_is_accepted_back() -> None:
+    """The SDK's own reply (``message.model_dump()``) appended to the history (issue 15)."""
+    returned = {
+        "role": "assistant",
+        "content": "579",
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": None,
+    }
+    history = [
+        {"role": "developer", "content": "Answer briefly.", "name": None},
+        {"role": "user", "content": "What is 123 + 456?", "name": "ann"},
+        returned,
+        {"role": "assistant", "content": "ok", "tool_calls": [], "annotations": []},
+        {"role": "user", "content": "Thanks"},
+    ]
+    spec = parse_chat_request(body(messages=history), JSON)
+    assert spec.messages == [
+        {"role": "system", "content": "Answer briefly."},  # developer = system
+        {"role": "user", "content": "What is 123 + 456?", "name": "ann"},
+        {"role": "assistant", "content": "579"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "Thanks"},
+    ]
+
+
+def test_ignore_eos_and_stop_token_ids_reach_params() -> None:
+    params = parse_chat_request(body(ignore_eos=True, stop_token_ids=[5, 7]), JSON).params
+    assert (params.ignore_eos, params.stop_token_ids) == (True, (5, 7))
+    spec = parse_chat_request(body(stop="x", include_stop_str_in_output=True), JSON)
+    assert spec.include_stop_str and spec.stop == ("x",)
+
+
+# (id, fields, model's recommended block, expected (gen_length, steps, block_length))
+BLOCKS: list[tuple[str, dict[str, Any], int | None, tuple[int, int, int]]] = [
+    ("no-recommendation", {"max_tokens": 256}, None, (256, 128, 256)),
+    ("fits-one-block", {"max_tokens": 32}, 32, (32, 32, 32)),
+    ("short", {"max_tokens": 8}, 32, (8, 8, 8)),
+    ("long", {"max_tokens": 256}, 32, (256, 256, 32)),
+    ("evalscope-2048", {"max_tokens": 2048}, 32, (2048, 2048, 32)),
+    ("not-a-multiple", {"max_tokens": 100}, 32, (100, 100, 25)),
+    ("prime", {"max_tokens": 257}, 32, (257, 128, 257)),
+    ("block-128", {"max_tokens": 1024}, 128, (1024, 1024, 128)),
+    ("client-block-wins", {"max_tokens": 256, "block_length": 64}, 32, (256, 128, 64)),
+    ("client-steps-win", {"max_tokens": 256, "num_denoising_steps": 64}, 32, (256, 64, 32)),
+    ("target-length", {"target_length": 96}, 32, (96, 96, 32)),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "block", "expected"), [r[1:] for r in BLOCKS], ids=[r[0] for r in BLOCKS]
+)
+def test_long_canvas_default_block(
+    fields: dict[str, Any], block: int | None, expected: tuple[int, int, int]
+) -> None:
+    p = parse_chat_request(body(**fields), JSON, 32, block).params
+    assert (p.gen_length, p.steps, p.block_length) == expected
+    assert p.gen_length % p.block_length == 0 and p.steps % p.num_blocks == 0
+
+
+def test_client_steps_must_still_divide_into_the_default_blocks() -> None:
+    with pytest.raises(APIError) as info:
+        parse_chat_request(body(max_tokens=256, num_denoising_steps=12), JSON, 32, 32)
+    assert info.value.param == "num_denoising_steps"
+    assert "multiple of the number of blocks (8" in info.value.message
