@@ -35,7 +35,7 @@ class Metrics:
         self.waiting.set_function(num_waiting)
         self.kv_cache_bytes = Gauge(
             "dllm:kv_cache_bytes",
-            "Bytes held by the running requests' prefix KV caches (--kv-cache prefix).",
+            "Bytes of the KV pool reserved by running requests (0 when idle).",
             registry=r,
         )
         self.kv_cache_bytes.set_function(kv_cache_bytes)

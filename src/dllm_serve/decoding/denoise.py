@@ -12,7 +12,7 @@ from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.local_leap import local_leap_commit_rows
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.prefix_cache import after_step, prefix_spec, reset_for_block
-from dllm_serve.decoding.sampling import argmax_, gumbel_argmax, new_generator
+from dllm_serve.decoding.sampling import argmax, gumbel_argmax, new_generator
 from dllm_serve.decoding.schedules import block_schedule
 from dllm_serve.decoding.state import DenoiseState
 
@@ -157,7 +157,7 @@ class LLaDADenoiser:
             if state.params.temperature > 0 and topk[r] != 0:
                 m = counts[r]
                 sampled[r] = gumbel_argmax(z[r, :m], state.params.temperature, state.generator)
-        x0 = argmax_(z)  # greedy proposals; overwrites z, which is not needed any more
+        x0 = argmax(z)  # greedy proposals (the first maximum, as torch.argmax)
         for r, tokens in sampled.items():
             x0[r, : tokens.shape[0]] = tokens
         metrics = {s.params.confidence_metric for s in states}

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from dllm_serve.decoding.sampling import argmax
+
 
 def target_probs(logits: torch.Tensor, temperature: float, mask_id: int) -> torch.Tensor:
     """``softmax(logits / T)`` in float64 with the mask id removed, rows ``[R, V]``.
@@ -40,7 +42,7 @@ def greedy_tokens(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     and in place: the mask id's logits are set to −inf.
     """
     logits[..., mask_id] = float("-inf")
-    return logits.argmax(dim=-1)
+    return argmax(logits)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -56,27 +56,13 @@ def gumbel_argmax(
     return (z - temperature * torch.log(-torch.log(u))).argmax(dim=-1)
 
 
-_DESCENDING: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``: the index of the first maximum of each row.
 
-
-def argmax_(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` (the first maximum among ties), computed by destroying ``logits``.
-
-    On CPU the index-returning reduction is an order of magnitude slower than ``amax``; this
-    gets the same index from vectorised ops only, in place (no ``[N, V]`` temporaries):
-    ``d = z − max z`` is exactly 0 at the maxima and negative elsewhere, ``(sign(d) + 1)·w``
-    with ``w_j = V − j`` keeps ``V − j`` at the maxima and 0 elsewhere, and its ``amax`` picks
-    the largest ``V − j``, i.e. the smallest maximal ``j``. Exact for ``V ≤ 2^24`` (integers in
-    float32). −inf entries (an excluded token) are never chosen unless the row is all −inf.
+    On CPU, NumPy's SIMD argmax (same result, first occurrence among ties, on the same memory:
+    no copy) is an order of magnitude faster than torch's index-returning reduction, which on a
+    ``[512, 1024]`` block of logits costs about as much as the softmax. On other devices torch's.
     """
-    vocab = logits.shape[-1]
-    key = (vocab, logits.device, logits.dtype)
-    weights = _DESCENDING.get(key)
-    if weights is None:
-        weights = _DESCENDING[key] = torch.arange(
-            vocab, 0, -1, dtype=logits.dtype, device=logits.device
-        )
-    top = logits.amax(dim=-1, keepdim=True)
-    signs = logits.sub_(top).sign_()
-    marked = torch.addcmul(weights, signs, weights, out=logits)  # (sign + 1)·w, one pass
-    return (vocab - marked.amax(dim=-1).long()).clamp_(0, vocab - 1)
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)

@@ -262,10 +262,10 @@ class AsyncEngine:
             elif request.deadline is not None and now >= request.deadline:
                 self._fail(request, "timeout", "the request exceeded its time limit")
         self._admit()
-        self._flush()
         for group in self.scheduler.groups():
             self._forward(group)
-            self._flush()
+        if not self.scheduler.running:
+            self._flush()  # nothing runs next: deliver now rather than with the next forward
         self.observer.on_iteration(time.perf_counter() - started)
         return True
 
@@ -332,6 +332,9 @@ class AsyncEngine:
         if not rows:
             return
         states = [r.state for r in rows]
+        # Deliver the previous step's outputs now: the event loop's work on them then overlaps
+        # with this forward's kernels (which release the GIL) instead of with host work.
+        self._flush()
         try:
             logits = self.runner.run(specs)
             # The step's one device→host copy: every row's commits or verdicts.

@@ -2,8 +2,10 @@
 
 Not collected by pytest (no ``test_`` prefix). A :class:`StepCounter` is a
 ``TorchDispatchMode`` that sees every aten op the step dispatches; ``tolist``/``numpy`` (which
-read tensor memory without dispatching an op on CPU) are patched to count too. On CUDA each of
-these is a point where the host waits for the device, so on CPU they are counted the same way.
+read tensor memory without dispatching an op on CPU) are patched to count too: on CUDA each of
+these is a point where the host waits for the device. ``numpy`` of a CPU tensor is counted
+apart (``host_views``): it cannot be a device read (CUDA tensors refuse it), and the CPU sampler
+uses it for NumPy's faster argmax on the same memory.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class StepCounter(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
         self.host_tensors = 0
+        self.host_views = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(func)
@@ -59,7 +62,10 @@ class StepCounter(TorchDispatchMode):
             return counter._saved[0](t)
 
         def numpy(t: torch.Tensor, *a: Any, **k: Any) -> Any:
-            counter.syncs["numpy"] += 1
+            if t.device.type == "cpu":
+                counter.host_views += 1
+            else:
+                counter.syncs["numpy"] += 1
             return counter._saved[1](t, *a, **k)
 
         torch.Tensor.tolist = tolist  # type: ignore[method-assign]
