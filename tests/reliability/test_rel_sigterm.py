@@ -19,9 +19,10 @@ from rel_support import CHAT, assert_envelope, sse_events
 from remote_server import RemoteServer
 
 SHORT = {"max_tokens": 8, "num_denoising_steps": 8}  # finishes well inside the drain
-# 256 forwards: seconds on CPU, so it outlives the drain. Kept short enough in width that the
-# short rows sharing its forwards still finish inside the drain.
-LONG = {"max_tokens": 256, "num_denoising_steps": 256, "block_length": 2}
+# 512 forwards over a 1024-token canvas: many seconds on CPU, so it outlives the drain (256
+# forwards no longer did once forwards became flat and fused). Rows are packed without padding,
+# so the short rows sharing its forwards still finish inside the drain.
+LONG = {"max_tokens": 1024, "num_denoising_steps": 512, "block_length": 2}
 DRAIN_S = 2.0
 
 
