@@ -45,8 +45,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class LoadedModel:
     """A loaded checkpoint: the network, its tokenizer, its family and its special ids.
 
-    ``family.bidirectional`` / ``family.logit_shift`` / ``family.positions`` tell the decoding
-    layer which attention kind and logit convention this checkpoint was trained with.
+    ``family.bidirectional`` / ``family.logit_shift`` tell the decoding layer which attention
+    kind and logit convention this checkpoint was trained with.
     """
 
     name: str

@@ -54,12 +54,17 @@ def test_dream_bidirectional(dream) -> None:
     assert max_diff(mine, ref(input_ids=ids, position_ids=pos).logits) > 100 * TOL
 
 
+def left_padded_positions(keep: torch.Tensor) -> torch.Tensor:
+    """Rotary positions of left-padded rows: 0 at the first real token (``cumsum(keep) - 1``)."""
+    return (keep.long().cumsum(-1) - 1).clamp(min=0)
+
+
 @torch.no_grad()
 def test_dream_left_padded_positions_from_mask(dream) -> None:
     ours, ref = dream
     ids = random_ids(ours.config.vocab_size, 2, 12, 1)
     mask = padded_mask([12, 8], 12, causal=False, left=True)
-    pos = DREAM.positions(mask[:, 0, -1])  # cumsum(mask) - 1, as Dream's own code
+    pos = left_padded_positions(mask[:, 0, -1])  # cumsum(mask) - 1, as Dream's own code
     assert pos[1, 4].item() == 0 and pos[1, -1].item() == 7
     mine = ours.lm_head(ours(ids, pos, mask))
     want = ref(input_ids=ids, position_ids=pos, attention_mask=float_mask(mask)).logits
@@ -127,7 +132,7 @@ def test_idlm_padded(idlm, left: bool) -> None:
     lengths = [10, 6, 3]
     ids = random_ids(ours.config.vocab_size, 3, 10, 3)
     mask = padded_mask(lengths, 10, causal=True, left=left)
-    pos = SDAR.positions(mask[:, 0, -1])
+    pos = left_padded_positions(mask[:, 0, -1])
     mine = ours.lm_head(ours(ids, pos, mask))
     want = ref(input_ids=ids, position_ids=pos, attention_mask=float_mask(mask)).logits
     for r, n in enumerate(lengths):

@@ -7,8 +7,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from dllm_serve.models.rope import RopeConfigError
 from dllm_serve.models.transformer import TransformerConfig
 
@@ -28,9 +26,6 @@ class Family(ABC):
     - ``logit_shift``: True = the distribution for position ``j`` is read from the output at
       ``j - 1`` (Dream, I-DLM: an AR-style next-token head; Dream's own sampler lets position 0
       reuse its own output).
-    - ``positions_skip_padding``: True = rotary positions start at 0 at the first real token
-      of a left-padded row (Dream's ``cumsum(mask) - 1``); False = positions are ``0..L-1``
-      over the whole row including pads (LLaDA has no position input). See :meth:`positions`.
     - ``mask_token`` / ``eot_token`` / ``extra_stop_tokens``: token *strings*; the loader looks
       their ids up in the checkpoint (config first, tokenizer second), never in constants.
 
@@ -42,7 +37,6 @@ class Family(ABC):
     logit_shift: bool
     mask_token: str
     eot_token: str | None
-    positions_skip_padding: bool
     model_types: tuple[str, ...]  # lower-case config.json model_type values
     architectures: tuple[str, ...]  # config.json "architectures" entries
     description: str
@@ -81,12 +75,6 @@ class Family(ABC):
     def ignorable_tensor(self, name: str, tcfg: TransformerConfig) -> bool:
         """Tensors some exports carry that hold nothing this model needs (e.g. RoPE buffers)."""
         return name.endswith(self.ignored_tensor_suffixes)
-
-    def positions(self, keep: torch.Tensor) -> torch.Tensor:
-        """Rotary positions [B, L] for a row mask ``keep`` [B, L] (False = left padding)."""
-        if not self.positions_skip_padding:
-            return torch.arange(keep.shape[-1], device=keep.device).expand(keep.shape).clone()
-        return (keep.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def require(config: Mapping[str, Any], key: str) -> Any:

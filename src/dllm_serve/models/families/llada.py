@@ -118,7 +118,6 @@ LLADA = LLaDAFamily(
     logit_shift=False,
     mask_token="<|mdm_mask|>",
     eot_token="<|eot_id|>",
-    positions_skip_padding=False,
     model_types=("llada",),
     architectures=("LLaDAModelLM",),
     description="LLaDA-8B-Base/Instruct, LLaDA-1.5",
