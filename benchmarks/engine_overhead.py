@@ -3,6 +3,12 @@
     python benchmarks/engine_overhead.py                    # tiny-llada on CPU
     python benchmarks/engine_overhead.py --requests 64 --gen-length 64 --repeat 5
     python benchmarks/engine_overhead.py --model /models/LLaDA-8B-Instruct --device cuda
+    python benchmarks/engine_overhead.py --random-8b --device cuda   # LLaDA-8B-shaped, bf16
+
+``--random-8b`` serves random bf16 weights of LLaDA-8B's shape (no checkpoint needed; the
+tiny-llada tokenizer and special ids, which the 8B vocabulary contains; random logits never pick
+EOS, so every answer is the whole canvas). With ``--tiny`` it is the same architecture at toy
+size, for a CPU smoke run.
 
 One run = ``--requests`` chats (templated and tokenised beforehand) submitted at once through
 the offline :class:`LLM` (the same ``AsyncEngine`` the server uses: scheduler, ModelRunner,
@@ -27,6 +33,8 @@ run (the pool is idle by then, so the values differ but the work is the same). W
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -44,12 +52,15 @@ from _common import (
     plot_if_available,
     write_json,
 )
+from gpu_llada8b import DEFAULT_CONFIG, build_model, tiny_config
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.llm import LLM
+from dllm_serve.models.families.llada import LLADA
 from dllm_serve.models.flat_batch import FlatBatch
+from dllm_serve.models.loader import load_model
 
 
 def sync(device: torch.device) -> None:
@@ -96,6 +107,23 @@ def bare_run(runner: ModelRunner, batches: list[FlatBatch], device: torch.device
     return time.perf_counter() - start
 
 
+def open_llm(args: argparse.Namespace, config: EngineConfig) -> LLM:
+    """The LLM to measure: a loaded checkpoint, or LLaDA-8B-shaped random weights."""
+    if not args.random_8b:
+        return LLM(args.model, device=args.device, dtype=args.dtype, engine_config=config)
+    base = load_model("tiny-llada", device=args.device, dtype="float32")
+    shape = LLADA.transformer_config(json.loads(DEFAULT_CONFIG.read_text()))
+    if args.tiny:  # toy size, but every id of the tokenizer still embeds
+        shape = dataclasses.replace(tiny_config(shape), vocab_size=base.model.config.vocab_size)
+    dtype = torch.bfloat16 if base.device.type == "cuda" else torch.float32
+    model = build_model(shape, base.device, dtype)
+    args.model = "random-llada-8b" + ("-tiny" if args.tiny else "")
+    loaded = dataclasses.replace(
+        base, name=args.model, model=model, dtype=dtype, max_length=shape.max_sequence_length
+    )
+    return LLM.from_loaded(loaded, config)
+
+
 def draw(report: dict[str, Any]) -> Any:
     """Bar chart: engine vs bare-loop forwards/s, ratio in the title."""
 
@@ -119,6 +147,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--block-length", type=int, default=None)
     parser.add_argument("--max-running-requests", type=int, default=32)
     parser.add_argument("--kv-cache", default="none", choices=["none", "prefix"])
+    parser.add_argument(
+        "--random-8b", action="store_true", help="random bf16 weights of LLaDA-8B's shape"
+    )
+    parser.add_argument("--tiny", action="store_true", help="with --random-8b: toy size")
     parser.add_argument("--repeat", type=int, default=3, help="engine/bare pairs; median reported")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "engine_overhead.json")
     add_threads_option(parser)
@@ -137,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(args.requests)
     ]
     pairs = []
-    with LLM(args.model, device=args.device, dtype=args.dtype, engine_config=config) as llm:
+    with open_llm(args, config) as llm:
         device = llm.loaded.device
         llm.generate(conversations[:1], DecodingParams(gen_length=8, steps=8))  # warm-up
         for _ in range(args.repeat):
@@ -176,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "benchmark": "engine_overhead",
         "model": model_name,
-        "random_weights": args.model.startswith("tiny-"),
+        "random_weights": args.model.startswith(("tiny-", "random-")),
         "device": str(device),
         "requests": args.requests,
         "gen_length": args.gen_length,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
-from dllm_serve.models.loader import load_model
+from dllm_serve.models.loader import LoadedModel, load_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,17 @@ class LLM:
         dtype: str = "auto",
         engine_config: EngineConfig | None = None,
     ) -> None:
-        self.loaded = load_model(model, device=device, dtype=dtype)
+        self._start(load_model(model, device=device, dtype=dtype), engine_config)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, engine_config: EngineConfig | None = None) -> LLM:
+        """An LLM over an already loaded (or built) model, e.g. random weights for benchmarks."""
+        llm = cls.__new__(cls)
+        llm._start(loaded, engine_config)
+        return llm
+
+    def _start(self, loaded: LoadedModel, engine_config: EngineConfig | None) -> None:
+        self.loaded = loaded
         # Offline callers submit whole datasets at once: queue them all instead of refusing.
         config = engine_config or EngineConfig(max_waiting_requests=1 << 30)
         self.engine = AsyncEngine(self.loaded, config)

@@ -78,6 +78,17 @@ def test_engine_overhead(tmp_path: Path) -> None:
     assert all(p["forwards"] > 0 and p["bare_s"] > 0 for p in report["pairs"])
 
 
+def test_engine_overhead_random_8b_shape_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "engine_overhead_random.json"
+    load("engine_overhead").main(
+        ["--random-8b", "--tiny", "--requests", "2", "--gen-length", "8", "--steps", "4",
+         "--repeat", "1", "--threads", "1", "--out", str(out)]
+    )  # fmt: skip
+    report = read(out)
+    assert report["model"] == "random-llada-8b-tiny" and report["random_weights"]
+    assert report["forwards"] > 0 and report["engine"]["answer_tokens_per_s"] > 0
+
+
 def test_gpu_llada8b_tiny_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "gpu.json"
     # No matplotlib: JSON still written, no PNG.
