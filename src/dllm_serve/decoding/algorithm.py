@@ -40,6 +40,11 @@ class DecodeState(Protocol):
         """Tokens the request's next row puts in a forward."""
         ...
 
+    @property
+    def is_prefill(self) -> bool:
+        """Whether the next row is a prefill (the prompt itself) rather than a decode step."""
+        ...
+
     def answer_tokens(self) -> list[int]:
         """The final answer so far (committed, contiguous, stop id excluded)."""
         ...

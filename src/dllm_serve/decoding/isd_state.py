@@ -74,6 +74,11 @@ class ISDState:
         return self.accepted_drafts / self.rounds if self.rounds else 0.0
 
     @property
+    def is_prefill(self) -> bool:
+        """The first round carries the whole prompt (fused with the first cold start)."""
+        return self.rounds == 0
+
+    @property
     def row_length(self) -> int:
         """Tokens this request's next row puts in a forward (at most ``len(pending)`` + 2N−2)."""
         return len(self.pending) + len(self.specs) + self.round_shape[1] - 1

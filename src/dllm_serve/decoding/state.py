@@ -58,6 +58,11 @@ class DenoiseState:
         return torch.tensor(self.tokens, dtype=torch.long)
 
     @property
+    def is_prefill(self) -> bool:
+        """Every denoising step forwards the canvas (prompt included): one phase, no prefill."""
+        return False
+
+    @property
     def row_length(self) -> int:
         """Tokens this request puts in its next forward (the scheduler's token budget)."""
         if self.kv is not None and self.kv.length:

@@ -51,6 +51,11 @@ class Request:
             return self.state.row_length
         return len(self.prompt_ids) + self.params.gen_length
 
+    @property
+    def is_prefill(self) -> bool:
+        """Whether the next row carries the whole prompt (scheduled apart from decode rows)."""
+        return self.state is not None and self.state.is_prefill
+
     def output(
         self,
         delta: str,

@@ -49,17 +49,27 @@ class Scheduler:
             self.waiting.remove(request)
 
     def groups(self) -> list[list[Request]]:
-        """The forwards of one iteration: every running request exactly once."""
+        """The forwards of one iteration: every running request exactly once.
+
+        Prefill rows (a self-speculative request's first round: its whole prompt) get forwards
+        of their own, so decode rows keep their small fixed shapes and a long prompt does not
+        stretch every decode row's step.
+        """
         single = [r for r in self.running if r.params.force_single_batch]
-        shared = sorted(
-            (r for r in self.running if not r.params.force_single_batch),
-            key=lambda r: r.row_length,
-        )
+        shared = [r for r in self.running if not r.params.force_single_batch]
         groups: list[list[Request]] = [[r] for r in single]
+        for prefill in (True, False):
+            phase = sorted((r for r in shared if r.is_prefill == prefill), key=_length)
+            groups.extend(self._pack(phase))
+        return groups
+
+    def _pack(self, rows: list[Request]) -> list[list[Request]]:
+        """Consecutive rows into forwards of at most ``max_tokens_per_forward`` real tokens."""
+        groups: list[list[Request]] = []
         current: list[Request] = []
         tokens = 0
         budget = self.config.max_tokens_per_forward
-        for request in shared:
+        for request in rows:
             length = request.row_length
             if current and tokens + length > budget:
                 groups.append(current)
@@ -69,3 +79,7 @@ class Scheduler:
         if current:
             groups.append(current)
         return groups
+
+
+def _length(request: Request) -> int:
+    return request.row_length

@@ -54,3 +54,18 @@ def test_a_row_longer_than_the_budget_still_runs_alone() -> None:
     sched.run(request("big", 10, 40))
     sched.run(request("small", 1, 1))
     assert sorted(len(g) for g in sched.groups()) == [1, 1]
+
+
+def test_prefill_rows_get_forwards_of_their_own() -> None:
+    class Phase:
+        def __init__(self, prefill: bool, length: int) -> None:
+            self.is_prefill, self.row_length = prefill, length
+
+    sched = Scheduler(EngineConfig(max_tokens_per_forward=1000))
+    rows = {"p1": (True, 300), "d1": (False, 7), "d2": (False, 7), "p2": (True, 40)}
+    for name, (prefill, length) in rows.items():
+        req = request(name, 1, 1)
+        req.state = Phase(prefill, length)  # type: ignore[assignment]
+        sched.run(req)
+    names = [[r.request_id for r in g] for g in sched.groups()]
+    assert names == [["p2", "p1"], ["d1", "d2"]]  # prefill forward first, decode rows apart
