@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -199,7 +198,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         if not engine.is_alive:
             raise _unavailable()
         if isinstance(spec.prompt, str):
-            prompt_ids = await asyncio.to_thread(facts.prompt_ids, spec.prompt)
+            prompt_ids = await asyncio.to_thread(engine.prompt_ids, spec.prompt)
         else:
             assert spec.prompt is not None
             check_token_ids(spec.prompt, facts.vocab_size, facts.mask_id, "prompt")
@@ -384,12 +383,6 @@ class _ModelFacts:
             check_token_ids(
                 spec.params.stop_token_ids, self.vocab_size, self.mask_id, "stop_token_ids"
             )
-
-    def prompt_ids(self, text: str) -> list[int]:
-        """A raw prompt's token ids (no chat template), under the engine's tokenizer lock."""
-        lock = getattr(self.engine, "_tokenizer_lock", None) or contextlib.nullcontext()
-        with lock:
-            return self.engine.loaded.prompt_ids(text)
 
 
 def _info(spec: RequestSpec) -> str:

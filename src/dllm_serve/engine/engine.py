@@ -123,6 +123,11 @@ class AsyncEngine:
         with self._tokenizer_lock:
             return self.loaded.chat_prompt_ids(messages)
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """A raw prompt's token ids (no chat template; /v1/completions)."""
+        with self._tokenizer_lock:
+            return self.loaded.prompt_ids(text)
+
     def _decode(self, ids: Sequence[int]) -> str:
         """Engine thread only (its own tokenizer copy; see ``__init__``)."""
         return self._detok_tokenizer.decode(
