@@ -1,7 +1,8 @@
 """`dllm-serve`: flags → config → model → engine → uvicorn.
 
 dllm-serve [--model NAME_OR_DIR] [--host H] [--port P] [--device D] [--dtype T] ...
-dllm-serve make-tiny DIR      write a tiny random LLaDA-format checkpoint
+dllm-serve make-tiny [--family llada|dream|idlm] DIR
+    write a tiny random-weight checkpoint in that family's format (default llada)
 """
 
 from __future__ import annotations

@@ -72,6 +72,15 @@ def _snapshot(repo_dir: Path, revision: str) -> Path | None:
     return None
 
 
+def _looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only be a filesystem path, never a Hub model id: absolute, starting
+    with ``.`` or ``~``, or with a path separator where an id has none (more than one ``/``,
+    a backslash, a leading or trailing ``/``)."""
+    if name.startswith((".", "~")) or Path(name).is_absolute():
+        return True
+    return not _REPO_ID.match(name)
+
+
 def resolve_model_path(name_or_path: str, revision: str | None = None) -> Path:
     """An embedded model name, a local checkpoint directory, or a cached HF model id -> its
     directory. Raises :class:`ModelLoadError` naming every place that was tried."""
@@ -80,26 +89,32 @@ def resolve_model_path(name_or_path: str, revision: str | None = None) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
-    tried = [f"no directory at {path.resolve()}"]
     if path.exists():
         raise ModelLoadError(f"model {name_or_path!r}: {path.resolve()} is not a directory")
-    if _REPO_ID.match(name_or_path):
-        folder = "models--" + name_or_path.replace("/", "--")
-        rev = revision or "main"
-        for cache in hf_cache_dirs():
-            snap = _snapshot(cache / folder, rev)
-            if snap is not None:
-                if not (snap / "config.json").is_file():
-                    raise ModelLoadError(
-                        f"model {name_or_path!r}: cached snapshot {snap} has no config.json "
-                        "(an incomplete download?)"
-                    )
-                return snap
-            tried.append(f"not in the Hugging Face cache at {cache / folder} (revision {rev})")
+    embedded = f"Embedded models: {', '.join(sorted(EMBEDDED_MODELS))}"
+    if _looks_like_path(name_or_path):
+        raise ModelLoadError(
+            f"model {name_or_path!r}: directory {path.resolve()} does not exist. Pass a "
+            f"checkpoint directory (config.json, tokenizer files, *.safetensors), a model id "
+            f"already in the Hugging Face cache, or an embedded model. {embedded}"
+        )
+    tried = [f"no directory at {path.resolve()}"]
+    folder = "models--" + name_or_path.replace("/", "--")
+    rev = revision or "main"
+    for cache in hf_cache_dirs():
+        snap = _snapshot(cache / folder, rev)
+        if snap is not None:
+            if not (snap / "config.json").is_file():
+                raise ModelLoadError(
+                    f"model {name_or_path!r}: cached snapshot {snap} has no config.json "
+                    "(an incomplete download?)"
+                )
+            return snap
+        tried.append(f"not in the Hugging Face cache at {cache / folder} (revision {rev})")
     offline = os.environ.get("HF_HUB_OFFLINE", "unset")
+    fetch = f"hf download {name_or_path}" + (f" --revision {revision}" if revision else "")
     raise ModelLoadError(
         f"model {name_or_path!r} not found: {'; '.join(tried)}. dllm-serve never downloads "
-        f"(HF_HUB_OFFLINE={offline}); fetch the checkpoint first, e.g. "
-        f"`huggingface-cli download {name_or_path}`, or pass a local directory. "
-        f"Embedded models: {', '.join(sorted(EMBEDDED_MODELS))}"
+        f"(HF_HUB_OFFLINE={offline}); fetch the checkpoint into the cache first with "
+        f"`{fetch}` (huggingface_hub's `hf` command), or pass a local directory. {embedded}"
     )

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from dllm_serve.models.errors import InsufficientMemoryError, ModelLoadError
 from dllm_serve.models.families import Family, family_for
@@ -136,11 +140,56 @@ def _resolve_dtype(dtype: str, device: torch.device, config: dict[str, Any]) -> 
     return _DTYPES[dtype]
 
 
+def _check_readable(path: Path) -> None:
+    """Raise a :class:`ModelLoadError` naming ``path`` and the cause when this process cannot
+    read it. safetensors reports any failure to open a file, a permission denied included, as
+    ``FileNotFoundError: No such file or directory``: opening it ourselves first gives the
+    real reason."""
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except PermissionError:
+        raise ModelLoadError(_permission_message(path)) from None
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _permission_message(path: Path) -> str:
+    try:
+        st = path.stat()
+        owner = f"mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}"
+    except OSError:
+        owner = "its directory is not searchable"
+    return (
+        f"cannot read {path}: permission denied ({owner}; this process runs as uid "
+        f"{os.geteuid()}). Make the checkpoint readable by this user, e.g. "
+        f"`chmod a+r {path}` (and a+x on its directories)"
+    )
+
+
+@contextmanager
+def _open_safetensors(path: Path) -> Iterator[Any]:
+    """``safe_open(path)`` whose failures are one clear :class:`ModelLoadError`: unreadable,
+    truncated or not a safetensors file at all (also while tensors are being read)."""
+    _check_readable(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except PermissionError:
+        raise ModelLoadError(_permission_message(path)) from None
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(
+            f"cannot read {path}: not a valid safetensors file, truncated or corrupt ({e}); "
+            "copy or download it again"
+        ) from None
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (single file or sharded index)."""
+    """Tensor name -> the safetensors file holding it (single file or sharded index). Every
+    file is opened once here, so an unreadable or corrupt one fails before any is loaded."""
     single = path / "model.safetensors"
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with _open_safetensors(single) as f:
             return dict.fromkeys(f.keys(), single)
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -151,6 +200,8 @@ def _weight_files(path: Path) -> dict[str, Path]:
         for shard in sorted(set(files.values())):
             if not shard.is_file():
                 raise ModelLoadError(f"shard {shard} listed in {index.name} is missing")
+            with _open_safetensors(shard):
+                pass  # the header parses: readable and not truncated
         return files
     if any(path.glob("*.bin")) or any(path.glob("*.pt")):
         raise ModelLoadError(
@@ -190,7 +241,7 @@ def _load_weights(
     total = sum(torch.Size(s).numel() for s in shapes.values()) * item
     with _progress(total, f"Loading {path.name}") as bar:
         for shard in sorted(set(files.values())):
-            with safe_open(str(shard), framework="pt") as f:
+            with _open_safetensors(shard) as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     if files.get(name) != shard or name not in expected:
                         continue  # another shard's (trust the index) or an ignorable tensor

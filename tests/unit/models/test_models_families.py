@@ -203,10 +203,3 @@ def test_model_type_decides_over_architectures() -> None:
     assert family_for({**config, "model_type": "dream"}) is DREAM  # case-insensitive
     no_type = {k: v for k, v in config.items() if k != "model_type"}
     assert family_for(no_type) is DREAM  # architectures when model_type is absent
-
-
-def test_positions_conventions() -> None:
-    keep = torch.tensor([[False, False, True, True, True], [True] * 5])
-    assert LLADA.positions(keep).tolist() == [[0, 1, 2, 3, 4]] * 2  # pads count (no position_ids)
-    assert DREAM.positions(keep).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
-    assert SDAR.positions(keep).tolist() == DREAM.positions(keep).tolist()

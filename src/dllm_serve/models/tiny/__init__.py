@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from dllm_serve.models.tiny.qwen import write_tiny_dream, write_tiny_idlm
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "FORMATS",
     "WRITERS",
     "build_tokenizer",
     "llada_special_tokens",
@@ -37,6 +39,12 @@ WRITERS: dict[str, Callable[..., Path]] = {
     "dream": write_tiny_dream,
     "idlm": write_tiny_idlm,
 }
+# The on-disk format each family's checkpoint reproduces (`make-tiny --help`).
+FORMATS: dict[str, str] = {
+    "llada": "LLaDA-8B-Instruct: LLaDA config and tensor names, tokenizer.json",
+    "dream": "Dream-v0-Instruct-7B: Dream config, Qwen2 tensors, vocab.json + merges.txt",
+    "idlm": "I-DLM-8B: SDAR config, Qwen3 tensors, vocab.json + merges.txt",
+}
 
 
 def write_tiny(family: str, out_dir: str | Path, **sizes: int | bool) -> Path:
@@ -44,6 +52,23 @@ def write_tiny(family: str, out_dir: str | Path, **sizes: int | bool) -> Path:
     if family not in WRITERS:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(WRITERS)}")
     return WRITERS[family](out_dir, **sizes)
+
+
+def _description(family: str) -> str:
+    """make-tiny's help text: every family's format, and whose size flags follow."""
+    others = [f for f in WRITERS if f != family]
+    intro = (
+        "Write a tiny random-weight checkpoint (for tests and smoke runs; its answers are "
+        "gibberish) in the real on-disk format of one family, chosen with --family:"
+    )
+    outro = (
+        f"The size flags below are those of --family {family}; for the others' run "
+        + " or ".join(f"`dllm-serve make-tiny --family {f} --help`" for f in others)
+        + ". Every file is written with mode 0644 (readable by any user, e.g. a container's)."
+    )
+    formats = [f"  {name:<6} {fmt}" for name, fmt in FORMATS.items()]
+    fill = textwrap.TextWrapper(79, break_on_hyphens=False).fill
+    return "\n".join([fill(intro), *formats, fill(outro)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     writer = WRITERS[known.family]
     p = argparse.ArgumentParser(
         prog="dllm-serve make-tiny",
-        description=f"{writer.__doc__} Families: {', '.join(WRITERS)}.",
+        description=_description(known.family),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--family", choices=list(WRITERS), default="llada", help="default: llada")
     p.add_argument("out_dir", help="directory to write (created if missing)")

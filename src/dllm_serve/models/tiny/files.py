@@ -4,6 +4,7 @@ under the family's real tensor names, single-file or sharded with an index."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,24 @@ from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
 
 FLAGS = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
 _FORMATS = Path(__file__).resolve().parent.parent.parent / "assets" / "formats"
+# Every file of a checkpoint is written rw-r--r--, whatever the umask: safetensors creates its
+# files 0600, which a server running as another user (the Docker image's UID 10001) cannot read.
+FILE_MODE = 0o644
+
+
+def readable(path: Path) -> Path:
+    """Give ``path`` :data:`FILE_MODE` and return it."""
+    os.chmod(path, FILE_MODE)
+    return path
+
+
+def write_text(path: Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8")
+    readable(path)
 
 
 def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 def real_file(checkpoint: str, name: str) -> Any:
@@ -45,7 +60,8 @@ def random_weights(family: Family, tcfg: TransformerConfig, seed: int) -> dict[s
 
 
 def save_weights(out: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
-    """``model.safetensors``, or ``num_shards`` files plus ``model.safetensors.index.json``."""
+    """``model.safetensors``, or ``num_shards`` files plus ``model.safetensors.index.json``,
+    all :data:`FILE_MODE`."""
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
@@ -53,6 +69,7 @@ def save_weights(out: Path, tensors: dict[str, torch.Tensor], num_shards: int) -
     names = list(tensors)
     if num_shards == 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        readable(out / "model.safetensors")
         return
     bounds = [round(i * len(names) / num_shards) for i in range(num_shards + 1)]
     weight_map: dict[str, str] = {}
@@ -60,6 +77,7 @@ def save_weights(out: Path, tensors: dict[str, torch.Tensor], num_shards: int) -
         fname = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
         part = {n: tensors[n] for n in names[bounds[i] : bounds[i + 1]]}
         save_file(part, str(out / fname), metadata={"format": "pt"})
+        readable(out / fname)
         weight_map.update(dict.fromkeys(part, fname))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

@@ -16,7 +16,13 @@ from typing import Any
 from dllm_serve.models.families import LLADA
 from dllm_serve.models.tiny.bpe import base_vocab_size, build_tokenizer
 from dllm_serve.models.tiny.files import FLAGS as _FLAGS
-from dllm_serve.models.tiny.files import random_weights, round_up, save_weights
+from dllm_serve.models.tiny.files import (
+    random_weights,
+    readable,
+    round_up,
+    save_weights,
+    write_text,
+)
 from dllm_serve.models.tiny.files import write_json as _write_json
 
 REAL_FIRST_ID = 126080  # <|startoftext|> in the real checkpoint
@@ -34,14 +40,6 @@ def llada_special_tokens() -> list[str]:
         "<|eot_id|>",
     ]  # fmt: skip
 
-
-CHAT_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-)
 
 CHAT_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
@@ -178,14 +176,15 @@ def write_tiny_llada(
     _write_json(out / "special_tokens_map.json", _special_tokens_map())
     _write_json(out / "tokenizer_config.json", _tokenizer_config(specials, first))
     tok.save(str(out / "tokenizer.json"))
+    readable(out / "tokenizer.json")
 
     tensors = random_weights(LLADA, LLADA.transformer_config(config), seed)
     save_weights(out, tensors, num_shards)
-    (out / "README.md").write_text(MODEL_CARD.format(
+    write_text(out / "README.md", MODEL_CARD.format(
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, mlp=mlp_hidden_size,
         max_len=max_sequence_length, params=sum(t.numel() for t in tensors.values()),
         vocab=vocab, merges=base_vocab_size() - 256, first=first, last=first + len(specials) - 1,
         mask=mask, eos=eos, eot=eot, seed=seed,
         placement="at their real ids" if real_ids else "moved as one block to ids",
-    ), encoding="utf-8")  # fmt: skip
+    ))  # fmt: skip
     return out

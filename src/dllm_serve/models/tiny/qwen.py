@@ -15,7 +15,13 @@ from typing import Any
 
 from dllm_serve.models.families import DREAM, SDAR, Family
 from dllm_serve.models.tiny.bpe import base_vocab_size, qwen2_vocab_files
-from dllm_serve.models.tiny.files import random_weights, real_file, round_up, save_weights
+from dllm_serve.models.tiny.files import (
+    random_weights,
+    real_file,
+    round_up,
+    save_weights,
+    write_text,
+)
 from dllm_serve.models.tiny.files import write_json as _write_json
 
 REAL_FIRST_ID = 151643  # <|endoftext|>, the first added token of Qwen2/Qwen3 tokenizers
@@ -86,15 +92,15 @@ def _write(
     _write_json(out / "special_tokens_map.json", real_file(fmt, "special_tokens_map.json"))
     _write_json(out / "added_tokens.json", {t: _moved(i, first) for t, i in added.items()})
     if "chat_template" not in tok_cfg:  # transformers 5.x style: a separate file
-        (out / "chat_template.jinja").write_text(real_file(fmt, "chat_template.jinja"))
+        write_text(out / "chat_template.jinja", real_file(fmt, "chat_template.jinja"))
     vocab_json, merges_txt = qwen2_vocab_files(added if real_ids else None)
-    (out / "vocab.json").write_text(vocab_json, encoding="utf-8")
-    (out / "merges.txt").write_text(merges_txt, encoding="utf-8")
+    write_text(out / "vocab.json", vocab_json)
+    write_text(out / "merges.txt", merges_txt)
 
     tcfg = family.transformer_config(config)
     tensors = random_weights(family, tcfg, seed)
     save_weights(out, tensors, num_shards)
-    (out / "README.md").write_text(CARD.format(
+    write_text(out / "README.md", CARD.format(
         name=out.name, real=fmt, family=family.name if family is DREAM else "idlm",
         d_model=tcfg.d_model, n_layers=tcfg.n_layers, n_heads=tcfg.n_heads,
         n_kv_heads=tcfg.n_kv_heads, head_dim=tcfg.head_dim, mlp=tcfg.mlp_hidden_size,
@@ -102,7 +108,7 @@ def _write(
         vocab=vocab, placement="at their real" if real_ids else "moved as one block to",
         first=first, last=first + n_special - 1, mask_token=family.mask_token,
         mask=config["mask_token_id"], seed=seed,
-    ), encoding="utf-8")  # fmt: skip
+    ))  # fmt: skip
     return out
 
 

@@ -1,0 +1,198 @@
+"""The layers of the decoder: RMSNorm, the embedding, grouped-query attention, SwiGLU MLP.
+
+Attention runs in two layouts: padded rows with an explicit mask (training and the reference
+tests) and the serving runtime's flat batches (``models/flat_batch.py``: real tokens only, one
+SDPA call per attention group, K/V written to and read from the KV pool).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dllm_serve.models.flat_batch import FlatBatch
+from dllm_serve.models.kv_pool import KVPool
+from dllm_serve.models.rope import apply_rotary
+from dllm_serve.models.transformer_config import TransformerConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: normalise in fp32, cast back, then scale (LLaDA, HF Llama/Qwen).
+
+    One fused ``F.rms_norm`` call, which upcasts half-precision inputs to fp32 for the
+    statistics and casts the normalised value back before the weight, as the references do.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that skips random init on the meta device.
+
+    The loader builds the network on ``meta`` and assigns checkpoint tensors; ``normal_`` has no
+    meta kernel and its Python fallback costs a one-off ~2 s import of ``torch._dynamo``.
+    """
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs."""
+    weight = torch.cat([p.weight for p in parts])
+    # Built on meta: a random init of the fused shape would be computed and thrown away.
+    with torch.device("meta"):
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if parts[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return fused
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; optional q/k/v (and o) biases and per-head q/k RMSNorm.
+
+    Checkpoints load into separate ``q_proj``/``k_proj``/``v_proj``; :meth:`fuse` replaces them
+    with one ``qkv_proj`` for serving (one matmul instead of three). GQA never copies K/V: SDPA
+    maps query head ``h`` to kv head ``h // n_rep`` itself (``enable_gqa``), the HF/LLaDA
+    ``repeat_kv`` convention.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        hd = config.head_dim
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = hd
+        qkv_bias = config.qkv_bias or config.o_bias
+        self.q_proj: nn.Linear | None = nn.Linear(
+            config.d_model, config.n_heads * hd, bias=qkv_bias
+        )
+        self.k_proj: nn.Linear | None = nn.Linear(
+            config.d_model, config.n_kv_heads * hd, bias=qkv_bias
+        )
+        self.v_proj: nn.Linear | None = nn.Linear(
+            config.d_model, config.n_kv_heads * hd, bias=qkv_bias
+        )
+        self.qkv_proj: nn.Linear | None = None
+        self.o_proj = nn.Linear(config.n_heads * hd, config.d_model, bias=config.o_bias)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+
+    def fuse(self) -> None:
+        """Replace q/k/v projections by one fused projection (same outputs)."""
+        if self.qkv_proj is None:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+            self.q_proj = self.k_proj = self.v_proj = None
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[..., H, hd]``, k and v ``[..., Hkv, hd]`` for ``x`` ``[..., D]``, RoPE applied.
+
+        ``cos``/``sin`` broadcast against ``[..., heads, hd]`` (``[..., 1, hd]``).
+        """
+        hd, h, hkv = self.head_dim, self.n_heads, self.n_kv_heads
+        lead = x.shape[:-1]
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)
+            if self.q_norm is None:
+                # Rotate q and k together: one set of RoPE ops for both.
+                qk = apply_rotary(qkv[..., : (h + hkv) * hd].view(*lead, h + hkv, hd), cos, sin)
+                v = qkv[..., (h + hkv) * hd :].view(*lead, hkv, hd)
+                return qk[..., :h, :], qk[..., h:, :], v
+            q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], dim=-1)
+        else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(*lead, h, hd), k.view(*lead, hkv, hd), v.view(*lead, hkv, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: per head, before RoPE
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Padded rows ``x`` ``[B, L, D]`` with an explicit mask (training and references)."""
+        b, length, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=attn_mask, enable_gqa=self.n_kv_heads != self.n_heads,
+        )  # fmt: skip
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+    def forward_flat(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: FlatBatch,
+        kv: tuple[KVPool, int] | None,
+    ) -> torch.Tensor:
+        """Flat tokens ``x`` ``[T, D]``: one SDPA call per attention group, no padding."""
+        q, k, v = self.project(x, cos, sin)
+        pool_k = pool_v = None
+        if kv is not None and batch.slot_mapping is not None:
+            pool, layer = kv
+            pool_k, pool_v = pool.k[layer], pool.v[layer]
+            pool_k.index_copy_(0, batch.slot_mapping, k)
+            pool_v.index_copy_(0, batch.slot_mapping, v)
+        gqa = self.n_kv_heads != self.n_heads
+        outs = []
+        for g in batch.groups:
+            shape = (g.rows, g.q_len, -1, self.head_dim)
+            qg = q[g.start : g.end].view(shape).transpose(1, 2)
+            if g.kv_slots is None:
+                kg = k[g.start : g.end].view(shape).transpose(1, 2)
+                vg = v[g.start : g.end].view(shape).transpose(1, 2)
+            else:
+                assert pool_k is not None and pool_v is not None
+                kg, vg = pool_k[g.kv_slots].transpose(1, 2), pool_v[g.kv_slots].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=g.mask, is_causal=g.is_causal, enable_gqa=gqa
+            )
+            outs.append(out.transpose(1, 2).reshape(g.end - g.start, -1))
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; :meth:`fuse` merges gate and up."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.gate_proj: nn.Linear | None = nn.Linear(
+            config.d_model, config.mlp_hidden_size, bias=False
+        )
+        self.up_proj: nn.Linear | None = nn.Linear(
+            config.d_model, config.mlp_hidden_size, bias=False
+        )
+        self.gate_up_proj: nn.Linear | None = None
+        self.down_proj = nn.Linear(config.mlp_hidden_size, config.d_model, bias=False)
+
+    def fuse(self) -> None:
+        if self.gate_up_proj is None:
+            assert self.gate_proj is not None and self.up_proj is not None
+            self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+            self.gate_proj = self.up_proj = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            assert self.gate_proj is not None and self.up_proj is not None
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
