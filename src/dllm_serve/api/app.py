@@ -169,7 +169,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             engine.default_gen_length,
             facts.default_block_length,
         )
-        spec.check_decoding_mode(engine.decoding_mode)
+        spec.check_decoding_mode(engine.decoding_mode, facts.block_size)
         facts.check_stop_token_ids(spec)
         if not engine.is_alive:
             raise _unavailable()
@@ -193,7 +193,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             engine.default_gen_length,
             facts.default_block_length,
         )
-        spec.check_decoding_mode(engine.decoding_mode)
+        spec.check_decoding_mode(engine.decoding_mode, facts.block_size)
         facts.check_stop_token_ids(spec)
         if not engine.is_alive:
             raise _unavailable()
@@ -377,6 +377,7 @@ class _ModelFacts:
         self.default_block_length: int | None = getattr(loaded, "default_block_length", None)
         self.vocab_size: int = getattr(loaded, "vocab_size", 0) or 0
         self.mask_id: int | None = getattr(loaded, "mask_id", None)
+        self.block_size: int | None = getattr(loaded, "block_size", None)
 
     def check_stop_token_ids(self, spec: RequestSpec) -> None:
         if spec.params.stop_token_ids:

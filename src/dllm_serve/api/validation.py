@@ -51,8 +51,22 @@ class RequestSpec:
     include_stop_str: bool = False  # include_stop_str_in_output
     info: dict[str, Any] = field(default_factory=dict)  # informational fields the client set
 
-    def check_decoding_mode(self, mode: str) -> None:
-        """Self-speculative (I-DLM) models have no canvas to denoise: those fields are 400s."""
+    def check_decoding_mode(self, mode: str, block_size: int | None = None) -> None:
+        """Self-speculative (I-DLM) models have no canvas to denoise: those fields are 400s.
+        Block-diffusion models (SDAR) decode in their trained block: another block_length is
+        a 400."""
+        if (
+            mode == "block_diffusion"
+            and "block_length" in self.diffusion_fields
+            and self.params.block_length != block_size
+        ):
+            raise invalid(
+                f"'block_length' must be {block_size} for this model: it is a block-diffusion "
+                "model trained with that block (bidirectional inside a block, causal across "
+                "blocks), and other blocks are not what it learned. Omit it.",
+                "block_length",
+                code="not_applicable",
+            )
         if mode == "self_speculation" and self.diffusion_fields:
             name = self.diffusion_fields[0]
             raise invalid(

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 class AttentionKind(StrEnum):
     BIDIRECTIONAL = "bidirectional"
     CAUSAL = "causal"
+    # Bidirectional inside blocks of ``RowSpec.block`` tokens aligned to position 0, causal
+    # across them (block diffusion's prefill of whole prompt blocks).
+    BLOCK_CAUSAL = "block_causal"
 
 
 @dataclass(slots=True)
@@ -44,6 +47,7 @@ class RowSpec:
     logits_at: list[int]
     attention: AttentionKind = AttentionKind.BIDIRECTIONAL
     kv: KVSpan | None = None
+    block: int = 0  # the block size of BLOCK_CAUSAL attention
 
     @property
     def causal(self) -> bool:

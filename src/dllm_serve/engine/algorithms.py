@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.algorithm import DecodingAlgorithm
+from dllm_serve.decoding.block_diffusion import BlockDiffusionDecoder
 from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.isd import ISDecoder
 from dllm_serve.engine.tiers import ISD_FAMILIES, BlockSizeTiers
@@ -15,12 +16,16 @@ from dllm_serve.models.loader import LoadedModel
 def algorithm_for(
     loaded: LoadedModel, config: EngineConfig, running: Callable[[], int]
 ) -> DecodingAlgorithm:
-    """I-DLM checkpoints decode by exact self-speculation (stride per tiers, docs/isd.md);
-    every other family by LLaDA-style block denoising (prefix cache per ``--kv-cache``).
+    """Block-diffusion checkpoints (SDAR) decode block by block against an exact KV cache;
+    I-DLM checkpoints by exact self-speculation (stride per tiers, docs/isd.md); every other
+    family by LLaDA-style block denoising (prefix cache per ``--kv-cache``).
 
     ``running`` returns the engine's current number of running requests; with tiers the ISD
     decoder asks it at every ``prepare``, so the stride follows the load.
     """
+    if loaded.family.block_diffusion:
+        assert loaded.block_size is not None  # the loader reads it for these families
+        return BlockDiffusionDecoder(loaded.mask_id, loaded.stop_ids, loaded.block_size)
     if loaded.family.name in ISD_FAMILIES:
         tiers = BlockSizeTiers(config.isd_stride, tuple(config.block_size_tiers))
         return ISDecoder(

@@ -15,7 +15,7 @@ from array import array
 
 import torch
 
-from dllm_serve.decoding.forward_spec import RowSpec
+from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.transformer import DecoderTransformer
@@ -81,6 +81,8 @@ class ModelRunner:
         # Group consecutive rows of one shape; the rows arrive sorted by the scheduler.
         groups: list[tuple[int, int, int, bool, bool]] = []  # start, rows, q_len, causal, kv
         bases: list[list[int]] = []  # per group: each row's span start (kv groups)
+        block_rows: dict[int, RowSpec] = {}  # group index → its block-causal row
+        last_key: tuple[int, AttentionKind, bool] | None = None
         prefixes: list[list[int]] = []  # per group: each row's cached prefix length
         offset = 0
         for row in rows:
@@ -99,15 +101,23 @@ class ModelRunner:
             first = row.logits_at[0]
             logits_at.extend(offset + i for i in row.logits_at)
             logits_at.extend([offset + first] * (width - len(row.logits_at)))
-            key = (n, row.causal, row.kv is not None and row.start > 0)
-            last = groups[-1] if groups else None
-            if last is not None and (last[2], last[3], last[4]) == key:
-                groups[-1] = (last[0], last[1] + 1, n, row.causal, key[2])
+            cached = row.kv is not None and row.start > 0
+            # Rows of one shape and kind share an attention call; a block-causal row is a group
+            # of its own (its mask depends on where its blocks fall).
+            key = (
+                None if row.attention is AttentionKind.BLOCK_CAUSAL else (n, row.attention, cached)
+            )
+            if key is not None and groups and key == last_key:
+                begin, count, *_ = groups[-1]
+                groups[-1] = (begin, count + 1, n, row.causal, cached)
             else:
-                groups.append((offset, 1, n, row.causal, key[2]))
+                groups.append((offset, 1, n, row.causal, cached))
                 bases.append([])
                 prefixes.append([])
-            if key[2]:
+                if key is None:
+                    block_rows[len(groups) - 1] = row
+            last_key = key
+            if cached:
                 assert row.kv is not None
                 bases[-1].append(row.kv.start)
                 prefixes[-1].append(row.start)
@@ -127,7 +137,10 @@ class ModelRunner:
         input_ids, pos = packed[:t], packed[t : 2 * t]
         slot_mapping = packed[2 * t : 3 * t] if any_kv else None
         index = packed[(3 if any_kv else 2) * t :]
-        attn = [self._group(g, b, p) for g, b, p in zip(groups, bases, prefixes, strict=True)]
+        attn = [
+            self._block_causal(g, b, block_rows[i]) if i in block_rows else self._group(g, b, p)
+            for i, (g, b, p) in enumerate(zip(groups, bases, prefixes, strict=True))
+        ]
         top = max(r.start + len(r.tokens) for r in rows) - 1
         return FlatBatch(input_ids, pos, attn, index, slot_mapping, max_position=top), width
 
@@ -161,6 +174,23 @@ class ModelRunner:
             limit = (prefix + q_len - 1)[:, None].expand(n, q_len)
         mask = (cols[None, None, :] <= limit[:, :, None])[:, None]
         return AttnGroup(start, n, q_len, kv_slots=kv_slots, mask=mask)
+
+    def _block_causal(
+        self, group: tuple[int, int, int, bool, bool], bases: list[int], row: RowSpec
+    ) -> AttnGroup:
+        """One block-causal row: query at position p sees key q iff block(q) <= block(p).
+
+        A ``[q_len, start + q_len]`` mask, built once per forward: this is the prefill of a
+        block-diffusion prompt (its whole blocks), never a decode step.
+        """
+        start, n, q_len, _causal, cached = group
+        keys = torch.arange(row.start + q_len, device=self.device)
+        queries = keys[row.start :]
+        mask = (keys[None, :] // row.block) <= (queries[:, None] // row.block)
+        if not cached:
+            return AttnGroup(start, n, q_len, mask=mask)
+        first = torch.tensor(bases, dtype=torch.long).to(self.device)
+        return AttnGroup(start, n, q_len, kv_slots=first[:, None] + keys[None, :], mask=mask)
 
     def run(self, rows: list[RowSpec]) -> torch.Tensor:
         """Logits ``[len(rows), M, V]`` for one step (see the module docstring)."""

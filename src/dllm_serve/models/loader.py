@@ -76,6 +76,8 @@ class LoadedModel:
     # block_length, else its max_new_tokens (the canvas our demo models were trained on).
     default_block_length: int | None = None
     vocab_size: int = 0  # rows of the embedding: valid token ids are 0 .. vocab_size - 1
+    # Block-diffusion families: the trained block (config.json block_size), else None.
+    block_size: int | None = None
 
     def prompt_ids(self, text: str) -> list[int]:
         """Token ids of a raw prompt (no chat template), with the tokenizer's own specials."""
@@ -308,6 +310,7 @@ def load_model(
         default_block_length=_positive_int(gen, "block_length", gen_path)
         or _default_gen_length(gen, gen_path),
         vocab_size=tcfg.vocab_size,
+        block_size=int(config["block_size"]) if family.block_diffusion else None,
         **ids,
     )
 

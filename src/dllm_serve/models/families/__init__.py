@@ -13,23 +13,33 @@ from typing import Any
 
 from dllm_serve.models.families.base import Family, UnsupportedModelError
 from dllm_serve.models.families.llada import LLADA, LLaDAFamily
-from dllm_serve.models.families.qwen import DREAM, SDAR, QwenFamily, SDARFamily, is_qwen3_config
+from dllm_serve.models.families.qwen import (
+    DREAM,
+    SDAR,
+    SDAR_BLOCK,
+    QwenFamily,
+    SDARBlockFamily,
+    SDARFamily,
+    is_qwen3_config,
+)
 
 __all__ = [
     "DREAM",
     "FAMILIES",
     "LLADA",
     "SDAR",
+    "SDAR_BLOCK",
     "Family",
     "LLaDAFamily",
     "QwenFamily",
+    "SDARBlockFamily",
     "SDARFamily",
     "UnsupportedModelError",
     "family_for",
     "supported_summary",
 ]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLADA, DREAM, SDAR)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR)}
 
 # Keys that only mixture-of-experts configs carry.
 _MOE_KEYS = (

@@ -46,6 +46,10 @@ class Family(ABC):
     tokenizer_class: str | None = None
     # Buffers some exports save next to the weights; they hold nothing this model needs.
     ignored_tensor_suffixes: tuple[str, ...] = (".rotary_emb.inv_freq",)
+    # Block diffusion (SDAR): attention is block-causal — bidirectional inside a block of
+    # ``config.json``'s ``block_size`` tokens, causal across blocks — so finished blocks' K/V
+    # are exact and a decode step forwards only the active block.
+    block_diffusion: bool = False
 
     @property
     def attention(self) -> str:

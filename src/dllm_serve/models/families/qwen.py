@@ -121,19 +121,49 @@ class SDARFamily(QwenFamily):
 
     def matches(self, config: Mapping[str, Any]) -> bool:
         # I-DLM may also be published as a plain Qwen3 config; the diffusion mask id is what
-        # tells it apart from an autoregressive Qwen3 (checkpoints.md §3/§7).
+        # tells it apart from an autoregressive Qwen3. ``use_regular_causal: false`` is SDAR's
+        # block-bidirectional variant (SDAR_BLOCK), not I-DLM.
+        if config.get("use_regular_causal") is False:
+            return False
         plain_qwen3 = is_qwen3_config(config)
         return super().matches(config) or (plain_qwen3 and "mask_token_id" in config)
 
+
+@dataclass(frozen=True)
+class SDARBlockFamily(QwenFamily):
+    """SDAR / TraDo block diffusion: Qwen3 weights, block-causal attention, no logit shift.
+
+    It shares ``model_type: sdar`` and the tensor names with I-DLM; what differs is the
+    attention the checkpoint was trained with, which its config states as
+    ``use_regular_causal: false`` (SDARConfig's default, true, is I-DLM's strict causality).
+    """
+
+    def matches(self, config: Mapping[str, Any]) -> bool:
+        return super().matches(config) and config.get("use_regular_causal") is False
+
     def check(self, config: Mapping[str, Any]) -> None:
         super().check(config)
-        # SDAR's bidirectional-within-block training variant; ISD needs causal prefill.
-        if config.get("use_regular_causal") is False:
+        size = config.get("block_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise UnsupportedModelError(
-                "SDAR config has use_regular_causal=false (block-bidirectional); only the "
-                "strictly causal I-DLM variant (use_regular_causal=true) is supported"
+                f"an SDAR block-diffusion config needs a positive integer block_size, got {size!r}"
             )
 
+
+SDAR_BLOCK = SDARBlockFamily(
+    name="sdar_block",
+    bidirectional=True,  # inside a block; causal across blocks (block_diffusion)
+    logit_shift=False,
+    mask_token="<|MASK|>",
+    eot_token="<|im_end|>",
+    model_types=("sdar",),
+    architectures=("SDARForCausalLM",),
+    description="SDAR/TraDo block diffusion: model_type sdar with use_regular_causal false",
+    extra_stop_tokens=("<|endoftext|>",),
+    tokenizer_class="Qwen2Tokenizer",
+    qk_norm=True,
+    block_diffusion=True,
+)
 
 DREAM = QwenFamily(
     name="dream",

@@ -1,0 +1,237 @@
+"""Block diffusion (SDAR/TraDo): denoise one block at a time against an exact KV cache.
+
+The model was trained block-causal — bidirectional inside blocks of ``B`` tokens aligned to
+position 0, causal across blocks — so once a block is final its keys and values never change,
+and a decode step forwards only the active block against the cached prefix. Per request:
+
+1. **Prefill** (when the prompt holds whole blocks): one forward over those ``⌊P/B⌋·B`` tokens
+   with the block-causal mask, keeping their K/V.
+2. **Decode** the active block (the prompt's tail shares the first one, as in training): each
+   step forwards the block's ``B`` tokens at their positions against the cached prefix (no
+   mask: the block sees the prefix and itself) and commits proposals at its masked positions
+   by the request's rule — top-k on a per-block schedule of ``min(steps, masks)`` steps,
+   threshold or LocalLeap — exactly as LLaDA denoising does inside its active block
+   (``decoding/denoise.py``; the sampler is shared).
+3. **Commit forward**: once the block has no mask, one more forward of the clean block writes
+   its final K/V (its logits are not used), and the next block starts. Every engine that
+   serves these models spends this forward (SGLang, dInfer, LMDeploy, mlx-lm).
+
+The answer is the committed canvas after the prompt, cut at ``max_tokens`` and before the
+first stop id; the request ends as soon as the contiguous committed answer holds a stop id
+(exact: committed tokens never change) or reaches ``max_tokens``. Blocks past the answer
+budget are never started; the last block may hold positions past it, decoded and dropped
+(the official loop rounds its canvas up to whole blocks the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from dllm_serve.decoding.denoise import LLaDADenoiser
+from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.sampling import new_generator
+from dllm_serve.decoding.schedules import block_schedule
+
+if TYPE_CHECKING:
+    from dllm_serve.models.kv_pool import KVSpan
+
+PREFILL, DECODE, WRITE = "prefill", "decode", "write"
+
+
+@dataclass(slots=True, eq=False)
+class BlockState:
+    """One block-diffusion request: the canvas on the host, the active block, its phase.
+
+    ``tokens`` is ``prompt + mask × (whole blocks up to max_tokens)``; ``block`` indexes the
+    active block counted from position 0; ``phase`` is what the next forward does (prefill the
+    prompt's whole blocks, decode the active block, or write its final K/V). The attributes
+    the shared sampler reads (``masked``, ``schedule``, ``step``, ``params``, ``generator``,
+    ``active_block``) mean what they mean for LLaDA denoising.
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    params: DecodingParams
+    generator: torch.Generator | None
+    mask_id: int
+    stop_ids: tuple[int, ...]
+    block_size: int
+    block: int
+    phase: str
+    masked: list[int] = field(default_factory=list)
+    schedule: list[int] = field(default_factory=list)
+    step: int = 0
+    nfe: int = 0
+    committed: int = 0
+    final_len: int = 0  # contiguous committed answer prefix (within max_tokens)
+    stop_at: int | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    kv: KVSpan | None = None
+    drafted: int | None = None
+    accepted_drafts: int | None = None
+
+    @property
+    def active_block(self) -> tuple[int, int]:
+        lo = self.block * self.block_size
+        return lo, lo + self.block_size
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == PREFILL
+
+    @property
+    def row_length(self) -> int:
+        if self.phase == PREFILL:
+            return self.active_block[0]
+        return self.block_size
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.committed / self.nfe if self.nfe else 0.0
+
+    def answer_tokens(self) -> list[int]:
+        """The final answer so far (committed, contiguous, cut before the first stop id)."""
+        end = self.final_len if self.stop_at is None else self.stop_at
+        return self.tokens[self.prompt_len : self.prompt_len + end]
+
+    def advance_final(self) -> int:
+        """Extend the contiguous committed answer after commits; returns how far it moved."""
+        budget = self.params.gen_length
+        start = end = self.final_len
+        base, tokens = self.prompt_len, self.tokens
+        while end < budget and tokens[base + end] != self.mask_id:
+            if self.stop_at is None and tokens[base + end] in self.stop_ids:
+                self.stop_at = end
+            end += 1
+        self.final_len = end
+        return end - start
+
+
+class BlockDiffusionDecoder:
+    """Block-diffusion decoding with the engine's batched interface (see the module docstring).
+
+    ``block_size`` is the checkpoint's trained block; requests cannot change it (the API
+    rejects another ``block_length``). Holds configuration only; the randomness of each request
+    comes from its own generator, so batched == solo.
+    """
+
+    decoding_mode = "block_diffusion"
+
+    def __init__(self, mask_id: int, stop_ids: Sequence[int], block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError("the block size must be >= 1")
+        self.mask_id = mask_id
+        self.stop_ids = tuple(stop_ids)
+        self.block_size = block_size
+        self._sampler = LLaDADenoiser(mask_id, stop_ids)  # the same proposals and commit rules
+
+    def _canvas_length(self, prompt_len: int, params: DecodingParams) -> int:
+        """Prompt + answer budget, rounded up to whole blocks from position 0."""
+        b = self.block_size
+        return -(-(prompt_len + params.gen_length) // b) * b
+
+    def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
+        return self._canvas_length(prompt_len, params)
+
+    def init_state(
+        self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
+    ) -> BlockState:
+        prompt = [int(t) for t in prompt_ids]
+        if self.mask_id in params.stop_token_ids:
+            raise ValueError("the mask id cannot be a stop id")
+        length = self._canvas_length(len(prompt), params)
+        first_block = len(prompt) // self.block_size
+        state = BlockState(
+            tokens=prompt + [self.mask_id] * (length - len(prompt)),
+            prompt_len=len(prompt),
+            params=params,
+            generator=new_generator(params, device),
+            mask_id=self.mask_id,
+            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+            block_size=self.block_size,
+            block=first_block,
+            phase=PREFILL if first_block else DECODE,
+        )
+        if state.phase == DECODE:
+            self._start_block(state)
+        else:
+            state.schedule = [0]  # a prefill commits nothing (the sampler reads k = 0)
+        return state
+
+    def prepare(self, state: BlockState) -> RowSpec:
+        if state.finished or state.kv is None:
+            raise RuntimeError("prepare() called on a finished request (or one without KV)")
+        lo, hi = state.active_block
+        if state.phase == PREFILL:  # the prompt's whole blocks, block-causal, K/V kept
+            return RowSpec(
+                tokens=state.tokens[:lo], start=0, logits_at=[lo - 1],
+                attention=AttentionKind.BLOCK_CAUSAL, kv=state.kv, block=self.block_size,
+            )  # fmt: skip
+        if state.kv.length != lo:
+            raise RuntimeError(f"block cache holds {state.kv.length} positions, expected {lo}")
+        offsets = [p - lo for p in state.masked] if state.phase == DECODE else [0]
+        return RowSpec(tokens=state.tokens[lo:hi], start=lo, logits_at=offsets, kv=state.kv)
+
+    def sample(self, states: Sequence[BlockState], logits: torch.Tensor) -> torch.Tensor:
+        """The committed tokens of every row (LLaDA's batched sampler; prefill and write rows
+        have no masked position, so they commit nothing)."""
+        return self._sampler.sample(states, logits)  # type: ignore[arg-type]
+
+    def commit(
+        self, states: Sequence[BlockState], committed: Sequence[Sequence[int]]
+    ) -> list[StepResult]:
+        return [self._commit_row(s, row) for s, row in zip(states, committed, strict=True)]
+
+    def _commit_row(self, state: BlockState, row: Sequence[int]) -> StepResult:
+        if state.finished or state.kv is None:
+            raise RuntimeError("commit() called on a finished request")
+        state.nfe += 1
+        lo, hi = state.active_block
+        if state.phase == PREFILL:
+            state.kv.length = lo
+            state.phase = DECODE
+            self._start_block(state)
+            return StepResult(committed=0, finished=False)
+        if state.phase == WRITE:  # the block's final K/V are in place: keep them, move on
+            state.kv.length = hi
+            state.block += 1
+            self._start_block(state)
+            return StepResult(committed=0, finished=False)
+        still: list[int] = []
+        for pos, token in zip(state.masked, row, strict=False):
+            if token == self.mask_id:
+                still.append(pos)
+            else:
+                state.tokens[pos] = token
+        committed = len(state.masked) - len(still)
+        state.masked = still
+        state.committed += committed
+        state.step += 1
+        new = state.advance_final()
+        if state.stop_at is not None or state.final_len == state.params.gen_length:
+            state.finished = True
+            state.finish_reason = "stop" if state.stop_at is not None else "length"
+            return StepResult(committed, True, state.finish_reason, new_tokens=new)
+        if not still:
+            state.phase = WRITE
+            state.schedule, state.step = [0], 0  # the write forward commits nothing
+        return StepResult(committed, False, new_tokens=new)
+
+    def _start_block(self, state: BlockState) -> None:
+        """The active block's masks and, for top-k, its schedule over ``min(steps, masks)``
+        steps (no step that commits nothing)."""
+        lo, hi = state.active_block
+        state.phase = DECODE
+        state.step = 0
+        state.masked = [p for p in range(lo, hi) if state.tokens[p] == self.mask_id]
+        if state.params.mode != "topk":
+            state.schedule = [0]
+            return
+        steps = max(1, min(state.params.steps, len(state.masked)))
+        state.schedule = block_schedule(state.params.block_schedule, len(state.masked), steps)
