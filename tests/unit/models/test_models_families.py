@@ -171,7 +171,6 @@ def test_idlm_as_plain_qwen3_with_mask_id() -> None:
 @pytest.mark.parametrize(
     ("fixture", "change", "match"),
     [
-        ("idlm-8b", {"use_regular_causal": False}, "use_regular_causal"),
         ("idlm-8b", {"use_sliding_window": True}, "use_sliding_window"),
         ("idlm-8b", {"architectures": ["SDARMoeForCausalLM"]}, "mixture-of-experts"),
         ("dream-v0-instruct-7b", {"hidden_act": "gelu"}, "hidden_act"),
