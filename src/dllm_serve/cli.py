@@ -206,7 +206,11 @@ def serve(config: ServerConfig) -> None:
     try:
         loaded = load_model(mc.model, device=mc.device, dtype=mc.dtype)
     except (ModelLoadError, UnsupportedModelError) as exc:
-        sys.exit(f"dllm-serve: cannot load model {mc.model!r}: {exc}")
+        # One line, no traceback; the model's name once (most messages already start with it).
+        message = str(exc)
+        if not message.startswith(f"model {mc.model!r}"):
+            message = f"cannot load model {mc.model!r}: {message}"
+        sys.exit(f"dllm-serve: {message}")
     logging.getLogger("dllm_serve").info(
         "serving %s from %s on %s (%s)", loaded.name, loaded.path, loaded.device, loaded.dtype
     )

@@ -29,7 +29,37 @@ def test_unknown_model_fails_fast_with_message(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode != 0
-    assert str(missing) in proc.stderr
+    assert proc.stderr.strip() == (
+        f"dllm-serve: model {str(missing)!r}: directory {missing} does not exist. Pass a "
+        "checkpoint directory (config.json, tokenizer files, *.safetensors), a model id already "
+        "in the Hugging Face cache, or an embedded model. Embedded models: demo-idlm, "
+        "demo-llada, tiny-llada"
+    )
+
+
+def test_corrupt_weights_fail_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    ckpt = tmp_path / "cut"
+    subprocess.run(
+        [sys.executable, "-m", "dllm_serve", "make-tiny", str(ckpt), "--n-layers", "1"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    weights = ckpt / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # the header intact, half the tensors gone
+    proc = subprocess.run(
+        [sys.executable, "-m", "dllm_serve", "--model", str(ckpt), "--log-level", "warning"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"dllm-serve: cannot load model {str(ckpt)!r}: cannot read {weights}: not a valid "
+        "safetensors file, truncated or corrupt (Error while deserializing header: incomplete "
+        "metadata, file not fully covered); copy or download it again"
+    )
 
 
 @pytest.mark.parametrize("family", ["llada", "dream", "idlm"])

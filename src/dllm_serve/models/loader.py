@@ -177,13 +177,13 @@ def _open_safetensors(path: Path) -> Iterator[Any]:
     try:
         with safe_open(str(path), framework="pt") as f:
             yield f
-    except PermissionError:
-        raise ModelLoadError(_permission_message(path)) from None
-    except (SafetensorError, OSError) as e:
+    except SafetensorError as e:
         raise ModelLoadError(
             f"cannot read {path}: not a valid safetensors file, truncated or corrupt ({e}); "
             "copy or download it again"
         ) from None
+    except OSError as e:  # e.g. changed since the check above, or an I/O error mid-read
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
 
 
 def _weight_files(path: Path) -> dict[str, Path]:

@@ -28,6 +28,10 @@ from dllm_serve.cli import parse_config
 ROOT = Path(__file__).resolve().parents[3]
 DOCKER = ROOT / "docker"
 K8S = DOCKER / "k8s"
+# Not *.yaml: `kubectl apply -f docker/k8s/` (also with -R) must never apply the placeholder key.
+SECRET_EXAMPLE = K8S / "secret.yaml.example"
+# The extensions kubectl reads when given a directory (its FileVisitor).
+KUBECTL_EXTENSIONS = (".json", ".yaml", ".yml")
 DOCKERFILE = DOCKER / "Dockerfile"
 PORT = 8000
 # After --shutdown-timeout the server still needs: uvicorn's graceful timeout for leftover
@@ -184,12 +188,35 @@ def test_healthcheck_command_follows_the_health_status(instructions) -> None:
     assert _probe_exit_code(code, port) != 0  # nothing listens any more
 
 
-def test_models_and_hf_cache_are_volumes_and_hub_is_offline(instructions) -> None:
-    volumes = json.loads(only(instructions, "VOLUME"))
+def test_mount_points_exist_without_volume_instructions_and_hub_is_offline(instructions) -> None:
+    """No VOLUME: each container run without the mounts would leave an anonymous volume
+    behind. The mount points exist, owned by the server's user, and are documented instead."""
+    assert not [a for kw, a in instructions if kw == "VOLUME"]
     env = env_values(instructions)
-    assert "/models" in volumes
-    assert env["HF_HOME"] in volumes
+    assert env["HF_HOME"] == "/hf-cache"
     assert env["HF_HUB_OFFLINE"] == "1"
+    uid = only(instructions, "USER").split(":")[0]
+    (setup,) = [a for kw, a in instructions if kw == "RUN" and "useradd" in a]
+    assert f"--uid {uid}" in setup
+    assert "mkdir -p /models /hf-cache" in setup and "chown dllm:dllm /models /hf-cache" in setup
+    doc = (ROOT / "docs" / "deployment.md").read_text()
+    assert "-v /path/to/models:/models:ro" in doc and "-v ~/.cache/huggingface:/hf-cache:ro" in doc
+    assert "no `VOLUME`" in doc
+
+
+def test_the_no_argument_model_is_the_one_the_docs_name(instructions) -> None:
+    """`docker run IMAGE` with no arguments serves the CLI's default model, and the Dockerfile
+    comment and docs/deployment.md say which."""
+    default = parse_config(container_argv(instructions, exec_form(only(instructions, "CMD"))))
+    model = default.model.model
+    assert model == "demo-llada"
+    text = DOCKERFILE.read_text()
+    assert f"# No arguments: the CLI's default model, the embedded {model} " in text
+    assert "tiny-llada" not in text
+    doc = " ".join((ROOT / "docs" / "deployment.md").read_text().split())
+    assert (
+        f"With no arguments the image serves the CLI's default model, the embedded `{model}`" in doc
+    )
 
 
 def test_entrypoint_is_dllm_serve_listening_on_every_interface(instructions) -> None:
@@ -318,9 +345,10 @@ def yaml_docs(path: Path) -> list[dict[str, Any]]:
 
 
 def k8s_objects() -> dict[str, dict[str, Any]]:
-    """kind -> object over every manifest in docker/k8s (one object of each kind)."""
+    """kind -> object over every manifest `kubectl apply -f docker/k8s/` applies (one object
+    of each kind)."""
     objects: dict[str, dict[str, Any]] = {}
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in kubectl_directory_files():
         for doc in yaml_docs(path):
             assert doc["kind"] not in objects, f"second {doc['kind']} in {path.name}"
             objects[doc["kind"]] = doc
@@ -351,14 +379,14 @@ def seconds(duration: str | int) -> float:
 
 
 def test_every_yaml_file_parses() -> None:
-    paths = sorted(DOCKER.rglob("*.yaml")) + sorted(DOCKER.rglob("*.yml"))
+    paths = sorted(DOCKER.rglob("*.yaml")) + sorted(DOCKER.rglob("*.yml")) + [SECRET_EXAMPLE]
     assert {p.name for p in paths} >= {
         "compose.yaml",
         "deployment.yaml",
         "service.yaml",
         "hpa.yaml",
         "pvc.yaml",
-        "secret.example.yaml",
+        "secret.yaml.example",
     }
     for path in paths:
         for doc in yaml_docs(path):
@@ -431,10 +459,31 @@ def test_pod_runs_as_non_root_without_privileges() -> None:
     assert container["capabilities"]["drop"] == ["ALL"]
 
 
+def kubectl_directory_files() -> list[Path]:
+    """What `kubectl apply -R -f docker/k8s/` reads (without -R: only the top level)."""
+    return sorted(p for p in K8S.rglob("*") if p.is_file() and p.suffix in KUBECTL_EXTENSIONS)
+
+
+def test_applying_the_directory_never_applies_a_secret() -> None:
+    """`kubectl apply -f docker/k8s/` would overwrite a real API key with the placeholder."""
+    files = kubectl_directory_files()
+    assert {p.name for p in files} == {
+        "deployment.yaml",
+        "service.yaml",
+        "hpa.yaml",
+        "pvc.yaml",
+    }
+    assert SECRET_EXAMPLE not in files and SECRET_EXAMPLE.is_file()
+    kinds = [doc["kind"] for path in files for doc in yaml_docs(path)]
+    assert "Secret" not in kinds
+    (example,) = yaml_docs(SECRET_EXAMPLE)
+    assert example["kind"] == "Secret"
+
+
 def test_api_key_comes_from_the_secret() -> None:
     env = {e["name"]: e for e in server_container()["env"]}
     ref = env["DLLM_API_KEY"]["valueFrom"]["secretKeyRef"]
-    secret = k8s_objects()["Secret"]
+    (secret,) = yaml_docs(SECRET_EXAMPLE)
     assert ref["name"] == secret["metadata"]["name"]
     assert ref["key"] in secret["stringData"]
     assert "REPLACE" in secret["stringData"][ref["key"]], "the example must hold no real key"
@@ -446,6 +495,27 @@ def test_models_volume_is_the_pvc() -> None:
     claim = volume["persistentVolumeClaim"]
     assert claim["claimName"] == k8s_objects()["PersistentVolumeClaim"]["metadata"]["name"]
     assert claim["readOnly"] is True
+
+
+def pvc_with_storage_class() -> dict[str, Any]:
+    """pvc.yaml with its commented `storageClassName` line uncommented, as the file says."""
+    text = (K8S / "pvc.yaml").read_text()
+    lines = re.findall(r"^( *)# (storageClassName: .*)$", text, re.MULTILINE)
+    assert len(lines) == 1, "pvc.yaml: one commented storageClassName line"
+    indent, line = lines[0]
+    (doc,) = [d for d in yaml.safe_load_all(text.replace(f"{indent}# {line}", indent + line)) if d]
+    return doc
+
+
+def test_pvc_is_read_write_many_and_shows_where_its_storage_class_goes() -> None:
+    pvc = k8s_objects()["PersistentVolumeClaim"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert "storageClassName" not in pvc["spec"]  # as shipped: the cluster's default class
+    chosen = pvc_with_storage_class()
+    assert isinstance(chosen["spec"]["storageClassName"], str)
+    assert {k: v for k, v in chosen["spec"].items() if k != "storageClassName"} == pvc["spec"]
+    doc = (ROOT / "docs" / "deployment.md").read_text()
+    assert "storageClassName" in doc and "ReadWriteMany" in doc
 
 
 def test_service_is_cluster_ip_on_8000_and_selects_the_pods() -> None:
@@ -532,9 +602,19 @@ def test_deployment_doc_covers_the_artefacts() -> None:
     doc = (ROOT / "docs" / "deployment.md").read_text()
     assert "docker build -f docker/Dockerfile -t dllm-serve ." in doc
     assert "docker run --gpus all" in doc
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in [*kubectl_directory_files(), SECRET_EXAMPLE]:
         assert f"docker/k8s/{path.name}" in doc, path.name
     assert "dllm:num_requests_waiting" in doc
+    assert "secret.example.yaml" not in doc
+
+
+def test_documented_docker_run_passes_an_api_key_and_says_what_happens_without() -> None:
+    doc = (ROOT / "docs" / "deployment.md").read_text()
+    runs = re.findall(r"^docker run --gpus all .*$", doc, re.MULTILINE)
+    assert runs and all(" -e DLLM_API_KEY " in run for run in runs), runs
+    assert 'curl -s localhost:8000/v1/models -H "Authorization: Bearer $DLLM_API_KEY"' in doc
+    prose = " ".join(doc.split())
+    assert "Without `DLLM_API_KEY` the server accepts every request" in prose
 
 
 # --- real linters, when installed -------------------------------------------------------------
@@ -553,9 +633,10 @@ def test_hadolint_is_clean() -> None:
 def test_kubernetes_manifests_validate_against_the_api_schemas() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     version = kubernetes_validate.latest_version()
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in [*kubectl_directory_files(), SECRET_EXAMPLE]:
         for doc in yaml_docs(path):
             kubernetes_validate.validate(doc, version, strict=True)
+    kubernetes_validate.validate(pvc_with_storage_class(), version, strict=True)
 
 
 def test_compose_file_validates_against_the_compose_spec() -> None:

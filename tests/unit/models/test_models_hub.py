@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,6 +85,64 @@ def test_hf_id_missing_names_paths_tried(clean_hf_env: Path, monkeypatch) -> Non
     message = str(e.value)
     assert str(clean_hf_env / "hub" / "models--GSAI-ML--LLaDA-8B-Instruct") in message
     assert "never downloads" in message and "HF_HUB_OFFLINE=1" in message
+
+
+def test_hf_id_missing_suggests_the_hf_command(clean_hf_env: Path, monkeypatch) -> None:
+    """`huggingface-cli download` no longer works in huggingface_hub >= 1.0: the message gives
+    the `hf` command, with the revision asked for."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(clean_hf_env / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model_path("GSAI-ML/LLaDA-8B-Instruct")
+    message = str(e.value)
+    assert (
+        "fetch the checkpoint into the cache first with `hf download GSAI-ML/LLaDA-8B-Instruct`"
+        in message
+    )
+    assert "huggingface-cli" not in message
+    with pytest.raises(ModelLoadError, match=r"`hf download org/m --revision dev`"):
+        resolve_model_path("org/m", revision="dev")
+
+
+def test_the_suggested_hf_command_exists() -> None:
+    """The installed huggingface_hub ships the `hf` command, with `download REPO_ID
+    [--revision]`."""
+    from importlib.metadata import entry_points
+
+    (hf,) = entry_points(group="console_scripts", name="hf")
+    module, _, func = hf.value.partition(":")
+    code = f"from {module} import {func}; {func}()"
+    env = {**os.environ, "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, "download", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "REPO_ID" in out.stdout and "--revision" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "name", ["/does/not/exist", "./models/llada", "../llada", "~/no-such-model", "a/b/c", "org/"]
+)
+def test_missing_path_says_the_directory_does_not_exist(name: str, clean_hf_env: Path) -> None:
+    """A name that can only be a path gets no Hub advice: the directory is missing."""
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model_path(name)
+    resolved = Path(name).expanduser().resolve()
+    assert str(e.value) == (
+        f"model {name!r}: directory {resolved} does not exist. Pass a checkpoint directory "
+        "(config.json, tokenizer files, *.safetensors), a model id already in the Hugging Face "
+        "cache, or an embedded model. Embedded models: demo-idlm, demo-llada, tiny-llada"
+    )
+
+
+def test_a_file_is_not_a_checkpoint_directory(clean_hf_env: Path) -> None:
+    (clean_hf_env / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors is not a directory"):
+        resolve_model_path("model.safetensors")
 
 
 def test_incomplete_snapshot(single_dir: Path, clean_hf_env: Path, monkeypatch) -> None:

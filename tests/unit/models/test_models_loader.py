@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -305,3 +309,122 @@ def test_progress_bar_quiet_without_tty(single_dir: Path, capfd: pytest.CaptureF
     finally:
         logging.getLogger("dllm_serve.models.loader").setLevel(logging.NOTSET)
     assert "Loading" not in capfd.readouterr().err
+
+
+# ---- unreadable and corrupt weights: one ModelLoadError naming the file and the cause --------
+def _deny_reading(monkeypatch: pytest.MonkeyPatch, denied: Path) -> None:
+    """The loader's `open` raises PermissionError for `denied`, as for a mode-0600 file owned
+    by another user (tests run as root, which chmod alone does not stop)."""
+    from dllm_serve.models import loader
+
+    def fake_open(file, *args, **kwargs):
+        if Path(file) == denied:
+            raise PermissionError(13, "Permission denied", str(file))
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "open", fake_open, raising=False)
+
+
+def test_unreadable_weights_named_with_the_permission_problem(
+    single_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = broken_copy(single_dir, tmp_path / "perm")
+    weights = path / "model.safetensors"
+    weights.chmod(0o600)
+    _deny_reading(monkeypatch, weights)
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path))
+    assert str(e.value) == (
+        f"cannot read {weights}: permission denied (mode -rw-------, owner uid "
+        f"{weights.stat().st_uid}; this process runs as uid {os.geteuid()}). Make the checkpoint "
+        f"readable by this user, e.g. `chmod a+r {weights}` (and a+x on its directories)"
+    )
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+
+
+def test_unreadable_shard_fails_before_any_weight_is_loaded(
+    idlm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dllm_serve.models import loader
+
+    path = broken_copy(idlm_dir, tmp_path / "permshard")
+    _deny_reading(monkeypatch, path / "model-00002-of-00002.safetensors")
+    monkeypatch.setattr(loader, "DecoderTransformer", lambda *a: pytest.fail("weights loaded"))
+    with pytest.raises(ModelLoadError, match=r"model-00002-of-00002\.safetensors: permission"):
+        load_model(str(path))
+
+
+def _without_read_permission() -> list[str] | None:
+    """A command prefix under which a mode-000 file really is unreadable: none needed for a
+    non-root user; for root, setpriv dropping the capabilities that bypass file modes."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    probe = subprocess.run(
+        [setpriv, "--bounding-set=-dac_override,-dac_read_search", "true"], capture_output=True
+    )
+    return (
+        [setpriv, "--bounding-set=-dac_override,-dac_read_search"]
+        if probe.returncode == 0
+        else None
+    )
+
+
+def test_mode_000_weights_really_unreadable(single_dir: Path, tmp_path: Path) -> None:
+    """The real thing, in a child process: safetensors alone would say `FileNotFoundError: No
+    such file or directory` for a file that is there."""
+    prefix = _without_read_permission()
+    if prefix is None:
+        pytest.skip("running as root without setpriv: cannot make a file unreadable")
+    path = broken_copy(single_dir, tmp_path / "mode000")
+    (path / "model.safetensors").chmod(0o000)
+    code = (
+        "import sys\nfrom dllm_serve.models.loader import ModelLoadError, load_model\n"
+        "try:\n    load_model(sys.argv[1])\nexcept ModelLoadError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [*prefix, sys.executable, "-c", code, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(
+        f"cannot read {path / 'model.safetensors'}: permission denied (mode ----------"
+    ), out.stdout
+
+
+@pytest.mark.parametrize(
+    ("damage", "detail"),
+    [
+        ("truncated", "incomplete metadata, file not fully covered"),
+        ("header", "invalid header length"),
+        ("empty", "header too small"),
+    ],
+)
+def test_corrupt_weights_give_one_clear_error(
+    single_dir: Path, tmp_path: Path, damage: str, detail: str
+) -> None:
+    path = broken_copy(single_dir, tmp_path / damage)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(
+        {"truncated": data[: len(data) // 2], "header": data[:100], "empty": b""}[damage]
+    )
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path))
+    assert str(e.value) == (
+        f"cannot read {weights}: not a valid safetensors file, truncated or corrupt (Error "
+        f"while deserializing header: {detail}); copy or download it again"
+    )
+
+
+def test_corrupt_shard_named(idlm_dir: Path, tmp_path: Path) -> None:
+    path = broken_copy(idlm_dir, tmp_path / "badshard")
+    shard = path / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    expected = re.escape(f"cannot read {shard}: not a valid safetensors file")
+    with pytest.raises(ModelLoadError, match=expected):
+        load_model(str(path))

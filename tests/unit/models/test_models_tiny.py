@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -247,3 +250,69 @@ def test_module_entry_point_defaults_to_llada(tmp_path: Path, monkeypatch, capsy
         runpy.run_module("dllm_serve.models.tiny", run_name="__main__")
     assert e.value.code == 0
     assert read(tmp_path / "m", "config.json")["model_type"] == "llada"
+
+
+# ---- file modes and --help ---------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llada", "dream", "idlm"])
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_every_file_is_world_readable_whatever_the_umask(
+    family: str, num_shards: int, tmp_path: Path
+) -> None:
+    """safetensors writes its files 0600; a server running as another user (the Docker image's
+    UID 10001) could not read them. Every file comes out 0644, even under umask 077."""
+    old = os.umask(0o077)
+    try:
+        out = write_tiny(family, tmp_path / family, n_layers=1, num_shards=num_shards)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert sum(name.endswith(".safetensors") for name in modes) == num_shards
+    assert modes == dict.fromkeys(modes, 0o644)
+
+
+def help_text(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("family", "flags", "absent"),
+    [
+        ("llada", ["--n-heads"], ["--n-kv-heads", "--head-dim"]),
+        ("dream", ["--n-kv-heads"], ["--head-dim"]),
+        ("idlm", ["--n-kv-heads", "--head-dim"], []),
+    ],
+)
+def test_help_describes_every_family_and_the_chosen_ones_flags(
+    family: str, flags: list[str], absent: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    text = help_text(capsys, "--family", family)
+    assert text == help_text(capsys, "DIR", "--family", family)  # flag order does not matter
+    assert "LLaDA-format" not in text
+    assert "\n  llada  LLaDA-8B-Instruct: LLaDA config and tensor names, tokenizer.json\n" in text
+    assert "\n  dream  Dream-v0-Instruct-7B: Dream config, Qwen2 tensors, vocab.json +" in text
+    assert "\n  idlm   I-DLM-8B: SDAR config, Qwen3 tensors, vocab.json + merges.txt\n" in text
+    prose = " ".join(text.split())
+    assert f"The size flags below are those of --family {family};" in prose
+    for other in {"llada", "dream", "idlm"} - {family}:
+        assert f"`dllm-serve make-tiny --family {other} --help`" in prose
+    assert "mode 0644" in prose
+    for flag in flags:
+        assert f" {flag} " in text, flag
+    for flag in absent:
+        assert flag not in text, flag
+    assert help_text(capsys) == help_text(capsys, "--family", "llada")  # llada by default
+
+
+def test_docs_synopsis_lists_only_real_flags(capsys: pytest.CaptureFixture) -> None:
+    """docs/models.md's make-tiny synopsis: every flag exists, for the families it names."""
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "models.md").read_text()
+    synopsis = doc.split("dllm-serve make-tiny [--family", 1)[1].split("```", 1)[0]
+    helps = {f: help_text(capsys, "--family", f) for f in ("llada", "dream", "idlm")}
+    for flag in re.findall(r"\[(--[a-z-]+)", synopsis):
+        assert any(f" {flag} " in text for text in helps.values()), flag
+    for flag, families in (("--n-kv-heads", {"dream", "idlm"}), ("--head-dim", {"idlm"})):
+        assert re.search(rf"\[{flag} \d+\]\s+\({', '.join(sorted(families))}\)", synopsis), flag
+        assert {f for f, text in helps.items() if f" {flag} " in text} == families, flag
