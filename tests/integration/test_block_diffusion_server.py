@@ -7,7 +7,6 @@ SDK, gives the engine's answers, streamed and not.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,16 @@ from remote_server import RemoteServer
 
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
-from dllm_serve.models.tiny import write_tiny_idlm
+from dllm_serve.models.tiny import write_tiny_sdar
 
 QUESTIONS = ["What is 2 + 2?", "Reverse the word cat."]
 
 
 @pytest.fixture(scope="module")
 def sdar_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = write_tiny_idlm(Path(tmp_path_factory.mktemp("sdar")) / "tiny-sdar", seed=3)
-    config = json.loads((path / "config.json").read_text())
-    config.update(use_regular_causal=False, block_size=4)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return write_tiny_sdar(
+        Path(tmp_path_factory.mktemp("sdar")) / "tiny-sdar", block_size=4, seed=3
+    )
 
 
 def test_server_answers_are_the_engines(sdar_dir: Path, tmp_path: Path) -> None:

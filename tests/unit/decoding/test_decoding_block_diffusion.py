@@ -20,7 +20,7 @@ from dllm_serve.decoding.schedules import uniform_schedule
 from dllm_serve.llm import LLM
 from dllm_serve.models.families import SDAR, SDAR_BLOCK, family_for
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_idlm
+from dllm_serve.models.tiny import write_tiny_sdar
 
 B = 4
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "idlm-8b" / "config.json"
@@ -38,12 +38,10 @@ def test_dispatch_reads_use_regular_causal() -> None:
 
 @pytest.fixture(scope="module")
 def sdar_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny SDAR block-diffusion checkpoint: the I-DLM format with SDAR's config keys."""
-    path = write_tiny_idlm(Path(tmp_path_factory.mktemp("sdar")) / "tiny-sdar", seed=3)
-    config = json.loads((path / "config.json").read_text())
-    config.update(use_regular_causal=False, block_size=B)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    """A tiny SDAR block-diffusion checkpoint (``make-tiny --family sdar``)."""
+    return write_tiny_sdar(
+        Path(tmp_path_factory.mktemp("sdar")) / "tiny-sdar", block_size=B, seed=3
+    )
 
 
 @pytest.fixture(scope="module")

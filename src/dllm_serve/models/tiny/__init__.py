@@ -1,11 +1,11 @@
 """Tiny random-weight checkpoints in the real on-disk formats of each supported family.
 
 ``write_tiny(family, DIR, ...)`` (or ``write_tiny_llada`` / ``write_tiny_dream`` /
-``write_tiny_idlm``) writes a complete checkpoint whose config, tokenizer files and chat
-template reproduce the real ones, with only sizes (and, for the small default vocabulary,
-special ids) changed. Output is a pure function of the arguments.
+``write_tiny_idlm`` / ``write_tiny_sdar``) writes a complete checkpoint whose config,
+tokenizer files and chat template reproduce the real ones, with only sizes (and, for the small
+default vocabulary, special ids) changed. Output is a pure function of the arguments.
 
-Command line: ``python -m dllm_serve.models.tiny [--family llada|dream|idlm] DIR [--d-model N
+Command line: ``python -m dllm_serve.models.tiny [--family llada|dream|idlm|sdar] DIR [--d-model N
 ...] [--real-ids]`` (``dllm-serve make-tiny`` forwards its arguments here).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dllm_serve.models.tiny.bpe import build_tokenizer
 from dllm_serve.models.tiny.llada import CHAT_TEMPLATE, llada_special_tokens, write_tiny_llada
-from dllm_serve.models.tiny.qwen import write_tiny_dream, write_tiny_idlm
+from dllm_serve.models.tiny.qwen import write_tiny_dream, write_tiny_idlm, write_tiny_sdar
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -32,23 +32,26 @@ __all__ = [
     "write_tiny_dream",
     "write_tiny_idlm",
     "write_tiny_llada",
+    "write_tiny_sdar",
 ]
 
 WRITERS: dict[str, Callable[..., Path]] = {
     "llada": write_tiny_llada,
     "dream": write_tiny_dream,
     "idlm": write_tiny_idlm,
+    "sdar": write_tiny_sdar,
 }
 # The on-disk format each family's checkpoint reproduces (`make-tiny --help`).
 FORMATS: dict[str, str] = {
     "llada": "LLaDA-8B-Instruct: LLaDA config and tensor names, tokenizer.json",
     "dream": "Dream-v0-Instruct-7B: Dream config, Qwen2 tensors, vocab.json + merges.txt",
     "idlm": "I-DLM-8B: SDAR config, Qwen3 tensors, vocab.json + merges.txt",
+    "sdar": "SDAR/TraDo block diffusion: I-DLM's files, use_regular_causal false, block_size",
 }
 
 
 def write_tiny(family: str, out_dir: str | Path, **sizes: int | bool) -> Path:
-    """Write a tiny checkpoint of ``family`` (llada, dream or idlm) to ``out_dir``."""
+    """Write a tiny checkpoint of ``family`` (llada, dream, idlm or sdar) to ``out_dir``."""
     if family not in WRITERS:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(WRITERS)}")
     return WRITERS[family](out_dir, **sizes)

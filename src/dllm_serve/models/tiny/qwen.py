@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dllm_serve.models.families import DREAM, SDAR, Family
+from dllm_serve.models.families import DREAM, SDAR, SDAR_BLOCK, Family
 from dllm_serve.models.tiny.bpe import base_vocab_size, qwen2_vocab_files
 from dllm_serve.models.tiny.files import (
     random_weights,
@@ -39,6 +39,9 @@ A tiny **random-weight** checkpoint in the on-disk format of {real}. Made by
 - Config, generation config and tokenizer files: the real ones, only sizes and ids changed.
 - Weights: norms ones, everything else `randn * 0.02` from `torch.Generator` seed {seed}.
 """
+
+
+TINY_NAMES = {"dream": "dream", "sdar": "idlm", "sdar_block": "sdar"}  # family → make-tiny name
 
 
 def _moved(real_id: Any, first: int) -> Any:
@@ -101,7 +104,7 @@ def _write(
     tensors = random_weights(family, tcfg, seed)
     save_weights(out, tensors, num_shards)
     write_text(out / "README.md", CARD.format(
-        name=out.name, real=fmt, family=family.name if family is DREAM else "idlm",
+        name=out.name, real=fmt, family=TINY_NAMES[family.name],
         d_model=tcfg.d_model, n_layers=tcfg.n_layers, n_heads=tcfg.n_heads,
         n_kv_heads=tcfg.n_kv_heads, head_dim=tcfg.head_dim, mlp=tcfg.mlp_hidden_size,
         max_len=tcfg.max_sequence_length, params=sum(t.numel() for t in tensors.values()),
@@ -158,4 +161,32 @@ def write_tiny_idlm(
         "max_position_embeddings": max_sequence_length,
     }  # fmt: skip
     return _write(out_dir, SDAR, "idlm-8b", sizes,
+                  seed=seed, num_shards=num_shards, real_ids=real_ids)  # fmt: skip
+
+
+def write_tiny_sdar(
+    out_dir: str | Path,
+    *,
+    block_size: int = 4,
+    d_model: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 16,
+    mlp_hidden_size: int = 128,
+    max_sequence_length: int = 2048,
+    seed: int = 0,
+    num_shards: int = 1,
+    real_ids: bool = False,
+) -> Path:
+    """Write an SDAR/TraDo block-diffusion checkpoint: I-DLM's SDAR config and Qwen3 tensors
+    with the keys that make it block-causal (``use_regular_causal: false``, ``block_size``)."""
+    sizes = {
+        "hidden_size": d_model, "intermediate_size": mlp_hidden_size, "head_dim": head_dim,
+        "num_hidden_layers": n_layers, "max_window_layers": n_layers,
+        "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
+        "max_position_embeddings": max_sequence_length,
+        "use_regular_causal": False, "block_size": block_size,
+    }  # fmt: skip
+    return _write(out_dir, SDAR_BLOCK, "idlm-8b", sizes,
                   seed=seed, num_shards=num_shards, real_ids=real_ids)  # fmt: skip
