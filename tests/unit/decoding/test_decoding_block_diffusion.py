@@ -110,13 +110,15 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-write", "write-forward"])
 @pytest.mark.parametrize("setting", SETTINGS, ids=["topk", "two-steps", "threshold"])
 def test_cached_engine_equals_the_no_cache_loop(
-    sdar_dir: Path, reference_model: LoadedModel, setting: dict
+    sdar_dir: Path, reference_model: LoadedModel, setting: dict, fuse: bool
 ) -> None:
     params = DecodingParams(**setting)
     with LLM(str(sdar_dir), device="cpu", dtype="float32") as llm:
         assert llm.engine.decoding_mode == "block_diffusion"
+        llm.engine.algorithm.fuse_write = fuse  # type: ignore[union-attr]
         fed: list[int] = []
         real_run = llm.engine.runner.run
 
@@ -132,12 +134,18 @@ def test_cached_engine_equals_the_no_cache_loop(
             assert llm.loaded.tokenizer.decode(want, skip_special_tokens=True) == got.text
             assert got.completion_tokens == len(want)
             # The exact cache: a prefill of the prompt's whole blocks, then only the active
-            # block per forward (B tokens), one write forward per finished block.
+            # block per forward (B tokens) — with the finished block before it when its write
+            # is fused (2B), else one write forward of B tokens per finished block.
             prefill = [len(prompt) // B * B] if len(prompt) >= B else []
-            assert fed[: len(prefill)] == prefill and set(fed[len(prefill) :]) == {B}
-            writes = len(fed) - len(prefill) - denoise
-            assert 0 <= writes <= -(-(len(prompt) + params.gen_length) // B)
+            assert fed[: len(prefill)] == prefill
             assert got.nfe == len(fed)
+            if fuse:
+                assert set(fed[len(prefill) :]) <= {B, 2 * B}
+                assert len(fed) == len(prefill) + denoise  # no forward spent on writes
+            else:
+                assert set(fed[len(prefill) :]) == {B}
+                writes = len(fed) - len(prefill) - denoise
+                assert 0 <= writes <= -(-(len(prompt) + params.gen_length) // B)
 
 
 def test_a_stop_id_ends_the_answer_exactly(sdar_dir: Path, reference_model: LoadedModel) -> None:
