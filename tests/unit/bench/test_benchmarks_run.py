@@ -89,6 +89,20 @@ def test_engine_overhead_random_8b_shape_tiny(tmp_path: Path) -> None:
     assert report["forwards"] > 0 and report["engine"]["answer_tokens_per_s"] > 0
 
 
+def test_block_diffusion(tmp_path: Path) -> None:
+    out = tmp_path / "block_diffusion.json"
+    load("block_diffusion").main(
+        ["--prompts", "2", "--max-tokens", "8", "--threads", "1", "--out", str(out)]
+    )
+    report = read(out)
+    assert report["block_size"] == 4 and report["random_weights"]
+    by = {(r["setting"], r["fused_write"]): r for r in report["rows"]}
+    for setting in {s for s, _ in by}:
+        fused, unfused = by[setting, True], by[setting, False]
+        assert fused["answer_tokens"] == unfused["answer_tokens"] > 0
+        assert fused["nfe"] < unfused["nfe"]  # the fused write saves a forward per block
+
+
 def test_gpu_llada8b_tiny_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "gpu.json"
     # No matplotlib: JSON still written, no PNG.
