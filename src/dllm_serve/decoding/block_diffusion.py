@@ -30,8 +30,7 @@ budget are never started; the last block may hold positions past it, decoded and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
@@ -40,46 +39,26 @@ from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
 from dllm_serve.decoding.schedules import block_schedule
-
-if TYPE_CHECKING:
-    from dllm_serve.models.kv_pool import KVSpan
+from dllm_serve.decoding.state import DenoiseState
 
 PREFILL, DECODE, WRITE = "prefill", "decode", "write"
 
 
 @dataclass(slots=True, eq=False)
-class BlockState:
-    """One block-diffusion request: the canvas on the host, the active block, its phase.
+class BlockState(DenoiseState):
+    """One block-diffusion request: a denoising state whose blocks are aligned to position 0.
 
-    ``tokens`` is ``prompt + mask × (whole blocks up to max_tokens)``; ``block`` indexes the
-    active block counted from position 0; ``phase`` is what the next forward does (prefill the
-    prompt's whole blocks, decode the active block, or write its final K/V). The attributes
-    the shared sampler reads (``masked``, ``schedule``, ``step``, ``params``, ``generator``,
-    ``active_block``) mean what they mean for LLaDA denoising.
+    ``tokens`` is ``prompt + mask × (whole blocks up to max_tokens)`` (the answer budget is
+    ``params.gen_length``; positions past it are decoded and dropped); ``block`` indexes the
+    active block counted from position 0 and ``block_size`` is the checkpoint's; ``phase`` is
+    what the next forward does (prefill the prompt's whole blocks, decode the active block, or
+    — unfused — write the finished block's K/V). ``write_pending``: the previous block is final
+    and its K/V come with the next forward (fused write).
     """
 
-    tokens: list[int]
-    prompt_len: int
-    params: DecodingParams
-    generator: torch.Generator | None
-    mask_id: int
-    stop_ids: tuple[int, ...]
-    block_size: int
-    block: int
-    phase: str
-    masked: list[int] = field(default_factory=list)
-    schedule: list[int] = field(default_factory=list)
-    step: int = 0
-    nfe: int = 0
-    committed: int = 0
-    final_len: int = 0  # contiguous committed answer prefix (within max_tokens)
-    stop_at: int | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    kv: KVSpan | None = None
-    write_pending: bool = False  # the previous block is final but its K/V are not kept yet
-    drafted: int | None = None
-    accepted_drafts: int | None = None
+    block_size: int = 0
+    phase: str = DECODE
+    write_pending: bool = False
 
     @property
     def active_block(self) -> tuple[int, int]:
@@ -95,27 +74,6 @@ class BlockState:
         if self.phase == PREFILL:
             return self.active_block[0]
         return 2 * self.block_size if self.write_pending else self.block_size
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.committed / self.nfe if self.nfe else 0.0
-
-    def answer_tokens(self) -> list[int]:
-        """The final answer so far (committed, contiguous, cut before the first stop id)."""
-        end = self.final_len if self.stop_at is None else self.stop_at
-        return self.tokens[self.prompt_len : self.prompt_len + end]
-
-    def advance_final(self) -> int:
-        """Extend the contiguous committed answer after commits; returns how far it moved."""
-        budget = self.params.gen_length
-        start = end = self.final_len
-        base, tokens = self.prompt_len, self.tokens
-        while end < budget and tokens[base + end] != self.mask_id:
-            if self.stop_at is None and tokens[base + end] in self.stop_ids:
-                self.stop_at = end
-            end += 1
-        self.final_len = end
-        return end - start
 
 
 class BlockDiffusionDecoder:

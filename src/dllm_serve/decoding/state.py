@@ -92,12 +92,12 @@ class DenoiseState:
         the first stop id inside the final prefix is remembered (committed tokens never change,
         so it is final too).
         """
-        answer_len = len(self.tokens) - self.prompt_len
+        budget = self.params.gen_length  # the answer region (a canvas may hold more, rounded)
         start = self.final_len
         end = start
         base = self.prompt_len
         tokens, mask_id = self.tokens, self.mask_id
-        while end < answer_len and tokens[base + end] != mask_id:
+        while end < budget and tokens[base + end] != mask_id:
             if self.stop_at is None and tokens[base + end] in self.stop_ids:
                 self.stop_at = end
             end += 1

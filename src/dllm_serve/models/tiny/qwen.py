@@ -154,12 +154,9 @@ def write_tiny_idlm(
     real_ids: bool = False,
 ) -> Path:
     """Write a complete I-DLM-format (SDAR config, Qwen3 weights) checkpoint."""
-    sizes = {
-        "hidden_size": d_model, "intermediate_size": mlp_hidden_size, "head_dim": head_dim,
-        "num_hidden_layers": n_layers, "max_window_layers": n_layers,
-        "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
-        "max_position_embeddings": max_sequence_length,
-    }  # fmt: skip
+    sizes = _qwen3_sizes(
+        d_model, n_layers, n_heads, n_kv_heads, head_dim, mlp_hidden_size, max_sequence_length
+    )
     return _write(out_dir, SDAR, "idlm-8b", sizes,
                   seed=seed, num_shards=num_shards, real_ids=real_ids)  # fmt: skip
 
@@ -181,12 +178,27 @@ def write_tiny_sdar(
 ) -> Path:
     """Write an SDAR/TraDo block-diffusion checkpoint: I-DLM's SDAR config and Qwen3 tensors
     with the keys that make it block-causal (``use_regular_causal: false``, ``block_size``)."""
-    sizes = {
-        "hidden_size": d_model, "intermediate_size": mlp_hidden_size, "head_dim": head_dim,
-        "num_hidden_layers": n_layers, "max_window_layers": n_layers,
-        "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
-        "max_position_embeddings": max_sequence_length,
-        "use_regular_causal": False, "block_size": block_size,
-    }  # fmt: skip
+    sizes = _qwen3_sizes(
+        d_model, n_layers, n_heads, n_kv_heads, head_dim, mlp_hidden_size, max_sequence_length
+    )
+    sizes.update(use_regular_causal=False, block_size=block_size)
     return _write(out_dir, SDAR_BLOCK, "idlm-8b", sizes,
                   seed=seed, num_shards=num_shards, real_ids=real_ids)  # fmt: skip
+
+
+def _qwen3_sizes(
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    mlp: int,
+    max_len: int,
+) -> dict[str, int]:
+    """The config.json sizes of a Qwen3-weights checkpoint (I-DLM, SDAR)."""
+    return {
+        "hidden_size": d_model, "intermediate_size": mlp, "head_dim": head_dim,
+        "num_hidden_layers": n_layers, "max_window_layers": n_layers,
+        "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
+        "max_position_embeddings": max_len,
+    }  # fmt: skip
