@@ -52,8 +52,8 @@ class AsyncEngine(EngineSteps):
         self.config = config or EngineConfig()
         self.observer: EngineObserver = observer or NullObserver()
         self.algorithm = algorithm_for(loaded, self.config, lambda: len(self.scheduler.running))
-        # "diffusion" (canvas denoising) or "self_speculation" (I-DLM ISD): the API rejects
-        # request fields that only mean something for the other one.
+        # "diffusion" (canvas denoising), "block_diffusion" (SDAR) or "self_speculation"
+        # (I-DLM ISD): the API rejects request fields that do not apply to the model's mode.
         self.decoding_mode = self.algorithm.decoding_mode
         # Slots a request of the longest context needs (0: the algorithm keeps no K/V).
         longest = self.algorithm.kv_tokens(loaded.max_length - 1, DecodingParams(gen_length=1))
@@ -129,10 +129,6 @@ class AsyncEngine(EngineSteps):
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
-
-    @property
-    def kv_pool(self):
-        return self.runner.pool
 
     @property
     def kv_cache_bytes(self) -> int:
