@@ -3,8 +3,9 @@
 A step of the engine is ``prepare`` (host: one :class:`RowSpec` per row) → the ModelRunner's
 forward → ``sample`` (device: tensor in, tensor out, batched over rows, nothing read back) →
 one device→host copy (``tolist``) by the engine → ``commit`` (host: apply, count, detect the
-end). LLaDA-style denoising (``denoise.py``) and I-DLM self-speculation (``isd.py``) implement
-it; the next modes (block diffusion, LinearSpec) plug in the same way.
+end). LLaDA-style denoising (``denoise.py``), block diffusion (``block_diffusion.py``) and
+I-DLM self-speculation (``isd.py``) implement it; the next modes (LinearSpec) plug in the same
+way.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class DecodeState(Protocol):
 class DecodingAlgorithm(Protocol):
     """One decoding mode, batched over the rows of a step."""
 
-    decoding_mode: str  # "diffusion" | "self_speculation": which request fields apply
+    decoding_mode: str  # "diffusion" | "block_diffusion" | "self_speculation": fields that apply
 
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
