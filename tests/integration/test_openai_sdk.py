@@ -111,7 +111,7 @@ def test_rejected_field_is_400_via_sdk(server: RemoteServer) -> None:
     assert err.status_code == 400
     assert err.body["param"] == "top_p"
     assert err.body["type"] == "invalid_request_error"
-    assert "ADR 005" in err.body["message"]
+    assert "see docs/api-contract.md" in err.body["message"]
     assert err.response.headers["x-request-id"]
 
 
@@ -172,5 +172,7 @@ def test_models_health_docs(server: RemoteServer) -> None:
         assert http.get("/docs").status_code == 200
         spec = http.get("/openapi.json").json()
         assert "Diffusion vs OpenAI semantics" in spec["info"]["description"]
+        assert "docs/api-contract.md" in spec["info"]["description"]
+        assert "ADR" not in spec["info"]["description"]
         request_schema = spec["components"]["schemas"]["ChatCompletionRequest"]
         assert "num_denoising_steps" in request_schema["properties"]

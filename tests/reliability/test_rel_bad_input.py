@@ -1,8 +1,8 @@
 """Hand-written hostile inputs against a real server: every one is answered, none with a 5xx.
 
-Each non-2xx answer carries the OpenAI envelope and an X-Request-ID (ADR 005); the server
-keeps serving afterwards (the shared `rel_server`). Bounds: a 512 KiB body limit, canvases of
-4-40 tokens, 30 s client timeout per request, 120 fuzzed examples.
+Each non-2xx answer carries the OpenAI envelope and an X-Request-ID (docs/api-contract.md);
+the server keeps serving afterwards (the shared `rel_server`). Bounds: a 512 KiB body limit,
+canvases of 4-40 tokens, 30 s client timeout per request, 120 fuzzed examples.
 """
 
 from __future__ import annotations

@@ -58,7 +58,9 @@ logger = logging.getLogger(__name__)
 
 DESCRIPTION = f"""OpenAI-compatible server for diffusion LLMs.
 
-## Diffusion vs OpenAI semantics (ADR 005)
+## Diffusion vs OpenAI semantics
+
+The full contract, with the reason for each rule, is docs/api-contract.md in the repository.
 
 {DEVIATIONS_TABLE}"""
 

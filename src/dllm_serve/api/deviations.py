@@ -1,4 +1,6 @@
-"""The "diffusion vs OpenAI semantics" table (ADR 005), shown at /docs and pinned in README.
+"""The "diffusion vs OpenAI semantics" table, shown at /docs and pinned in README.
+
+It summarizes docs/api-contract.md, which gives every rule its rationale.
 
 tests/unit/api/test_docs_consistency.py checks that README.md carries this exact table.
 """
@@ -26,7 +28,7 @@ DEVIATIONS_TABLE = """\
 | Validation errors | HTTP **400** with the OpenAI error envelope and `param`, never 422. |
 | `X-Request-ID` | Honoured if sent (1–256 visible ASCII characters), else a UUIDv7; echoed on every response; the completion `id` is `chatcmpl-<X-Request-ID>` (`cmpl-<X-Request-ID>` for `/v1/completions`). |
 | `num_denoising_steps` | Extension, 1–512, default 128 capped at the canvas length (rounded down to a multiple of the number of blocks), or `min(128, block)` per block when the server chose the blocks; must be a multiple of `canvas / block_length`. |
-| `block_length` | Extension, default = canvas (one fully bidirectional block), or the model's recommended block for a longer canvas (see `max_tokens`); must divide the canvas. Blocks are decoded left to right. |
+| `block_length` | Extension, default = canvas (one fully bidirectional block), or the model's recommended block for a longer canvas (see `max_tokens`); must divide the canvas. Blocks are decoded left to right. Block-diffusion models (SDAR/TraDo) always decode in their trained block: any other value is a 400. |
 | `target_length` | Extension: overrides the canvas length; must not exceed `max_tokens` when both are given. |
 | `block_schedule` | Extension: tokens committed per step of a block: `uniform` (default, LLaDA), `cosine` (few early, many late), `front_loaded` (many early, few late). Applies to fixed-step decoding: `cosine`/`front_loaded` together with `use_local_leap` or `confidence_threshold` are a 400. |
 | `confidence_metric` | Extension: how masked positions are ranked: `top1_prob` (default, probability of the proposed token) or `entropy_inverse` (`exp(−entropy)` of the predicted distribution). Both lie in (0, 1]; thresholds are compared on this scale. |

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 REQUEST_ID_HEADER = "X-Request-ID"
-ADR_REF = "see ADR 005 (docs/api.md)"
+CONTRACT_REF = "see docs/api-contract.md"
 
 
 class APIError(Exception):

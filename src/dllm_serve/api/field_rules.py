@@ -1,11 +1,12 @@
-"""Per-field request rules of ADR 005: autoregressive-only fields, fields not available yet,
-and combinations of the decoding extensions that would silently do nothing (all 400s)."""
+"""Per-field request rules of the API contract (docs/api-contract.md): autoregressive-only
+fields, fields not available yet, and combinations of the decoding extensions that would
+silently do nothing (all 400s)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dllm_serve.api.errors import ADR_REF, APIError, invalid
+from dllm_serve.api.errors import CONTRACT_REF, APIError, invalid
 from dllm_serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from dllm_serve.decoding.params import DecodingParams
 
@@ -33,7 +34,7 @@ DIFFUSION_ONLY = (
 def _ar_only(param: str, what: str, accepted: str) -> APIError:
     return invalid(
         f"'{param}' is not supported by diffusion decoding: {what}. Only {accepted} is "
-        f"accepted; {ADR_REF}.",
+        f"accepted; {CONTRACT_REF}.",
         param,
         code="unsupported_parameter",
     )
@@ -71,7 +72,7 @@ def reject_autoregressive_fields(req: Request) -> None:
 
 def _no_op_only(param: str, what: str, accepted: str) -> APIError:
     return invalid(
-        f"'{param}' {what}. Only {accepted} is accepted; {ADR_REF}.",
+        f"'{param}' {what}. Only {accepted} is accepted; {CONTRACT_REF}.",
         param,
         code="unsupported_parameter",
     )
@@ -123,7 +124,7 @@ def reject_unavailable_fields(req: Request) -> None:
     if req.attention_backend == "fa2":
         raise invalid(
             "attention_backend 'fa2' is deferred until an FA2 build is in CI; 'sdpa' is the "
-            f"reference path ({ADR_REF}).",
+            f"reference path ({CONTRACT_REF}).",
             "attention_backend",
             code="not_available_yet",
         )

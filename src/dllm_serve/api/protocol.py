@@ -1,5 +1,5 @@
-"""Pydantic v2 models of the wire format: the chat and text-completion requests (ADR 005) and
-the responses.
+"""Pydantic v2 models of the wire format: the chat and text-completion requests and the
+responses (the contract is docs/api-contract.md).
 
 The request models only check types and ranges; what a value *means* for diffusion decoding
 (defaults, divisibility, fields that are rejected) is decided in ``validation.py``. ``null``
@@ -58,7 +58,8 @@ class _GenerationRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="Canvas length (gen_length).")
     user: str | None = Field(None, description="Informational only, as in OpenAI.")
     stop: Any = Field(None, description="A string or up to 4 strings; checked in validation.py.")
-    # Autoregressive-only OpenAI fields: accepted only with their no-op values (ADR 005).
+    # Autoregressive-only OpenAI fields: accepted only with their no-op values
+    # (docs/api-contract.md).
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     n: int | None = Field(None, ge=1, le=128)
@@ -82,7 +83,7 @@ class _GenerationRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0, description="Only 0.")
     repetition_penalty: float | None = Field(None, gt=0, description="Only 1.")
     skip_special_tokens: bool | None = Field(None, description="Only true.")
-    # Diffusion extension fields (ADR 005), top level.
+    # Diffusion extension fields (docs/api-contract.md), top level.
     num_denoising_steps: int | None = Field(None, ge=1, le=512)
     block_length: int | None = Field(None, ge=1)
     block_schedule: Literal["uniform", "front_loaded", "cosine"] | None = None

@@ -1,4 +1,6 @@
-"""Turn a raw request body into a validated generation request (ADR 005).
+"""Turn a raw request body into a validated generation request.
+
+The rules are docs/api-contract.md.
 
 Everything here raises :class:`APIError` (HTTP 400, OpenAI envelope, ``param`` set) and never
 anything else, so a malformed request can never become a 500. The table of accepted and
@@ -87,9 +89,9 @@ def parse_chat_request(
     default_gen_length: int = DEFAULT_GEN_LENGTH,
     default_block_length: int | None = None,
 ) -> RequestSpec:
-    """Validate a chat request body (ADR 005); ``default_gen_length`` is the model's canvas
-    for requests that set no ``max_tokens``, ``default_block_length`` its recommended block
-    for long canvases that set no ``block_length`` (None: one block)."""
+    """Validate a chat request body (docs/api-contract.md); ``default_gen_length`` is the
+    model's canvas for requests that set no ``max_tokens``, ``default_block_length`` its
+    recommended block for long canvases that set no ``block_length`` (None: one block)."""
     req = _load(ChatCompletionRequest, raw, content_type)
     messages = _messages(req)
     return _spec(req, default_gen_length, default_block_length, messages=messages)
@@ -382,7 +384,7 @@ def _decoding_params(
         # how long a canvas the client asked for.
         steps = num_blocks * min(DEFAULT_STEPS, block_length)
     elif req.num_denoising_steps is None:
-        # ADR default 128 capped at the canvas, rounded down to a multiple of the block count.
+        # Default 128 capped at the canvas, rounded down to a multiple of the block count.
         steps = max(num_blocks, min(DEFAULT_STEPS, gen_length) // num_blocks * num_blocks)
     else:
         steps = req.num_denoising_steps
@@ -406,8 +408,8 @@ def recommended_block(gen_length: int, block: int) -> int | None:
 
     A canvas longer than the model's recommended block is split into blocks of about that
     size, so an answer that ends with EOS early ends the work one block later: the largest
-    divisor of the canvas between half the block and the block. None (one block, the ADR
-    default) when the canvas fits in one block or has no such divisor.
+    divisor of the canvas between half the block and the block. None (one block, the
+    contract's default) when the canvas fits in one block or has no such divisor.
     """
     if gen_length <= block:
         return None

@@ -1,5 +1,6 @@
 """A request without max_tokens gets the model's canvas (generation_config.json's
-max_new_tokens) when the checkpoint sets one, else 128; steps and block follow the ADR."""
+max_new_tokens) when the checkpoint sets one, else 128; steps and block follow
+docs/api-contract.md."""
 
 from __future__ import annotations
 

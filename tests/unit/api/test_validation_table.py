@@ -1,4 +1,5 @@
-"""The ADR 005 request table: every row is a body and what the server must answer."""
+"""The request table of docs/api-contract.md: every row is a body and what the server must
+answer."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dllm_serve.decoding.params import DecodingParams
 
 MSG = [{"role": "user", "content": "hi"}]
 JSON = "application/json"
+CONTRACT = "see docs/api-contract.md"  # every refused OpenAI field points there
 
 
 def body(**fields: Any) -> bytes:
@@ -112,25 +114,25 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
         "max_completion_tokens",
         "different values",
     ),
-    ("top-p", body(top_p=0.9), JSON, "top_p", "ADR 005"),
+    ("top-p", body(top_p=0.9), JSON, "top_p", CONTRACT),
     ("top-p-range", body(top_p=1.5), JSON, "top_p", "less than or equal to 1"),
-    ("top-k", body(top_k=40), JSON, "top_k", "ADR 005"),
-    ("n-2", body(n=2), JSON, "n", "ADR 005"),
+    ("top-k", body(top_k=40), JSON, "top_k", CONTRACT),
+    ("n-2", body(n=2), JSON, "n", CONTRACT),
     ("n-0", body(n=0), JSON, "n", "greater than or equal to 1"),
-    ("presence-penalty", body(presence_penalty=0.5), JSON, "presence_penalty", "ADR 005"),
-    ("frequency-penalty", body(frequency_penalty=-1), JSON, "frequency_penalty", "ADR 005"),
-    ("logit-bias", body(logit_bias={"42": 5}), JSON, "logit_bias", "ADR 005"),
-    ("logprobs", body(logprobs=True), JSON, "logprobs", "ADR 005"),
-    ("top-logprobs", body(top_logprobs=3), JSON, "top_logprobs", "ADR 005"),
+    ("presence-penalty", body(presence_penalty=0.5), JSON, "presence_penalty", CONTRACT),
+    ("frequency-penalty", body(frequency_penalty=-1), JSON, "frequency_penalty", CONTRACT),
+    ("logit-bias", body(logit_bias={"42": 5}), JSON, "logit_bias", CONTRACT),
+    ("logprobs", body(logprobs=True), JSON, "logprobs", CONTRACT),
+    ("top-logprobs", body(top_logprobs=3), JSON, "top_logprobs", CONTRACT),
     (
         "tools",
         body(tools=[{"type": "function", "function": {"name": "f"}}]),
         JSON,
         "tools",
-        "ADR 005",
+        CONTRACT,
     ),
-    ("tool-choice", body(tool_choice="auto"), JSON, "tool_choice", "ADR 005"),
-    ("functions", body(functions=[{"name": "f"}]), JSON, "functions", "ADR 005"),
+    ("tool-choice", body(tool_choice="auto"), JSON, "tool_choice", CONTRACT),
+    ("functions", body(functions=[{"name": "f"}]), JSON, "functions", CONTRACT),
     ("stop-too-many", body(stop=["a", "b", "c", "d", "e"]), JSON, "stop", "at most 4"),
     ("stop-empty", body(stop=["ok", ""]), JSON, "stop[1]", "must not be empty"),
     ("stop-int", body(stop=5), JSON, "stop", "Invalid value for 'stop'"),
@@ -418,8 +420,8 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
         "messages[0].name",
         "valid string",
     ),
-    ("tool-choice-required", body(tool_choice="required"), JSON, "tool_choice", "ADR 005"),
-    ("function-call-auto", body(function_call="auto"), JSON, "function_call", "ADR 005"),
+    ("tool-choice-required", body(tool_choice="required"), JSON, "tool_choice", CONTRACT),
+    ("function-call-auto", body(function_call="auto"), JSON, "function_call", CONTRACT),
     (
         "json-schema",
         body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
