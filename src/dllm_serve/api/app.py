@@ -10,21 +10,17 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from dllm_serve import __version__
 from dllm_serve.api.deviations import DEVIATIONS_TABLE
+from dllm_serve.api.error_handlers import install_error_handlers, record_rejection, unavailable
 from dllm_serve.api.errors import (
     REQUEST_ID_HEADER,
     APIError,
-    error_response,
     invalid,
-    server_error,
 )
 from dllm_serve.api.metrics import Metrics
 from dllm_serve.api.middleware import (
@@ -51,7 +47,7 @@ from dllm_serve.api.validation import (
     parse_completion_request,
 )
 from dllm_serve.config import ServerConfig
-from dllm_serve.engine.engine import AsyncEngine, EngineDeadError, QueueFullError
+from dllm_serve.engine.engine import AsyncEngine, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -119,7 +115,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.add_middleware(
         RequestIdMiddleware, on_reject=lambda error, path: record_rejection(app, error, path)
     )
-    _install_error_handlers(app)
+    install_error_handlers(app)
 
     # HEAD too: probes and uptime checkers may use it (RFC 9110: HEAD wherever GET is).
     @app.api_route("/health", methods=["GET", "HEAD"], tags=["ops"])
@@ -174,7 +170,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         spec.check_decoding_mode(engine.decoding_mode, facts.block_size)
         facts.check_stop_token_ids(spec)
         if not engine.is_alive:
-            raise _unavailable()
+            raise unavailable()
         assert spec.messages is not None
         prompt_ids = await asyncio.to_thread(engine.chat_prompt_ids, spec.messages)
         check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length)
@@ -198,7 +194,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         spec.check_decoding_mode(engine.decoding_mode, facts.block_size)
         facts.check_stop_token_ids(spec)
         if not engine.is_alive:
-            raise _unavailable()
+            raise unavailable()
         if isinstance(spec.prompt, str):
             prompt_ids = await asyncio.to_thread(engine.prompt_ids, spec.prompt)
         else:
@@ -218,7 +214,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
         created = int(time.time())
         if lifecycle.draining:  # drain began while this request was being read
-            raise _unavailable("The server is shutting down.", "server_shutting_down")
+            raise unavailable("The server is shutting down.", "server_shutting_down")
         # include_stop_str_in_output: stop strings are matched here instead of in the engine.
         keep_stops = spec.include_stop_str and bool(spec.stop)
         try:
@@ -307,67 +303,6 @@ async def _collect_unless_disconnected(
             work.cancel()  # raises inside engine.generate(), whose finally aborts the request
             await asyncio.gather(work, return_exceptions=True)
     return work.result() if not work.cancelled() else ("", None)
-
-
-def _unavailable(
-    message: str = "The engine is not running.", code: str = "engine_dead"
-) -> APIError:
-    return APIError(message, status=503, type="service_unavailable_error", code=code)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    def rid(request: Request) -> str | None:
-        return getattr(request.state, "request_id", None)
-
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        if exc.status == 400:
-            record_rejection(app, exc, request.url.path)
-        return error_response(exc, rid(request))
-
-    @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(_unavailable(), rid(request))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        message = f"{exc.detail}: {request.method} {request.url.path}"
-        err = APIError(message, status=exc.status_code, code=code)
-        return error_response(err, rid(request))
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        error = APIError(f"Invalid request: {exc.errors()[0]['msg']}")
-        record_rejection(app, error, request.url.path)
-        return error_response(error, rid(request))
-
-    @app.exception_handler(ClientDisconnect)
-    async def on_client_gone(request: Request, exc: ClientDisconnect) -> Response:
-        # The client left while its body was being read: nothing to answer, nothing failed.
-        logger.info("client disconnected before sending the whole request body")
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(server_error(), rid(request))
-
-
-def record_rejection(app: FastAPI, error: APIError, path: str) -> None:
-    """Every 400: ``dllm:requests_rejected_total{reason=<code>}`` and one log line naming the
-    param and code (never the request body; the message only with --log-requests)."""
-    reason = error.code or "invalid_request"
-    app.state.metrics.rejected.labels(reason).inc()
-    if app.state.config.log_requests:
-        logger.info(
-            "rejected %s: status=%d param=%s code=%s message=%r",
-            path, error.status, error.param, reason, error.message,
-        )  # fmt: skip
-    else:
-        logger.info(
-            "rejected %s: status=%d param=%s code=%s", path, error.status, error.param, reason
-        )
 
 
 class _ModelFacts:

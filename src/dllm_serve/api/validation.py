@@ -19,15 +19,15 @@ from dllm_serve.api.errors import APIError, invalid
 from dllm_serve.api.field_rules import (
     DIFFUSION_ONLY,
     check_commit_rule,
-    local_leap_settings,
     reject_autoregressive_fields,
     reject_noop_fields,
     reject_unavailable_fields,
 )
-from dllm_serve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DEFAULT_STEPS, DecodingParams
+from dllm_serve.api.messages import messages_of
+from dllm_serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from dllm_serve.api.request_params import decoding_params
+from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
 
-MAX_STEPS = 512
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 _R = TypeVar("_R", ChatCompletionRequest, CompletionRequest)
 # Informational fields: logged with --log-requests, otherwise without effect.
@@ -93,7 +93,7 @@ def parse_chat_request(
     model's canvas for requests that set no ``max_tokens``, ``default_block_length`` its
     recommended block for long canvases that set no ``block_length`` (None: one block)."""
     req = _load(ChatCompletionRequest, raw, content_type)
-    messages = _messages(req)
+    messages = messages_of(req)
     return _spec(req, default_gen_length, default_block_length, messages=messages)
 
 
@@ -156,7 +156,7 @@ def _spec(
     info = {name: getattr(req, name, None) for name in INFORMATIONAL}
     return RequestSpec(
         messages,
-        _decoding_params(req, default_gen_length, default_block_length),
+        decoding_params(req, default_gen_length, default_block_length),
         stream,
         bool(options and options.include_usage),
         _stop(req),
@@ -281,159 +281,3 @@ def _from_pydantic(exc: ValidationError) -> APIError:
     if kind == "missing":
         return invalid(f"Missing required parameter: '{param}'.", param)
     return invalid(f"Invalid value for '{param}': {msg}.", param)
-
-
-def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    if not req.messages:
-        raise invalid("'messages' must contain at least one message.", "messages")
-    out = []
-    for i, m in enumerate(req.messages):
-        _check_returned_fields(m, i)
-        # "developer" is OpenAI's current name for the system role.
-        role = "system" if m.role == "developer" else m.role
-        message = {"role": role, "content": _content_text(m.content, f"messages[{i}].content")}
-        if m.name is not None:
-            message["name"] = m.name  # chat templates that have a slot for it use it
-        out.append(message)
-    return out
-
-
-def _check_returned_fields(m: ChatMessage, i: int) -> None:
-    """Fields of the assistant message this server returns: only their empty values."""
-    for name in ("tool_calls", "function_call"):
-        value = getattr(m, name)
-        if value is not None and not (name == "tool_calls" and value == []):
-            raise invalid(
-                f"'messages[{i}].{name}' is not supported by diffusion decoding: function "
-                f"calling is out of scope. Only null{' or []' if name == 'tool_calls' else ''} "
-                "is accepted.",
-                f"messages[{i}].{name}",
-                code="unsupported_parameter",
-            )
-    for name, empty in (("refusal", "null"), ("audio", "null"), ("annotations", "null or []")):
-        value = getattr(m, name)
-        if value is not None and not (name == "annotations" and value == []):
-            raise invalid(
-                f"'messages[{i}].{name}' must be {empty}: this server never returns one.",
-                f"messages[{i}].{name}",
-            )
-
-
-def _content_text(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise invalid(
-                    f"Invalid content part at '{param}[{j}]': only text parts "
-                    '({"type": "text", "text": "..."}) are supported.',
-                    f"{param}[{j}]",
-                )
-            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-                raise invalid(
-                    f"Invalid content part at '{param}[{j}]': a text part has exactly the "
-                    "keys 'type' and 'text', and 'text' is a string.",
-                    f"{param}[{j}]",
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise invalid(
-        f"Invalid value for '{param}': content must be a string or a list of text parts.", param
-    )
-
-
-def _decoding_params(
-    req: GenerationRequest, default_gen_length: int, default_block_length: int | None
-) -> DecodingParams:
-    max_completion_tokens = getattr(req, "max_completion_tokens", None)
-    max_tokens = max_completion_tokens or req.max_tokens
-    if req.max_tokens and max_completion_tokens and req.max_tokens != max_completion_tokens:
-        raise invalid(
-            "'max_tokens' and 'max_completion_tokens' are the same setting and were given "
-            "different values.",
-            "max_completion_tokens",
-        )
-    if req.target_length is not None and max_tokens is not None and max_tokens < req.target_length:
-        raise invalid(
-            f"'target_length' ({req.target_length}) sets the canvas length and exceeds "
-            f"max_tokens ({max_tokens}).",
-            "target_length",
-        )
-    gen_length = req.target_length or max_tokens or default_gen_length
-    auto_block = None
-    if req.block_length is None and default_block_length:
-        auto_block = recommended_block(gen_length, default_block_length)
-    block_length = req.block_length or auto_block or gen_length
-    if block_length > gen_length or gen_length % block_length:
-        raise invalid(
-            f"'block_length' ({block_length}) must divide the canvas length ({gen_length}).",
-            "block_length",
-        )
-    num_blocks = gen_length // block_length
-    if num_blocks > MAX_STEPS:
-        raise invalid(
-            f"The canvas of {gen_length} tokens has {num_blocks} blocks of {block_length}; at "
-            f"most {MAX_STEPS} blocks are allowed (each block needs a denoising step).",
-            "block_length",
-        )
-    if req.num_denoising_steps is None and auto_block is not None:
-        # The server chose the blocks: each gets the steps a one-block canvas of that size
-        # would get (one token per step for the demo models), so quality does not depend on
-        # how long a canvas the client asked for.
-        steps = num_blocks * min(DEFAULT_STEPS, block_length)
-    elif req.num_denoising_steps is None:
-        # Default 128 capped at the canvas, rounded down to a multiple of the block count.
-        steps = max(num_blocks, min(DEFAULT_STEPS, gen_length) // num_blocks * num_blocks)
-    else:
-        steps = req.num_denoising_steps
-        if steps % num_blocks:
-            raise invalid(
-                f"'num_denoising_steps' ({steps}) must be a multiple of the number of blocks "
-                f"({num_blocks} = canvas {gen_length} / block_length {block_length}).",
-                "num_denoising_steps",
-            )
-    temperature = 0.0 if req.temperature is None else req.temperature
-    if req.top_k == 1:
-        temperature = 0.0  # top_k=1 asks for the most likely token: greedy decoding
-    try:
-        return _build_params(req, gen_length, steps, block_length, temperature)
-    except ValueError as exc:  # a combination the checks above missed: still a 400, never a 500
-        raise invalid(f"Invalid decoding parameters: {exc}.") from None
-
-
-def recommended_block(gen_length: int, block: int) -> int | None:
-    """The block a long canvas is decoded in when the request names none.
-
-    A canvas longer than the model's recommended block is split into blocks of about that
-    size, so an answer that ends with EOS early ends the work one block later: the largest
-    divisor of the canvas between half the block and the block. None (one block, the
-    contract's default) when the canvas fits in one block or has no such divisor.
-    """
-    if gen_length <= block:
-        return None
-    for size in range(block, (block + 1) // 2 - 1, -1):
-        if size >= 1 and gen_length % size == 0 and gen_length // size <= MAX_STEPS:
-            return size
-    return None
-
-
-def _build_params(
-    req: GenerationRequest, gen_length: int, steps: int, block_length: int, temperature: float
-) -> DecodingParams:
-    return DecodingParams(
-        gen_length=gen_length,
-        steps=steps,
-        block_length=block_length,
-        temperature=temperature,
-        seed=req.seed,
-        block_schedule=req.block_schedule or "uniform",
-        confidence_metric=req.confidence_metric or "top1_prob",
-        force_single_batch=bool(req.force_single_batch),
-        confidence_threshold=req.confidence_threshold,
-        use_local_leap=bool(req.use_local_leap),
-        ignore_eos=bool(req.ignore_eos),
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        **local_leap_settings(req),
-    )

@@ -1,0 +1,113 @@
+"""Request fields → :class:`DecodingParams`: the canvas, its blocks and steps, the commit rule.
+
+The diffusion half of request validation (``validation.py`` is the OpenAI half): ``max_tokens``
+and ``target_length`` set the canvas, ``block_length`` and ``num_denoising_steps`` split it, and
+a long canvas without ``block_length`` is decoded in the model's recommended block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dllm_serve.api.errors import invalid
+from dllm_serve.api.field_rules import local_leap_settings
+from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
+
+MAX_STEPS = 512
+
+GenerationRequest = Any  # a ChatCompletionRequest or a CompletionRequest
+
+
+def decoding_params(
+    req: GenerationRequest, default_gen_length: int, default_block_length: int | None
+) -> DecodingParams:
+    max_completion_tokens = getattr(req, "max_completion_tokens", None)
+    max_tokens = max_completion_tokens or req.max_tokens
+    if req.max_tokens and max_completion_tokens and req.max_tokens != max_completion_tokens:
+        raise invalid(
+            "'max_tokens' and 'max_completion_tokens' are the same setting and were given "
+            "different values.",
+            "max_completion_tokens",
+        )
+    if req.target_length is not None and max_tokens is not None and max_tokens < req.target_length:
+        raise invalid(
+            f"'target_length' ({req.target_length}) sets the canvas length and exceeds "
+            f"max_tokens ({max_tokens}).",
+            "target_length",
+        )
+    gen_length = req.target_length or max_tokens or default_gen_length
+    auto_block = None
+    if req.block_length is None and default_block_length:
+        auto_block = recommended_block(gen_length, default_block_length)
+    block_length = req.block_length or auto_block or gen_length
+    if block_length > gen_length or gen_length % block_length:
+        raise invalid(
+            f"'block_length' ({block_length}) must divide the canvas length ({gen_length}).",
+            "block_length",
+        )
+    num_blocks = gen_length // block_length
+    if num_blocks > MAX_STEPS:
+        raise invalid(
+            f"The canvas of {gen_length} tokens has {num_blocks} blocks of {block_length}; at "
+            f"most {MAX_STEPS} blocks are allowed (each block needs a denoising step).",
+            "block_length",
+        )
+    if req.num_denoising_steps is None and auto_block is not None:
+        # The server chose the blocks: each gets the steps a one-block canvas of that size
+        # would get (one token per step for the demo models), so quality does not depend on
+        # how long a canvas the client asked for.
+        steps = num_blocks * min(DEFAULT_STEPS, block_length)
+    elif req.num_denoising_steps is None:
+        # Default 128 capped at the canvas, rounded down to a multiple of the block count.
+        steps = max(num_blocks, min(DEFAULT_STEPS, gen_length) // num_blocks * num_blocks)
+    else:
+        steps = req.num_denoising_steps
+        if steps % num_blocks:
+            raise invalid(
+                f"'num_denoising_steps' ({steps}) must be a multiple of the number of blocks "
+                f"({num_blocks} = canvas {gen_length} / block_length {block_length}).",
+                "num_denoising_steps",
+            )
+    temperature = 0.0 if req.temperature is None else req.temperature
+    if req.top_k == 1:
+        temperature = 0.0  # top_k=1 asks for the most likely token: greedy decoding
+    try:
+        return _build_params(req, gen_length, steps, block_length, temperature)
+    except ValueError as exc:  # a combination the checks above missed: still a 400, never a 500
+        raise invalid(f"Invalid decoding parameters: {exc}.") from None
+
+
+def recommended_block(gen_length: int, block: int) -> int | None:
+    """The block a long canvas is decoded in when the request names none.
+
+    A canvas longer than the model's recommended block is split into blocks of about that
+    size, so an answer that ends with EOS early ends the work one block later: the largest
+    divisor of the canvas between half the block and the block. None (one block, the
+    contract's default) when the canvas fits in one block or has no such divisor.
+    """
+    if gen_length <= block:
+        return None
+    for size in range(block, (block + 1) // 2 - 1, -1):
+        if size >= 1 and gen_length % size == 0 and gen_length // size <= MAX_STEPS:
+            return size
+    return None
+
+
+def _build_params(
+    req: GenerationRequest, gen_length: int, steps: int, block_length: int, temperature: float
+) -> DecodingParams:
+    return DecodingParams(
+        gen_length=gen_length,
+        steps=steps,
+        block_length=block_length,
+        temperature=temperature,
+        seed=req.seed,
+        block_schedule=req.block_schedule or "uniform",
+        confidence_metric=req.confidence_metric or "top1_prob",
+        force_single_batch=bool(req.force_single_batch),
+        confidence_threshold=req.confidence_threshold,
+        use_local_leap=bool(req.use_local_leap),
+        ignore_eos=bool(req.ignore_eos),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        **local_leap_settings(req),
+    )
