@@ -156,6 +156,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         "/v1/chat/completions",
         tags=["openai"],
         response_model=ChatCompletionResponse,
+        # Unset fields stay out: usage.diffusion carries the self-speculation counters only for
+        # a self-speculative model, exactly as the streamed usage does.
+        response_model_exclude_unset=True,
         openapi_extra=_request_body("ChatCompletionRequest"),
     )
     async def chat_completions(request: Request) -> Any:
@@ -182,6 +185,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         "/v1/completions",
         tags=["openai"],
         response_model=CompletionResponse,
+        response_model_exclude_unset=True,
         openapi_extra=_request_body("CompletionRequest"),
     )
     async def completions(request: Request) -> Any:
@@ -271,6 +275,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             "model": engine.model_name,
             "choices": [choice],
             "usage": usage_dict(last, spec.params.gen_length),
+            "system_fingerprint": None,
         }
 
     _register_request_schema(app)

@@ -1,0 +1,38 @@
+"""usage has the same fields streamed and not (self-speculation counters only where they apply)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from dllm_serve.api.app import build_app
+from dllm_serve.config import ServerConfig
+from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.models.loader import load_model
+
+ISD_FIELDS = {"drafted_tokens", "accepted_drafts", "acceptance_rate"}
+
+
+@pytest.mark.parametrize(("model", "speculative"), [("tiny-llada", False), ("demo-idlm", True)])
+def test_usage_is_the_same_streamed_and_not(model: str, speculative: bool) -> None:
+    engine = AsyncEngine(load_model(model, device="cpu", dtype="float32"))
+    body = {"messages": [{"role": "user", "content": "What is 1 + 2?"}], "max_tokens": 8}
+    with TestClient(build_app(engine, ServerConfig())) as client:
+        plain = client.post("/v1/chat/completions", json=body).json()
+        stream = client.post(
+            "/v1/chat/completions",
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        )
+    events = [
+        json.loads(line.removeprefix("data: "))
+        for line in stream.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    streamed = next(e["usage"] for e in events if e.get("usage"))
+    assert plain["usage"] == streamed  # same answer (greedy), same counters, same fields
+    fields = set(plain["usage"]["diffusion"])
+    assert fields & ISD_FIELDS == (ISD_FIELDS if speculative else set())
+    assert None not in plain["usage"]["diffusion"].values()
+    assert plain["system_fingerprint"] is None  # still present, as OpenAI sends it
