@@ -60,6 +60,7 @@ class IncrementalDetokenizer:
         self._prefix_text: str | None = ""
         self._num_tokens = 0
         self.stopped = False
+        self.stop_tokens: int | None = None  # answer tokens through the stop string, once stopped
 
     @property
     def text(self) -> str:
@@ -83,8 +84,10 @@ class IncrementalDetokenizer:
                 self._prefix_ids = list(tokens[self._read_offset :])
                 self._prefix_offset, self._read_offset = self._read_offset, len(tokens)
                 self._prefix_text = None
-        cut = self._find_stop(text)
-        if cut is not None:
+        hit = self._find_stop(text)
+        if hit is not None:
+            cut, stop_len = hit
+            self.stop_tokens = self._tokens_through(tokens, cut + stop_len)
             text, final, self.stopped = text[:cut], True, True
         if not final:
             text = text.rstrip("\ufffd")
@@ -98,13 +101,27 @@ class IncrementalDetokenizer:
         self._sent = text
         return delta
 
-    def _find_stop(self, text: str) -> int | None:
+    def _find_stop(self, text: str) -> tuple[int, int] | None:
+        """(start, length) of the earliest stop string in ``text``, or None."""
         if not self._stop:
             return None
         # Sent text holds no stop string, so a new match can only end in the unsent tail.
         start = max(0, len(self._sent) - max(map(len, self._stop)) + 1)
-        hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, len(s)) for s in self._stop if (i := text.find(s, start)) >= 0]
+        return min(hits, key=lambda hit: hit[0]) if hits else None
+
+    def _tokens_through(self, tokens: Sequence[int], end: int) -> int:
+        """The fewest leading tokens whose text reaches ``end`` (they produced the stop string:
+        the usage counts them, not the tokens committed after it). Decodes O(log n) prefixes,
+        once per request."""
+        lo, hi = 0, len(tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self._decode(tokens[:mid])) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""

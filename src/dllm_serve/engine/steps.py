@@ -129,15 +129,17 @@ class EngineSteps:
         tokens = state.answer_tokens()
         detok = request.detokenizer
         delta = detok.update(tokens, final=finished)
-        if detok.stopped:  # a stop string ended the answer
+        count = len(tokens)
+        if detok.stopped:  # a stop string ended the answer: tokens after it do not count
             finished, finish_reason = True, "stop"
+            count = detok.stop_tokens if detok.stop_tokens is not None else count
         if delta and request.first_content_time is None:
             request.first_content_time = time.monotonic()
             self.observer.on_first_content(request.first_content_time - request.arrival_time)
         if finished:
             request.status = RequestStatus.FINISHED
         if delta or finished:
-            output = request.output(delta, len(tokens), finish_reason if finished else None)
+            output = request.output(delta, count, finish_reason if finished else None)
             self._send(request, output)
 
     def _fail_exc(self, request: Request, exc: Exception, where: str) -> None:

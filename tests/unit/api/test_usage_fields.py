@@ -36,3 +36,25 @@ def test_usage_is_the_same_streamed_and_not(model: str, speculative: bool) -> No
     assert fields & ISD_FIELDS == (ISD_FIELDS if speculative else set())
     assert None not in plain["usage"]["diffusion"].values()
     assert plain["system_fingerprint"] is None  # still present, as OpenAI sends it
+
+
+def test_a_stop_string_counts_tokens_through_it_not_after_it() -> None:
+    loaded = load_model("demo-llada", device="cpu", dtype="float32")
+    engine = AsyncEngine(loaded)
+    body = {"messages": [{"role": "user", "content": "What is 123 + 456?"}], "max_tokens": 32}
+    with TestClient(build_app(engine, ServerConfig())) as client:
+        free = client.post("/v1/chat/completions", json=body).json()
+        cut = client.post("/v1/chat/completions", json={**body, "stop": ["="]}).json()
+        metrics = client.get("/metrics").text
+    answer = free["choices"][0]["message"]["content"]
+    assert answer == "123 + 456 = 579"
+    assert cut["choices"][0]["message"]["content"] == "123 + 456 "
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    # The greedy answer's tokens: the stopped request made the same ones; it counts those up to
+    # the one that completed "=", not the ones committed after it in the same step.
+    ids = loaded.tokenizer.encode(answer, add_special_tokens=False)
+    through = next(n for n in range(len(ids) + 1) if "=" in loaded.decode(ids[:n]))
+    assert cut["usage"]["completion_tokens"] == through < free["usage"]["completion_tokens"]
+    generated = [line for line in metrics.splitlines() if line.startswith("dllm:generation_tokens")]
+    total = free["usage"]["completion_tokens"] + through
+    assert any(line.endswith(f" {float(total)}") for line in generated), generated

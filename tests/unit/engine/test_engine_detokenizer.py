@@ -114,3 +114,10 @@ def test_each_update_decodes_a_short_window_not_the_whole_answer() -> None:
         text += detok.update(tokens, final=i == 199)
     assert text == "ab" * 200
     assert max(calls) <= 4  # the previous step's tokens and this step's, never all 400
+
+
+def test_stop_tokens_count_through_the_stop_string_not_after_it() -> None:
+    detok = IncrementalDetokenizer(lambda ids: bytes(ids).decode(), stop=("END",))
+    tokens = list(b"Hello END and more")  # one token per byte
+    assert detok.update(tokens, final=False) == "Hello "
+    assert detok.stopped and detok.stop_tokens == len(b"Hello END")
