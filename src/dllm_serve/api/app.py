@@ -29,6 +29,7 @@ from dllm_serve.api.middleware import (
     DrainGate,
     RequestIdMiddleware,
 )
+from dllm_serve.api.playground import install_playground
 from dllm_serve.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -86,7 +87,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(
-        title="dllm-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan
+        title="dllm-serve",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        # /docs is served by api/playground.py from the package's own Swagger UI files (the
+        # default loads them from a CDN and is blank offline); ReDoc has no local copy.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.engine = engine
     app.state.config = config
@@ -162,6 +170,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         openapi_extra=_request_body("ChatCompletionRequest"),
     )
     async def chat_completions(request: Request) -> Any:
+        spec, prompt_ids = await chat_spec(request)
+        if config.log_requests:
+            logger.info("messages=%r params=%r%s", spec.messages, spec.params, _info(spec))
+        return await run(request, spec, prompt_ids, "chat")
+
+    async def chat_spec(request: Request) -> tuple[RequestSpec, list[int]]:
+        """A chat request's validated spec and prompt ids (also the trace endpoint's)."""
         # The body is parsed by hand so every malformed input becomes a 400 in the OpenAI
         # envelope (FastAPI would answer 422, and some inputs would never reach pydantic).
         spec = parse_chat_request(
@@ -177,9 +192,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         assert spec.messages is not None
         prompt_ids = await asyncio.to_thread(engine.chat_prompt_ids, spec.messages)
         check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length)
-        if config.log_requests:
-            logger.info("messages=%r params=%r%s", spec.messages, spec.params, _info(spec))
-        return await run(request, spec, prompt_ids, "chat")
+        return spec, prompt_ids
 
     @app.post(
         "/v1/completions",
@@ -217,27 +230,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         request_id = request.state.request_id
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
         created = int(time.time())
-        if lifecycle.draining:  # drain began while this request was being read
-            raise unavailable("The server is shutting down.", "server_shutting_down")
         # include_stop_str_in_output: stop strings are matched here instead of in the engine.
         keep_stops = spec.include_stop_str and bool(spec.stop)
-        try:
-            outputs = engine.generate(
-                prompt_ids,
-                spec.params,
-                request_id=lifecycle.engine_request_id(request_id),
-                stop=() if keep_stops else spec.stop,
-                timeout=config.request_timeout,
-            )
-        except QueueFullError as exc:
-            metrics.rejected.labels("queue_full").inc()
-            raise APIError(
-                f"The server is at capacity ({exc}); retry shortly.",
-                status=429,
-                type="rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": "1"},
-            ) from None
+        outputs = submit(request_id, spec, prompt_ids, () if keep_stops else spec.stop)
         if keep_stops:
             outputs = keep_stop_strings(outputs, spec.stop)
         if spec.stream:
@@ -278,6 +273,36 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             "system_fingerprint": None,
         }
 
+    def submit(
+        request_id: str,
+        spec: RequestSpec,
+        prompt_ids: list[int],
+        stop: tuple[str, ...],
+        trace: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Hand a request to the engine; a full queue is a 429 before any response starts."""
+        if lifecycle.draining:  # drain began while this request was being read
+            raise unavailable("The server is shutting down.", "server_shutting_down")
+        try:
+            return engine.generate(
+                prompt_ids,
+                spec.params,
+                request_id=lifecycle.engine_request_id(request_id),
+                stop=stop,
+                timeout=config.request_timeout,
+                trace=trace,
+            )
+        except QueueFullError as exc:
+            metrics.rejected.labels("queue_full").inc()
+            raise APIError(
+                f"The server is at capacity ({exc}); retry shortly.",
+                status=429,
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            ) from None
+
+    install_playground(app, engine, chat_spec, submit, facts)
     _register_request_schema(app)
     return app
 

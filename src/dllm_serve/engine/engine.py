@@ -152,6 +152,7 @@ class AsyncEngine(EngineSteps):
         request_id: str | None = None,
         stop: Sequence[str] = (),
         timeout: float | None = None,
+        trace: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request now and return the async iterator of its outputs.
 
@@ -159,6 +160,7 @@ class AsyncEngine(EngineSteps):
         engine :class:`EngineDeadError`) here, before any response has started. Closing the
         iterator before the last output aborts the request. With ``timeout`` (seconds), the
         request ends with ``finish_reason == "timeout"`` at the first step boundary past it.
+        ``trace``: every step's output carries its trace event (engine/trace.py).
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -170,6 +172,7 @@ class AsyncEngine(EngineSteps):
             sink=queue.put_nowait,
             detokenizer=IncrementalDetokenizer(self._decode, stop=tuple(stop)),
             loop=loop,
+            trace=trace,
         )
         if timeout is not None:
             request.deadline = request.arrival_time + timeout

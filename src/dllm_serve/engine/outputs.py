@@ -29,6 +29,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    # Traced requests only (engine/trace.py): this step's events, None otherwise.
+    trace: tuple[dict, ...] | None = None
 
 
 class IncrementalDetokenizer:

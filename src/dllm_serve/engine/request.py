@@ -39,6 +39,8 @@ class Request:
     first_content_time: float | None = None
     deadline: float | None = None  # time.monotonic() past which the request times out
     loop: asyncio.AbstractEventLoop | None = None  # where ``sink`` runs (None: engine thread)
+    trace: bool = False  # one trace event per step in the outputs (engine/trace.py)
+    trace_started: bool = False  # the start event went out (with the first step's)
 
     @property
     def row_length(self) -> int:
@@ -62,6 +64,7 @@ class Request:
         completion_tokens: int,
         finish_reason: str | None,
         error: str | None = None,
+        trace: tuple[dict, ...] | None = None,
     ) -> RequestOutput:
         """This request's :class:`RequestOutput` for one step, with its current counters."""
         state = self.state
@@ -79,4 +82,5 @@ class Request:
             finished=finish_reason is not None,
             finish_reason=finish_reason,
             error=error,
+            trace=trace,
         )

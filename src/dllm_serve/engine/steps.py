@@ -13,8 +13,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from dllm_serve.engine import trace
 from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.engine.request import Request, RequestStatus
 
@@ -45,6 +46,7 @@ class EngineSteps:
     scheduler: Scheduler
     observer: EngineObserver
     _outbox: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput]]]
+    _detok_tokenizer: Any
 
     def _admit(self) -> None:
         """Start waiting requests, in order, while slots and KV budget allow.
@@ -114,17 +116,35 @@ class EngineSteps:
             return
         for request, state, row in zip(rows, states, host, strict=True):
             try:
+                before = trace.snapshot(state) if request.trace else None
                 result = self.algorithm.commit([state], [row])[0]
-                self._emit(request, result.finished, result.finish_reason, result.new_tokens)
+                events = None
+                if before is not None:
+                    events = (trace.step_event(state, before, self._piece),)
+                    if not request.trace_started:
+                        request.trace_started = True
+                        events = (trace.start_event(state), *events)
+                self._emit(
+                    request, result.finished, result.finish_reason, result.new_tokens, events
+                )
             except Exception as exc:
                 self._fail_exc(request, exc, "update")
 
+    def _piece(self, token: int) -> str:
+        """One token's text, for trace events (specials included: EOS shows as EOS)."""
+        return self._detok_tokenizer.decode([token], skip_special_tokens=False)
+
     def _emit(
-        self, request: Request, finished: bool, finish_reason: str | None, new_tokens: int
+        self,
+        request: Request,
+        finished: bool,
+        finish_reason: str | None,
+        new_tokens: int,
+        events: tuple[dict, ...] | None = None,
     ) -> None:
         state = request.state
         assert state is not None
-        if not new_tokens and not finished:
+        if not new_tokens and not finished and events is None:
             return  # nothing became final: no delta, no decode
         tokens = state.answer_tokens()
         detok = request.detokenizer
@@ -138,8 +158,8 @@ class EngineSteps:
             self.observer.on_first_content(request.first_content_time - request.arrival_time)
         if finished:
             request.status = RequestStatus.FINISHED
-        if delta or finished:
-            output = request.output(delta, count, finish_reason if finished else None)
+        if delta or finished or events is not None:
+            output = request.output(delta, count, finish_reason if finished else None, None, events)
             self._send(request, output)
 
     def _fail_exc(self, request: Request, exc: Exception, where: str) -> None:

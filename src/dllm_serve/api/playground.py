@@ -1,0 +1,119 @@
+"""The playground at ``/``, its trace stream and the offline ``/docs``.
+
+- ``GET /``: a page (``static/playground.html``) where a prompt is typed, the request's
+  settings picked, and the answer watched as it denoises: the canvas as cells, masked ones
+  masked, each step's commits, tokens per forward and NFE; for self-speculative models each
+  round's drafts and acceptances.
+- ``POST /v1/dllm/trace``: the page's data. The body is a chat completion request (same
+  fields, same validation, same 400s); the answer is an event stream, not the OpenAI one:
+  ``start``, then one ``step`` (denoising) or ``round`` (self-speculation) event per forward
+  (``engine/trace.py``), ``delta`` events with the answer text as it becomes final, and
+  ``done`` (content, finish_reason, usage) or ``error``. The chat stream itself is untouched.
+- ``GET /v1/dllm/info``: the model's decoding mode and defaults, so the page offers only the
+  settings that apply.
+- ``GET /docs``: Swagger UI from ``static/swagger`` (no CDN).
+
+Everything the page loads comes from ``/static`` in this package.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.staticfiles import StaticFiles
+from sse_starlette import EventSourceResponse
+
+from dllm_serve.api.errors import REQUEST_ID_HEADER, invalid
+from dllm_serve.api.streaming import failure, usage_dict
+from dllm_serve.api.validation import RequestSpec
+from dllm_serve.engine.outputs import RequestOutput
+
+STATIC = Path(__file__).with_name("static")
+
+ChatSpec = Callable[[Request], Awaitable[tuple[RequestSpec, list[int]]]]
+Submit = Callable[..., AsyncIterator[RequestOutput]]
+
+
+def install_playground(
+    app: FastAPI, engine: Any, chat_spec: ChatSpec, submit: Submit, facts: Any
+) -> None:
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(STATIC / "playground.html", media_type="text/html")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title="dllm-serve API",
+            swagger_js_url="/static/swagger/swagger-ui-bundle.js",
+            swagger_css_url="/static/swagger/swagger-ui.css",
+            swagger_favicon_url="/static/swagger/favicon-32x32.png",
+            # No validator badge: it would send the schema to validator.swagger.io.
+            swagger_ui_parameters={"validatorUrl": None},
+        )
+
+    @app.get("/v1/dllm/info", tags=["dllm"])
+    async def info() -> dict[str, Any]:
+        """The served model's decoding mode and defaults (what the playground offers)."""
+        return {
+            "model": engine.model_name,
+            "decoding_mode": engine.decoding_mode,
+            "default_max_tokens": engine.default_gen_length,
+            "default_block_length": facts.default_block_length,
+            "block_size": facts.block_size,
+            "max_model_len": engine.max_length,
+        }
+
+    @app.post("/v1/dllm/trace", tags=["dllm"])
+    async def trace(request: Request) -> EventSourceResponse:
+        """A chat completion request answered as a per-step trace (docs/playground.md)."""
+        spec, prompt_ids = await chat_spec(request)
+        body = json.loads(await request.body())
+        if body.get("stream") is False:
+            raise invalid("The trace endpoint always streams; omit 'stream'.", "stream")
+        if spec.include_stop_str:
+            raise invalid(
+                "'include_stop_str_in_output' is not supported by the trace endpoint.",
+                "include_stop_str_in_output",
+            )
+        request_id = request.state.request_id
+        outputs = submit(request_id, spec, prompt_ids, spec.stop, trace=True)
+        return EventSourceResponse(
+            trace_events(outputs, spec.params.gen_length),
+            headers={REQUEST_ID_HEADER: request_id},
+        )
+
+
+async def trace_events(
+    outputs: AsyncIterator[RequestOutput], canvas_length: int
+) -> AsyncIterator[dict[str, str]]:
+    """The engine's outputs as named server-sent events (see the module docstring)."""
+    parts: list[str] = []
+    async for output in outputs:
+        for event in output.trace or ():
+            yield {"event": event["type"], "data": json.dumps(event)}
+        if output.delta_text:
+            parts.append(output.delta_text)
+            yield {"event": "delta", "data": json.dumps({"content": output.delta_text})}
+        if not output.finished:
+            continue
+        if output.finish_reason in ("stop", "length"):
+            done = {
+                "content": "".join(parts),
+                "finish_reason": output.finish_reason,
+                "usage": usage_dict(output, canvas_length),
+            }
+            yield {"event": "done", "data": json.dumps(done)}
+        else:
+            status, message, err_type, code = failure(output)
+            error = {"message": message, "type": err_type, "code": code, "status": status}
+            yield {"event": "error", "data": json.dumps({"error": error})}

@@ -1,0 +1,190 @@
+// The playground: POST /v1/dllm/trace, parse its server-sent events, replay them step by step.
+// No dependencies; everything is served by the package (docs/playground.md).
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const NUMBER_FIELDS = ["max_tokens", "temperature", "seed"];
+const DIFFUSION_NUMBER_FIELDS = ["num_denoising_steps", "block_length", "confidence_threshold"];
+// What a test (or a curious user in the console) can read about the last run.
+const run = (window.playground = { status: "idle", steps: 0, maxMasked: 0, finalMasked: null,
+                                   maskedAfterFirstStep: null, rounds: 0, content: "", events: [] });
+let mode = "diffusion";
+
+async function loadInfo() {
+  try {
+    const res = await fetch("/v1/dllm/info", { headers: authHeaders() });
+    if (!res.ok) { $("model-info").textContent = `model info: HTTP ${res.status}`; return; }
+    const info = await res.json();
+    mode = info.decoding_mode;
+    $("model-info").textContent =
+      `${info.model} · ${mode.replace("_", " ")} · default max_tokens ${info.default_max_tokens}`;
+    // Self-speculative models have no canvas settings (the API rejects them with a 400).
+    $("diffusion-settings").hidden = mode === "self_speculation";
+    $("masked-stat").hidden = mode === "self_speculation";
+  } catch (err) { $("model-info").textContent = `model info: ${err}`; }
+}
+
+function authHeaders() {
+  const key = $("api_key").value.trim();
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+function requestBody() {
+  const body = { messages: [{ role: "user", content: $("prompt").value || $("prompt").placeholder }] };
+  const fields = mode === "self_speculation" ? NUMBER_FIELDS : [...NUMBER_FIELDS, ...DIFFUSION_NUMBER_FIELDS];
+  for (const name of fields) {
+    const value = $(name).value.trim();
+    if (value !== "") body[name] = Number(value);
+  }
+  if (mode !== "self_speculation") {
+    if ($("block_schedule").value) body.block_schedule = $("block_schedule").value;
+    if ($("use_local_leap").checked) body.use_local_leap = true;
+  }
+  return body;
+}
+
+// Server-sent events from a fetch body: "event: name\r\ndata: json\r\n\r\n" records.
+async function* sseEvents(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true }).replace(/\r\n/g, "\n");
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const record = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      let name = "message", data = "";
+      for (const line of record.split("\n")) {
+        if (line.startsWith("event:")) name = line.slice(6).trim();
+        else if (line.startsWith("data:")) data += line.slice(5).trim();
+      }
+      if (data) yield { name, data: JSON.parse(data) };
+    }
+  }
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+function label(text) {
+  // Specials (EOS, end of turn) and whitespace made visible.
+  if (/^<\|.*\|>$/.test(text) || /^<.*>$/.test(text)) return ["EOS", true];
+  return [text.replace(/ /g, "␣").replace(/\n/g, "⏎") || "∅", false];
+}
+
+function drawCanvas(size) {
+  const canvas = $("canvas");
+  canvas.replaceChildren();
+  for (let i = 0; i < size; i++) {
+    const cell = document.createElement("span");
+    cell.className = "cell masked";
+    cell.textContent = "▒";
+    canvas.append(cell);
+  }
+}
+
+function applyStep(event) {
+  const cells = $("canvas").children;
+  for (const old of document.querySelectorAll(".cell.new")) old.classList.remove("new");
+  for (const [pos, , text] of event.commits) {
+    const cell = cells[pos];
+    if (!cell) continue;
+    const [shown, special] = label(text);
+    cell.textContent = shown;
+    cell.className = "cell new" + (special ? " eos" : "");
+  }
+  run.steps += 1;
+  run.finalMasked = event.masked;
+  if (run.steps === 1) run.maskedAfterFirstStep = document.querySelectorAll(".cell.masked").length;
+  $("stat-masked").textContent = event.masked;
+}
+
+function applyRound(event) {
+  const item = document.createElement("li");
+  event.drafts.forEach((text, i) => {
+    const span = document.createElement("span");
+    span.className = "tok " + (i < event.accepted ? "accepted" : "rejected");
+    span.textContent = label(text)[0];
+    item.append(span);
+  });
+  const arrow = document.createElement("span");
+  arrow.textContent = event.drafts.length ? " → " : "";
+  item.append(arrow);
+  for (const text of event.emitted) {
+    const span = document.createElement("span");
+    span.className = "tok emitted";
+    span.textContent = label(text)[0];
+    item.append(span);
+  }
+  $("rounds").append(item);
+  run.rounds += 1;
+}
+
+function showCounters(event) {
+  $("stat-step").textContent = event.step ?? event.round;
+  $("stat-nfe").textContent = event.nfe;
+  $("stat-tpf").textContent = event.tokens_per_forward.toFixed(2);
+}
+
+async function generate(submitEvent) {
+  submitEvent.preventDefault();
+  Object.assign(run, { status: "running", steps: 0, maxMasked: 0, finalMasked: null,
+                       maskedAfterFirstStep: null, rounds: 0, content: "", events: [] });
+  $("generate").disabled = true;
+  $("status").textContent = "running";
+  $("answer").textContent = "";
+  $("error").hidden = true;
+  $("rounds").replaceChildren();
+  $("canvas").replaceChildren();
+  const delay = Math.max(0, Number($("replay_ms").value) || 0);
+  try {
+    const response = await fetch("/v1/dllm/trace", {
+      method: "POST",
+      headers: { "Content-Type": "application/json", ...authHeaders() },
+      body: JSON.stringify(requestBody()),
+    });
+    if (!response.ok) {
+      const body = await response.json().catch(() => ({}));
+      throw new Error(body.error?.message || `HTTP ${response.status}`);
+    }
+    for await (const { name, data } of sseEvents(response)) {
+      run.events.push(name);
+      if (name === "start") {
+        if (data.mode === "diffusion") {
+          drawCanvas(data.canvas);
+          run.maxMasked = data.canvas;
+          $("stat-masked").textContent = data.canvas;
+        }
+      } else if (name === "step") {
+        applyStep(data); showCounters(data); await sleep(delay);
+      } else if (name === "round") {
+        applyRound(data); showCounters(data); await sleep(delay);
+      } else if (name === "delta") {
+        $("answer").textContent += data.content;
+      } else if (name === "done") {
+        $("answer").textContent = data.content;
+        run.content = data.content;
+        $("status").textContent = `done · finish_reason ${data.finish_reason} · ` +
+          `${data.usage.completion_tokens} tokens`;
+        run.status = "done";
+      } else if (name === "error") {
+        throw new Error(data.error.message);
+      }
+    }
+    if (run.status !== "done") throw new Error("the stream ended without an answer");
+  } catch (err) {
+    run.status = "error";
+    $("status").textContent = "error";
+    $("error").hidden = false;
+    $("error").textContent = String(err.message || err);
+  } finally {
+    $("generate").disabled = false;
+    for (const old of document.querySelectorAll(".cell.new")) old.classList.remove("new");
+  }
+}
+
+$("prompt-form").addEventListener("submit", generate);
+$("api_key").addEventListener("change", loadInfo);
+loadInfo();

@@ -1,0 +1,117 @@
+"""The playground at / in a real headless Chromium: type a prompt, watch it denoise.
+
+Asserts what a person would see: the canvas starts as masked cells, the steps resolve every
+one of them, the answer equals what /v1/chat/completions returns for the same request, and
+for the I-DLM demo the rounds show drafts. A screenshot is saved (DLLM_SCREENSHOT_DIR keeps
+it: docs/images/playground.png is made this way).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from browser import Browser, browser_required, find_chromium
+from remote_server import RemoteServer
+
+CHROMIUM = find_chromium()
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None and not browser_required(), reason="no chromium (apt-get install chromium)"
+)
+PROMPT = "What is 2 + 2?"
+PAGE_READY = "window.playground && document.getElementById('model-info').textContent.includes('·')"
+
+
+def _run_in_page(page: Browser, url: str, prompt: str, mid_run_shot: Path | None = None) -> dict:
+    page.goto(url, PAGE_READY)
+    page.evaluate(f"document.getElementById('replay_ms').value = '{60 if mid_run_shot else 20}'")
+    page.type_into("#prompt", prompt)
+    page.evaluate("document.getElementById('generate').click()")
+    if mid_run_shot is not None:  # part of the canvas resolved, part still masked
+        page.wait_for("window.playground.steps >= 12", timeout=120)
+        page.screenshot(mid_run_shot)
+    page.wait_for("['done', 'error'].includes(window.playground.status)", timeout=120)
+    return page.evaluate("JSON.parse(JSON.stringify(window.playground))")
+
+
+def _chat_answer(server: RemoteServer, prompt: str) -> str:
+    reply = server.client().chat.completions.create(
+        model=server.client().models.list().data[0].id,
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+    )
+    return reply.choices[0].message.content or ""
+
+
+def _screenshot(page: Browser, tmp_path: Path, name: str) -> Path:
+    out = Path(os.environ.get("DLLM_SCREENSHOT_DIR", tmp_path))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    page.screenshot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return path
+
+
+@pytest.fixture(scope="module")
+def llada_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    log = tmp_path_factory.mktemp("playground") / "server.log"
+    server = RemoteServer.start(["--model", "demo-llada", "--log-level", "warning"], log)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def page() -> Iterator[Browser]:
+    assert CHROMIUM is not None, "CI needs chromium (DLLM_REQUIRE_BROWSER=1)"
+    with Browser(CHROMIUM) as browser:
+        yield browser
+
+
+def test_llada_canvas_denoises_live_in_chromium(
+    llada_server: RemoteServer, page: Browser, tmp_path: Path
+) -> None:
+    shots = Path(os.environ.get("DLLM_SCREENSHOT_DIR", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    run = _run_in_page(page, llada_server.url + "/", PROMPT, shots / "playground-denoising.png")
+    assert run["status"] == "done", page.evaluate("document.getElementById('error').textContent")
+    # The canvas was drawn masked, and every masked cell resolved step by step.
+    assert run["maskedAfterFirstStep"] > 0
+    assert run["finalMasked"] == 0
+    assert run["steps"] >= 2
+    cells = page.evaluate("document.querySelectorAll('#canvas .cell').length")
+    assert cells == run["maxMasked"] > 0
+    assert page.evaluate("document.querySelectorAll('#canvas .cell.masked').length") == 0
+    shown = page.evaluate("document.getElementById('answer').textContent")
+    assert shown == run["content"] != ""
+    assert run["events"][0] == "start" and run["events"][-1] == "done"
+    _screenshot(page, tmp_path, "playground.png")
+    assert run["content"] == _chat_answer(llada_server, PROMPT)
+
+
+def test_page_reports_a_400_from_the_server(llada_server: RemoteServer, page: Browser) -> None:
+    page.goto(llada_server.url + "/", PAGE_READY)
+    page.evaluate("document.getElementById('block_length').value = '5'")
+    page.type_into("#prompt", PROMPT)
+    page.evaluate("document.getElementById('generate').click()")
+    page.wait_for("window.playground.status === 'error'", timeout=60)
+    error = page.evaluate("document.getElementById('error').textContent")
+    assert "'block_length' (5) must divide the canvas length (32)" in error
+
+
+def test_idlm_rounds_show_drafts_in_chromium(page: Browser, tmp_path: Path) -> None:
+    server = RemoteServer.start(
+        ["--model", "demo-idlm", "--log-level", "warning"], tmp_path / "log"
+    )
+    try:
+        run = _run_in_page(page, server.url + "/", "What is 123 + 456?")
+        assert run["status"] == "done"
+        assert run["rounds"] >= 2
+        # Self-speculative models get no canvas settings and no canvas.
+        assert page.evaluate("document.getElementById('diffusion-settings').hidden") is True
+        assert page.evaluate("document.querySelectorAll('#rounds .tok.accepted').length") > 0
+        _screenshot(page, tmp_path, "playground-idlm.png")
+        assert run["content"] == _chat_answer(server, "What is 123 + 456?")
+    finally:
+        server.stop()
