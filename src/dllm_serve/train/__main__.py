@@ -17,16 +17,18 @@ from pathlib import Path
 
 import torch
 
+from dllm_serve.api.request_params import recommended_block
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
 from dllm_serve.llm import LLM
 from dllm_serve.models.loader import load_model
 from dllm_serve.models.tiny import write_tiny
 from dllm_serve.models.tiny.files import save_weights
 from dllm_serve.train.batches import BatchStream, batch_iterator
+from dllm_serve.train.char_tokens import spell_words_and_numbers
 from dllm_serve.train.model_card import machine, write_model_card
 from dllm_serve.train.objectives import loss
-from dllm_serve.train.tasks import TASKS, WEIGHTS, held_out_set
+from dllm_serve.train.tasks import STRATA, TASKS, WEIGHTS, held_out_additions, held_out_set
 
 N_ADDITION, N_OTHER = 1000, 100  # held-out questions in the final evaluation
 SIZES = {
@@ -91,15 +93,32 @@ def save(model: torch.nn.Module, loaded, out: Path) -> None:
     save_weights(out, tensors, num_shards=1)
 
 
+def _parse_weights(text: str) -> dict[str, int]:
+    """``reverse_word=4,sort=0`` → task weights (unknown tasks are an error)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in TASKS:
+            raise SystemExit(f"--weights: unknown task {name!r} (tasks: {', '.join(TASKS)})")
+        out[name] = int(value)
+    return out
+
+
+def _as_tuple(drawn):
+    return drawn if isinstance(drawn, tuple) else (drawn,)
+
+
 def train(args: argparse.Namespace) -> dict:
     family, out, steps = args.family, args.out, args.steps
     torch.manual_seed(args.seed)
     size = sizes(family, args.d_model, args.n_layers, args.mlp, args.heads)
     write_skeleton(family, out, args.seed, args.canvas, size, args.rope_theta)
+    if args.spell:
+        spell_words_and_numbers(out)
     if args.init:  # continue from a trained checkpoint of the same shape (a second stage)
         shutil.copyfile(args.init / "model.safetensors", out / "model.safetensors")
     loaded = load_model(str(out), device="cpu", dtype="float32")
-    weights = WEIGHTS | {"addition": args.addition_weight}
+    weights = WEIGHTS | {"addition": args.addition_weight} | _parse_weights(args.weights)
     dataset = BatchStream(
         loaded,
         family,
@@ -114,6 +133,7 @@ def train(args: argparse.Namespace) -> dict:
         ramp_examples=int(0.75 * steps * args.batch_size),
         causal_batches=args.causal_steps,
         ar_fraction=args.ar_fraction,
+        tail_rows=args.tail_rows,
     )
     batches = batch_iterator(dataset, args.workers)  # before any CUDA use (workers fork)
     model = loaded.model.to(args.device).train()
@@ -128,8 +148,8 @@ def train(args: argparse.Namespace) -> dict:
     )
     started, history, evals = time.monotonic(), [], []
     for step in range(1, steps + 1):
-        batch = next(batches).to(args.device)
-        value = loss(model, batch)
+        drawn = next(batches)
+        value = loss(model, *(b.to(args.device) for b in _as_tuple(drawn)))
         opt.zero_grad(set_to_none=True)
         value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -153,6 +173,9 @@ def train(args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size,
         "addition_weight": args.addition_weight,
         "addition_operands": args.addition_operands,
+        "task_weights": weights,
+        "spelled": args.spell,
+        "tail_rows": args.tail_rows if family == "llada" else None,
         "causal_steps": args.causal_steps if family == "llada" else None,
         "ar_fraction": args.ar_fraction if family == "llada" else None,
         "weighting": args.weighting if family == "llada" else None,
@@ -174,26 +197,54 @@ def evaluate(
     n_addition: int = N_ADDITION,
     n_other: int = N_OTHER,
     tasks: tuple[str, ...] = tuple(TASKS),
+    canvases: tuple[int, ...] = (),
 ) -> dict[str, float]:
-    """Held-out exact match at temperature 0 with the model's ``canvas``.
+    """Held-out exact match at temperature 0 through the serving engine.
 
-    LLaDA: one block, 32 steps. I-DLM: one token per step (block 1), which is greedy
-    autoregressive decoding — what exact self-speculative verification returns at temperature 0.
+    With ``canvases`` empty, the model's ``canvas`` at the server's default settings; else one
+    score per canvas length, keyed ``task@canvas``, each at the settings a request of that
+    ``max_tokens`` gets from the server (a canvas longer than ``canvas`` in blocks of about
+    ``canvas``). Addition is scored per operand stratum (:data:`STRATA`, ``n_addition``
+    questions split over them) as ``addition_1+1`` etc., and overall. LLaDA: one step per
+    token. I-DLM: one token per step (block 1), greedy autoregressive decoding — what exact
+    self-speculative verification returns at temperature 0.
     """
-    block = 1 if family == "idlm" else canvas
-    params = DecodingParams(gen_length=canvas, steps=canvas, block_length=block)
-    scores = {}
+    scores: dict[str, float] = {}
     config = EngineConfig(max_running_requests=64, max_waiting_requests=1 << 20)
+    sets: dict[str, list] = {}
+    for task in tasks:
+        if task == "addition":
+            for name in STRATA:
+                sets[f"addition_{name}"] = held_out_additions(name, n_addition // len(STRATA))
+        elif WEIGHTS.get(task) or task.endswith("_word"):
+            sets[task] = held_out_set(n_other, task=task)
     with LLM(str(out), device=device, dtype="float32", engine_config=config) as llm:
-        for task in tasks:
-            exs = held_out_set(n_addition if task == "addition" else n_other, task=task)
-            outs = llm.generate(
-                [[{"role": "user", "content": e.question}] for e in exs],
-                params,
-            )
-            right = sum(o.text.strip() == e.answer for o, e in zip(outs, exs, strict=True))
-            scores[task] = round(right / len(exs), 4)
+        for length in canvases or (canvas,):
+            suffix = f"@{length}" if canvases else ""
+            params = _server_params(family, length, canvas)
+            right_adds = n_adds = 0
+            for name, exs in sets.items():
+                outs = llm.generate(
+                    [[{"role": "user", "content": e.question}] for e in exs], params
+                )
+                right = sum(o.text.strip() == e.answer for o, e in zip(outs, exs, strict=True))
+                scores[name + suffix] = round(right / len(exs), 4)
+                if name.startswith("addition_"):
+                    right_adds, n_adds = right_adds + right, n_adds + len(exs)
+            if n_adds:
+                scores["addition" + suffix] = round(right_adds / n_adds, 4)
     return scores
+
+
+def _server_params(family: str, length: int, trained: int) -> DecodingParams:
+    """The decoding a request of ``max_tokens`` = ``length`` gets by default (see
+    ``api/request_params.py``): blocks of about the trained canvas, one step per token."""
+    if family == "idlm":
+        return DecodingParams(gen_length=length, steps=length, block_length=1)
+    block = recommended_block(length, trained) or length
+    return DecodingParams(
+        gen_length=length, steps=length // block * min(DEFAULT_STEPS, block), block_length=block
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,10 +269,34 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--addition-operands",
-        choices=["uniform", "mixed", "curriculum"],
+        choices=["uniform", "mixed", "curriculum", "stratified"],
         default="uniform",
         help="training additions: uniform 0-999; mixed: half with a uniform digit count; "
-        "curriculum: all short-first, falling to none at 3/4 of the steps",
+        "curriculum: all short-first, falling to none at 3/4 of the steps; "
+        "stratified: each operand's digit count 1-3 drawn first (the held-out strata)",
+    )
+    p.add_argument(
+        "--weights",
+        default="",
+        help="other task weights, e.g. reverse_word=4,sort_word=2 (default: 1 each, 0 for "
+        "the word tasks)",
+    )
+    p.add_argument(
+        "--spell",
+        action="store_true",
+        help="one token per letter and digit (drop the BPE's word and number merges)",
+    )
+    p.add_argument(
+        "--tail-rows",
+        type=int,
+        default=0,
+        help="LLaDA: rows per step at long canvases (up to 1024, masked tail) so answers do "
+        "not depend on max_tokens",
+    )
+    p.add_argument(
+        "--eval-canvases",
+        default="",
+        help="comma-separated canvas lengths for the final evaluation, e.g. 32,256,1024",
     )
     p.add_argument("--canvas", type=int, default=32, help="default canvas (max_new_tokens)")
     p.add_argument("--rope-theta", type=float, default=0.0, help="0: the format's own")
@@ -257,11 +332,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = train(args)
-    report["held_out_exact_match"] = evaluate(args.out, args.family, args.device, args.canvas)
+    canvases = tuple(int(c) for c in filter(None, args.eval_canvases.split(",")))
+    report["held_out_exact_match"] = evaluate(
+        args.out, args.family, args.device, args.canvas, canvases=canvases
+    )
     if args.init and (args.init / "training_report.json").is_file():
         first = json.loads((args.init / "training_report.json").read_text())
         report["init_from"] = {k: first[k] for k in ("command", "steps", "seconds") if k in first}
-    report["held_out_counts"] = {t: N_ADDITION if t == "addition" else N_OTHER for t in TASKS}
+    report["held_out_counts"] = {
+        **{f"addition_{n}": len(held_out_additions(n, N_ADDITION // len(STRATA))) for n in STRATA},
+        **{t: len(held_out_set(N_OTHER, task=t)) for t in TASKS if t != "addition"},
+    }
     report["command"] = "python -m dllm_serve.train " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, "")
     )

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from dllm_serve.models.loader import LoadedModel
-from dllm_serve.train.objectives import TrainBatch, idlm_batch, llada_batch
+from dllm_serve.train.objectives import TrainBatch, idlm_batch, llada_batch, llada_tail_batch
 from dllm_serve.train.tasks import examples
 
 
@@ -34,11 +34,14 @@ class BatchStream(torch.utils.data.IterableDataset):
         ramp_examples: int = 0,
         causal_batches: int = 0,
         ar_fraction: float = 0.0,
+        tail_rows: int = 0,
     ) -> None:
         self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
         self.addition_operands, self.ramp_examples = addition_operands, ramp_examples
         self.causal_batches = causal_batches  # LLaDA: the first batches with a causal mask
         self.llada = family == "llada"
+        # LLaDA: rows at long canvases (llada_tail_batch), their own batch beside each one
+        self.tail_rows = tail_rows
         self.make = (
             functools.partial(
                 llada_batch, canvas=canvas, weighting=weighting, ar_fraction=ar_fraction
@@ -47,7 +50,7 @@ class BatchStream(torch.utils.data.IterableDataset):
             else idlm_batch
         )
 
-    def __iter__(self) -> Iterator[TrainBatch]:
+    def __iter__(self) -> Iterator[TrainBatch | tuple[TrainBatch, TrainBatch]]:
         info = torch.utils.data.get_worker_info()
         seed = self.seed if info is None else self.seed * 1000 + 1 + info.id
         rng = random.Random(seed)
@@ -64,14 +67,22 @@ class BatchStream(torch.utils.data.IterableDataset):
         made = 0
         while True:
             batch = [next(stream) for _ in range(self.batch_size)]
-            if self.llada:
+            if self.llada and self.tail_rows:
+                tail = [next(stream) for _ in range(self.tail_rows)]
+                yield (
+                    self.make(self.loaded, batch, rng, causal=made < causal),
+                    llada_tail_batch(self.loaded, tail, rng),
+                )
+            elif self.llada:
                 yield self.make(self.loaded, batch, rng, causal=made < causal)
             else:
                 yield self.make(self.loaded, batch, rng)
             made += 1
 
 
-def batch_iterator(dataset: BatchStream, workers: int) -> Iterator[TrainBatch]:
+def batch_iterator(
+    dataset: BatchStream, workers: int
+) -> Iterator[TrainBatch | tuple[TrainBatch, TrainBatch]]:
     """The dataset itself, or a DataLoader over it with ``workers`` processes. Start it before
     the model moves to a GPU: the workers fork and must not inherit a CUDA context."""
     if workers <= 0:

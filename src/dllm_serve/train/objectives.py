@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -126,6 +127,57 @@ def llada_batch(
     return _pad(rows, targets, weights, loaded, causal, n_masked, layouts)
 
 
+def llada_tail_batch(
+    loaded: LoadedModel,
+    examples: list[Example],
+    rng: random.Random,
+    max_canvas: int = 1024,
+    block_range: tuple[int, int] = (16, 32),
+) -> TrainBatch:
+    """Rows in the state of a long canvas's first block: what makes the answer canvas-free.
+
+    A request for 1024 tokens is decoded in blocks of about the trained canvas (block
+    ``b`` in ``block_range``); while the first block is denoised, every position after it is
+    still MASK and, attention being bidirectional, visible. A model trained on 32-token
+    canvases only has never seen hundreds of MASKs to its right and writes nothing useful
+    there. Each batch here shares one canvas length ``L`` drawn log-uniformly from
+    ``[b, max_canvas]``: the region is answer + EOT + EOS padding to ``L``; positions after
+    ``b`` are all MASK (no loss, as at inference they are decoded later); the block is masked
+    either at a random ratio or as a suffix after a clean prefix (the left-to-right state
+    confidence decoding reaches). Cross-entropy on the block's masked positions.
+    """
+    b = rng.randint(*block_range)
+    drawn = int(math.exp(rng.uniform(math.log(b), math.log(max_canvas))))
+    encoded = [encode(loaded, ex) for ex in examples]
+    length = max(drawn, *(len(answer) for _, answer in encoded))
+    rows, targets, weights = [], [], []
+    for prompt, answer in encoded:
+        region = answer + [loaded.eos_id] * (length - len(answer))
+        block = max(b, len(answer))  # an answer longer than the block keeps its tokens
+        if rng.random() < 0.5:
+            t = EPS + (1 - EPS) * rng.random()
+            masked = [rng.random() < t for _ in range(block)]
+        else:
+            clean = rng.randrange(block)
+            masked = [i >= clean for i in range(block)]
+        if not any(masked):
+            masked[rng.randrange(block)] = True
+        masked += [True] * (length - block)
+        rows.append(
+            prompt + [loaded.mask_id if m else tok for tok, m in zip(region, masked, strict=True)]
+        )
+        targets.append(
+            [-100] * len(prompt)
+            + [
+                tok if m and i < block else -100
+                for i, (tok, m) in enumerate(zip(region, masked, strict=True))
+            ]
+        )
+        weights.append([0.0] * len(prompt) + [1.0] * length)
+    n_masked = sum(tok != -100 for tgt in targets for tok in tgt)
+    return _pad(rows, targets, weights, loaded, False, n_masked)
+
+
 def two_stream_row(
     prompt: list[int], answer: list[int], mask_id: int
 ) -> tuple[list[int], list[int], tuple[torch.Tensor, torch.Tensor]]:
@@ -209,9 +261,14 @@ def _pad(
     return TrainBatch(ids, positions, mask, tgt, wts, float(normalizer))
 
 
-def loss(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-    hidden = model(batch.input_ids, batch.positions, batch.attn_mask)
-    keep = batch.targets != -100
-    logits = model.lm_head(hidden[keep]).float()
-    ce = F.cross_entropy(logits, batch.targets[keep], reduction="none")
-    return (ce * batch.weights[keep]).sum() / batch.normalizer
+def loss(model: torch.nn.Module, *batches: TrainBatch) -> torch.Tensor:
+    """Weighted cross-entropy of one batch, or of several (each its own forward) pooled as
+    one: the sum over all of them over the sum of their normalizers."""
+    total = 0.0
+    for batch in batches:
+        hidden = model(batch.input_ids, batch.positions, batch.attn_mask)
+        keep = batch.targets != -100
+        logits = model.lm_head(hidden[keep]).float()
+        ce = F.cross_entropy(logits, batch.targets[keep], reduction="none")
+        total = total + (ce * batch.weights[keep]).sum()
+    return total / sum(b.normalizer for b in batches)

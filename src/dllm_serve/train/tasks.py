@@ -6,13 +6,31 @@ question, so training never sees a held-out question whatever the seed or the sa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 HELD_OUT_PERCENT = 10
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# Questions the README and docs show, always held out so that what a newcomer types first is
+# never a question the demos were trained on.
+SHOWCASE = frozenset(
+    {
+        "What is 2 + 2?",
+        "What is 15 + 27?",
+        "What is 123 + 456?",
+        "What is 250 + 19?",
+        "What is 358 + 677?",
+        "Reverse the word hello.",
+        "Reverse the word cat.",
+    }
+)
+# Addition strata by operand digit counts: what the model cards report separately. Operands
+# uniform in 0-999 are three-digit 90% of the time, so a uniform test says little about 2 + 2.
+STRATA = ("1+1", "2+2", "mixed", "3+3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +41,8 @@ class Example:
 
 
 def is_held_out(question: str) -> bool:
+    if question in SHOWCASE:
+        return True
     digest = hashlib.sha256(question.encode()).digest()
     return int.from_bytes(digest[:4], "big") % 100 < HELD_OUT_PERCENT
 
@@ -54,6 +74,53 @@ def _addition_short_operands(rng: random.Random, p_uniform: float) -> Example:
     return Example("addition", f"What is {a} + {b}?", f"{a} + {b} = {a + b}")
 
 
+def _digits_operand(rng: random.Random, digits: int) -> int:
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+def _addition_stratified(rng: random.Random) -> Example:
+    """Each operand's digit count (1-3) drawn uniformly first: the nine length pairs equally
+    often, so 2 + 2 is as common as 123 + 456 (training and held-out alike)."""
+    a = _digits_operand(rng, rng.randint(1, 3))
+    b = _digits_operand(rng, rng.randint(1, 3))
+    return Example("addition", f"What is {a} + {b}?", f"{a} + {b} = {a + b}")
+
+
+def stratum(ex: Example) -> str:
+    """An addition's stratum: "1+1", "2+2", "3+3" or "mixed" (different digit counts)."""
+    a, b = ex.question.removeprefix("What is ").removesuffix("?").split(" + ")
+    return f"{len(a)}+{len(b)}" if len(a) == len(b) else "mixed"
+
+
+def held_out_additions(stratum_name: str, n: int, seed: int = 12345) -> list[Example]:
+    """Up to ``n`` distinct held-out additions of one stratum (1+1 has only ~10: every
+    held-out one-digit pair, "What is 2 + 2?" among them)."""
+    if stratum_name == "1+1":
+        pairs = [(a, b) for a in range(10) for b in range(10)]
+        exs = [Example("addition", f"What is {a} + {b}?", f"{a} + {b} = {a + b}") for a, b in pairs]
+        return [e for e in exs if is_held_out(e.question)][:n]
+    rng, seen, out = random.Random(seed), set(), []
+    while len(out) < n:
+        if stratum_name == "mixed":
+            da, db = rng.sample((1, 2, 3), 2)
+        else:
+            da = db = int(stratum_name[0])
+        a, b = _digits_operand(rng, da), _digits_operand(rng, db)
+        q = f"What is {a} + {b}?"
+        if q not in seen and is_held_out(q):
+            seen.add(q)
+            out.append(Example("addition", q, f"{a} + {b} = {a + b}"))
+    return out
+
+
+@functools.cache
+def words() -> tuple[str, ...]:
+    """Common English words of 3-8 letters (``words.txt``), for the reversal and sorting
+    tasks: people try ``hello`` before ``xqzt``."""
+    text = (Path(__file__).with_name("words.txt")).read_text()
+    return tuple(w for w in text.split() if w)
+
+
 def _subtraction(rng: random.Random) -> Example:
     a, b = sorted((rng.randint(0, 999), rng.randint(0, 999)), reverse=True)
     return Example("subtraction", f"What is {a} - {b}?", f"{a} - {b} = {a - b}")
@@ -66,6 +133,16 @@ def _word(rng: random.Random, lo: int = 3, hi: int = 6) -> str:
 def _reverse(rng: random.Random) -> Example:
     w = _word(rng)
     return Example("reverse", f"Reverse the word {w}.", w[::-1])
+
+
+def _reverse_word(rng: random.Random) -> Example:
+    w = rng.choice(words())
+    return Example("reverse_word", f"Reverse the word {w}.", w[::-1])
+
+
+def _sort_word(rng: random.Random) -> Example:
+    w = rng.choice(words())
+    return Example("sort_word", f"Sort the letters of {w}.", "".join(sorted(w)))
 
 
 def _sort(rng: random.Random) -> Example:
@@ -91,12 +168,23 @@ TASKS: dict[str, Callable[[random.Random], Example]] = {
     "addition": _addition,
     "subtraction": _subtraction,
     "reverse": _reverse,
+    "reverse_word": _reverse_word,
     "sort": _sort,
+    "sort_word": _sort_word,
     "count": _count,
     "lookup": _lookup,
 }
 # Addition is the headline task (its accuracy is what the model card reports first).
-WEIGHTS = {"addition": 4, "subtraction": 1, "reverse": 1, "sort": 1, "count": 1, "lookup": 1}
+WEIGHTS = {
+    "addition": 4,
+    "subtraction": 1,
+    "reverse": 1,
+    "reverse_word": 0,
+    "sort": 1,
+    "sort_word": 0,
+    "count": 1,
+    "lookup": 1,
+}
 
 
 def examples(
@@ -117,10 +205,12 @@ def examples(
     """
     if split not in ("train", "held_out"):
         raise ValueError("split must be 'train' or 'held_out'")
-    if addition_operands not in ("uniform", "mixed", "curriculum"):
-        raise ValueError("addition_operands must be 'uniform', 'mixed' or 'curriculum'")
-    if split == "held_out" and addition_operands != "uniform":
-        raise ValueError("the held-out split is always drawn uniformly")
+    if addition_operands not in ("uniform", "mixed", "curriculum", "stratified"):
+        raise ValueError(
+            "addition_operands must be 'uniform', 'mixed', 'curriculum' or 'stratified'"
+        )
+    if split == "held_out" and addition_operands not in ("uniform", "stratified"):
+        raise ValueError("the held-out split is drawn uniformly or stratified")
     if addition_operands == "curriculum" and ramp_examples <= 0:
         raise ValueError("the curriculum needs ramp_examples > 0")
     rng = random.Random(seed)
@@ -129,7 +219,9 @@ def examples(
     drawn = 0
     while True:
         task = rng.choice(names)
-        if task == "addition" and addition_operands != "uniform":
+        if task == "addition" and addition_operands == "stratified":
+            ex = _addition_stratified(rng)
+        elif task == "addition" and addition_operands != "uniform":
             p_uniform = 0.5 if addition_operands == "mixed" else min(1.0, drawn / ramp_examples)
             ex = _addition_short_operands(rng, p_uniform)
         else:
@@ -140,6 +232,27 @@ def examples(
 
 
 def held_out_set(n: int, seed: int = 12345, task: str | None = None) -> list[Example]:
+    """``n`` held-out examples (all tasks, or one). A word task has only about a tenth of
+    :func:`words` held out: its set is those distinct questions, fewer than ``n`` if need be."""
     tasks = (task,) if task else tuple(TASKS)
-    stream = examples(seed, "held_out", tasks)
+    if task in ("reverse_word", "sort_word"):
+        exs: list[Example] = []
+        make = _reverse_word if task == "reverse_word" else _sort_word
+        for w in words():
+            ex = make(_Fixed(w))
+            if is_held_out(ex.question):
+                exs.append(ex)
+        return exs[:n]
+    stream = examples(seed, "held_out", tasks, weights={task: 1} if task else None)
     return [next(stream) for _ in range(n)]
+
+
+class _Fixed(random.Random):
+    """A Random whose ``choice`` returns one given item (to enumerate the word tasks)."""
+
+    def __init__(self, item: str) -> None:
+        super().__init__(0)
+        self.item = item
+
+    def choice(self, seq):  # type: ignore[override]
+        return self.item

@@ -12,7 +12,8 @@ from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.tiny import write_tiny
 from dllm_serve.train.__main__ import main
 from dllm_serve.train.batches import BatchStream
-from dllm_serve.train.objectives import encode, idlm_batch, llada_batch, loss
+from dllm_serve.train.char_tokens import keep_merge, spell_words_and_numbers
+from dllm_serve.train.objectives import encode, idlm_batch, llada_batch, llada_tail_batch, loss
 from dllm_serve.train.tasks import WEIGHTS, held_out_set
 
 
@@ -175,3 +176,52 @@ def test_ar_fraction_is_checked(
         main([*argv, "--out", str(tmp_path / "x")])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_tail_rows_are_a_long_canvas_first_block(models: dict[str, LoadedModel]) -> None:
+    m = models["llada"]
+    exs = held_out_set(3, task="addition")
+    for seed in range(6):
+        batch = llada_tail_batch(m, exs, random.Random(seed), max_canvas=300)
+        for row, ex in enumerate(exs):
+            prompt, answer = encode(m, ex)
+            ids = batch.input_ids[row].tolist()
+            region = ids[len(prompt) :]
+            assert ids[: len(prompt)] == prompt
+            targets = batch.targets[row].tolist()[len(prompt) :]
+            has_loss = [i for i, t in enumerate(targets) if t != -100]
+            assert has_loss and max(has_loss) < max(32, len(answer))  # loss in the block only
+            assert all(region[i] == m.mask_id for i in has_loss)
+            # Everything after the block is MASK, as while a long canvas's first block decodes.
+            assert all(t == m.mask_id for t in region[max(32, len(answer)) :])
+            expected = answer + [m.eos_id] * (len(region) - len(answer))
+            assert all(targets[i] == expected[i] for i in has_loss)
+        assert batch.attn_mask.all()  # one shared length: no padding, bidirectional
+    lengths = {llada_tail_batch(m, exs, random.Random(s)).input_ids.shape[1] for s in range(40)}
+    assert max(lengths) > 300 and min(lengths) < 100  # log-uniform canvases up to 1024
+
+
+def test_tail_rows_pool_into_the_loss(models: dict[str, LoadedModel]) -> None:
+    m = models["llada"]
+    rng = random.Random(0)
+    main_batch = llada_batch(m, held_out_set(4), rng)
+    tail = llada_tail_batch(m, held_out_set(2), rng, max_canvas=64)
+    both = loss(m.model, main_batch, tail)
+    alone = [loss(m.model, b) for b in (main_batch, tail)]
+    pooled = (alone[0] * main_batch.normalizer + alone[1] * tail.normalizer) / (
+        main_batch.normalizer + tail.normalizer
+    )
+    torch.testing.assert_close(both, pooled)
+
+
+def test_spelled_tokenizer_has_one_token_per_letter_and_digit(tmp_path: Path) -> None:
+    assert not keep_merge("Ġh", "e") and not keep_merge("1", "2") and not keep_merge("l", "lo")
+    assert keep_merge("Ġ", "+") and keep_merge("W", "h")
+    for family in ("llada", "idlm"):
+        path = write_tiny(family, tmp_path / family)
+        assert spell_words_and_numbers(path) > 100
+        tok = load_model(str(path), device="cpu", dtype="float32").tokenizer
+        for text, pieces in (("hello", 5), ("Reverse the word hello.", 23), ("579", 3)):
+            ids = tok.encode(text, add_special_tokens=False)
+            assert len(ids) == pieces, tok.convert_ids_to_tokens(ids)
+            assert tok.decode(ids) == text

@@ -7,7 +7,18 @@ import re
 
 import pytest
 
-from dllm_serve.train.tasks import TASKS, examples, held_out_set, is_held_out
+from dllm_serve.train.tasks import (
+    SHOWCASE,
+    STRATA,
+    TASKS,
+    WEIGHTS,
+    examples,
+    held_out_additions,
+    held_out_set,
+    is_held_out,
+    stratum,
+    words,
+)
 
 
 def test_streams_are_reproducible_and_splits_disjoint() -> None:
@@ -17,7 +28,7 @@ def test_streams_are_reproducible_and_splits_disjoint() -> None:
     held = held_out_set(200)
     assert all(is_held_out(e.question) for e in held)
     assert not any(is_held_out(e.question) for e in a)
-    assert {e.task for e in a} == set(TASKS)
+    assert {e.task for e in a} == {t for t in TASKS if WEIGHTS[t]}
 
 
 def test_answers_are_correct() -> None:
@@ -93,3 +104,50 @@ def test_curriculum_starts_short_and_ends_on_the_held_out_distribution() -> None
     assert not any(is_held_out(e.question) for e in first + after)
     with pytest.raises(ValueError, match="ramp_examples"):
         next(examples(0, "train", addition_operands="curriculum"))
+
+
+def test_stratified_additions_cover_every_digit_count_pair_evenly() -> None:
+    weights = dict.fromkeys(TASKS, 0) | {"addition": 1}
+    stream = examples(11, "train", weights=weights, addition_operands="stratified")
+    exs = list(itertools.islice(stream, 3600))
+    pairs = {}
+    for ex in exs:
+        a, b = re.fullmatch(r"What is (\d+) \+ (\d+)\?", ex.question).groups()
+        pairs[(len(a), len(b))] = pairs.get((len(a), len(b)), 0) + 1
+        assert ex.answer == f"{a} + {b} = {int(a) + int(b)}"
+    assert set(pairs) == {(x, y) for x in (1, 2, 3) for y in (1, 2, 3)}
+    assert min(pairs.values()) > 300  # 400 expected each
+
+
+def test_held_out_strata_are_held_out_and_of_their_stratum() -> None:
+    for name in STRATA:
+        exs = held_out_additions(name, 100)
+        assert exs and all(is_held_out(e.question) and stratum(e) == name for e in exs)
+        assert len({e.question for e in exs}) == len(exs)
+    one_digit = held_out_additions("1+1", 100)
+    assert 5 <= len(one_digit) <= 20  # ~10% of the 100 one-digit pairs
+    assert "What is 2 + 2?" in {e.question for e in one_digit}
+
+
+def test_the_questions_the_docs_show_are_never_trained_on() -> None:
+    assert all(is_held_out(q) for q in SHOWCASE)
+    stream = examples(
+        0, "train", weights=dict(WEIGHTS, reverse_word=5), addition_operands="stratified"
+    )
+    seen = {e.question for e in itertools.islice(stream, 20000)}
+    assert not seen & SHOWCASE
+
+
+def test_word_tasks_use_real_words_held_out_by_question() -> None:
+    assert len(words()) > 500 and all(w.isalpha() and w.islower() for w in words())
+    held = held_out_set(1000, task="reverse_word")
+    assert {"Reverse the word hello.", "Reverse the word cat."} <= {e.question for e in held}
+    assert all(e.answer == e.question.split()[-1].rstrip(".")[::-1] for e in held)
+    assert 40 < len(held) < 150  # a tenth of the list, each word once
+    weights = dict.fromkeys(TASKS, 0) | {"reverse_word": 1, "sort_word": 1}
+    train = list(itertools.islice(examples(2, "train", weights=weights), 500))
+    assert not {e.question for e in train} & {e.question for e in held}
+    for ex in train:
+        word = ex.question.split()[-1].rstrip(".")
+        assert word in words()
+        assert ex.answer == (word[::-1] if ex.task == "reverse_word" else "".join(sorted(word)))
