@@ -31,54 +31,127 @@ _WEIGHTING = {
     "ELBO weight with the expected masked count t·length replaced by the realised count",
     None: "averaged over the batch's masked tokens",
 }
-_DECODING = {
-    "llada": "temperature 0, canvas 32 (`max_new_tokens`), 32 steps, one block, top-1 "
-    "confidence, low-confidence remasking: the server's defaults for this model",
-    "idlm": "temperature 0, up to 32 tokens; greedy, which is exactly what self-speculative "
-    "decoding returns at temperature 0 (the server's defaults for this model)",
-}
 
 
-def write_model_card(out: Path, name: str, family: str, report: dict[str, Any]) -> None:
+def write_model_card(
+    out: Path, name: str, family: str, report: dict[str, Any], server: dict | None = None
+) -> None:
+    """The card: held-out accuracy (from ``report``, the training run's own evaluation, and
+    from ``server``, ``benchmarks/demo_accuracy.py``'s measurement through a real server, when
+    given), the recipe and the exact command."""
     config = json.loads((out / "config.json").read_text())
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
-    scores = report["held_out_exact_match"]
-    rows = "\n".join(
-        f"| {task} | {scores[task] * 100:.1f}% | {report['held_out_counts'][task]} |"
-        for task in TASKS
-    )
     d = config.get("d_model") or config.get("hidden_size")
     layers = config.get("n_layers") or config.get("num_hidden_layers")
     operands = _operands(report)
     objective = _OBJECTIVE[family].format(weighting=_WEIGHTING[report.get("weighting")])
     objective += _recipe(report)
     kind = "LLaDA-format masked diffusion" if family == "llada" else "I-DLM-format causal"
+    weights = report.get("task_weights") or {"addition": report["addition_weight"]}
+    mix = ", ".join(f"{t} {w}" for t, w in weights.items() if w)
     text = f"""# {name}
 
 A small {kind} model trained by dllm-serve on a synthetic task mix,
 so that the server answers sensibly with no download and no GPU. It is not a general chat
-model: it answers the six kinds of question below.
+model: it answers the kinds of question below, and little else.
 
-| held-out task (exact match) | accuracy | questions |
-| --- | --- | --- |
-{rows}
+{_accuracy_tables(family, report, server)}
 
-Decoding for the table: {_DECODING[family]}.
-
-- Questions: `What is 123 + 456?` (answer `123 + 456 = 579`, operands uniform in 0-999),
-  `What is 900 - 12?`, `Reverse the word abc.`, `Sort the letters of cab.`,
+- Questions: `What is 123 + 456?` (answer `123 + 456 = 579`), `Reverse the word hello.`
+  (`olleh`), `Sort the letters of cab.` (`abc`), the same two with random letter strings,
   `How many times does a appear in banana?`, `Given a=1, b=2, c=3, what is b?`
-  (`dllm_serve/train/tasks.py`). 10% of all questions, chosen by a hash of the question text,
-  are held out: training never sees them, and the table is measured on them.
-- Task mix: addition weight {report["addition_weight"]}, each other task weight 1.{operands}
+  (`dllm_serve/train/tasks.py`; the words are `dllm_serve/train/words.txt`). 10% of all
+  questions, chosen by a hash of the question text, are held out, and so are the questions the
+  documentation shows (`What is 2 + 2?`, `What is 123 + 456?`, `Reverse the word hello.`, …):
+  training never sees them, and the tables are measured on them.
+- Task mix (relative weights): {mix}.{operands}
 - Objective: {objective}
 - Shape: d_model {d}, {layers} layers, {report["parameters"]:,} parameters, stored in bf16
   ({size_mb:.1f} MB). Real chat template, tokenizer and special tokens of the format (see
-  `docs/models.md`); `generation_config.json` sets `max_new_tokens` 32, the server's default
-  canvas for this model.
+  `docs/models.md`){_spelled(report)}; `generation_config.json` sets `max_new_tokens` 32, the
+  server's default canvas for this model.
 - Training: {_training(report)}
 """
     (out / "README.md").write_text(text)
+
+
+def _accuracy_tables(family: str, report: dict[str, Any], server: dict | None) -> str:
+    scores = report["held_out_exact_match"]
+    counts = report["held_out_counts"]
+    canvases = sorted({int(k.split("@")[1]) for k in scores if "@" in k})
+    if not canvases:  # an older report: one canvas, plain task keys
+        rows = "\n".join(
+            f"| {task} | {scores[task] * 100:.1f}% | {counts.get(task, '')} |"
+            for task in TASKS
+            if task in scores
+        )
+        return (
+            "| held-out task (exact match) | accuracy | questions |\n| --- | --- | --- |\n" + rows
+        )
+    names = [n for n in counts if f"{n}@{canvases[0]}" in scores]
+    head = " | ".join(f"max_tokens {c}" for c in canvases)
+    lines = [
+        f"| held-out (exact match, temperature 0) | {head} | questions |",
+        "| --- |" + " --- |" * (len(canvases) + 1),
+    ]
+    for n in names:
+        cells = " | ".join(f"{scores[f'{n}@{c}'] * 100:.1f}%" for c in canvases)
+        lines.append(f"| {_label(n)} | {cells} | {counts[n]} |")
+    how = (
+        "at the settings each `max_tokens` gets from the server by default (one step per "
+        "token; a canvas longer than 32 is decoded in blocks of 32)"
+        if family == "llada"
+        else "greedy, which is exactly what self-speculative decoding returns at temperature 0"
+    )
+    text = f"Measured by the training run through the serving engine, {how}:\n\n" + "\n".join(lines)
+    if server:
+        text += "\n\n" + _server_table(server)
+    return text
+
+
+def _server_table(server: dict[str, Any]) -> str:
+    by_canvas = server["accuracy"]
+    keys = list(by_canvas)
+    names = list(by_canvas[keys[0]])
+    head = " | ".join("no max_tokens" if k == "default" else f"max_tokens {k}" for k in keys)
+    lines = [
+        f"| held-out, through `dllm-serve` + openai SDK | {head} | questions |",
+        "| --- |" + " --- |" * (len(keys) + 1),
+    ]
+    for n in names:
+        cells = " | ".join(f"{by_canvas[k][n]['accuracy'] * 100:.1f}%" for k in keys)
+        lines.append(f"| {_label(n)} | {cells} | {by_canvas[keys[0]][n]['of']} |")
+    same = server["same_answer_at_every_canvas"]
+    return (
+        "Measured through a real server (`benchmarks/demo_accuracy.py`: the CLI, "
+        "`/v1/chat/completions`, temperature 0, no other field):\n\n"
+        + "\n".join(lines)
+        + f"\n\nThe same answer at every `max_tokens`: {same['same']} of {same['questions']} "
+        "questions."
+    )
+
+
+def _label(name: str) -> str:
+    return {
+        "addition_1+1": "addition, 1+1 digits (every held-out pair, `2 + 2` among them)",
+        "addition_2+2": "addition, 2+2 digits",
+        "addition_mixed": "addition, mixed lengths (e.g. 7 + 345)",
+        "addition_3+3": "addition, 3+3 digits",
+        "reverse_word": "reverse an English word",
+        "reverse": "reverse a random letter string",
+        "sort_word": "sort the letters of a word",
+        "sort": "sort a random letter string",
+    }.get(name, name)
+
+
+def _spelled(report: dict[str, Any]) -> str:
+    if not report.get("spelled"):
+        return ""
+    return (
+        "; the tokenizer's merges that join letters of a word or digits of a number are "
+        "dropped (`--spell`), so words and numbers are spelled one character per token, as "
+        "reversing and adding them need (same files and vocabulary)"
+    )
 
 
 def _operands(report: dict[str, Any]) -> str:
@@ -87,10 +160,12 @@ def _operands(report: dict[str, Any]) -> str:
         "  digit count (1-3) drawn uniformly first, so short sums are common",
         "curriculum": "short operands first (each operand's digit count 1-3 drawn uniformly),\n"
         "  their share falling linearly to none at 3/4 of the steps",
+        "stratified": "each operand's digit count (1-3) drawn uniformly first, so the nine\n"
+        "  length pairs are equally common, in training and in the held-out strata alike",
     }.get(report.get("addition_operands") or "uniform")
     if how is None:
         return ""
-    return f"\n  Training additions: {how} (held-out additions are always uniform in 0-999)."
+    return f"\n  Additions: {how}."
 
 
 def _recipe(report: dict[str, Any]) -> str:
@@ -104,6 +179,15 @@ def _recipe(report: dict[str, Any]) -> str:
             "clean answer before it and itself, and predicts its own token (every answer "
             "token from a clean left context, the state left-to-right denoising reaches); "
             "the random-ratio rows teach every other state."
+        )
+    if report.get("tail_rows"):
+        text += (
+            f"\n  Each step adds {report['tail_rows']} rows in the state of a long canvas's "
+            "first block (`objectives.llada_tail_batch`): a canvas of 16-1024 positions drawn "
+            "log-uniformly, its first block (16-32 positions) masked at a random ratio or as a "
+            "suffix, everything after it MASK — what the model sees when a request asks for "
+            "`max_tokens` 1024 and the server decodes it in blocks of 32 — so the answer does "
+            "not depend on `max_tokens`."
         )
     if report.get("causal_steps"):
         text += (

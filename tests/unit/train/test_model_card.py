@@ -69,3 +69,37 @@ def test_card_states_weighting_and_operands(
     for text in not_stated:
         assert text not in card
     assert "| addition | 50.0% | 10 |" in card
+
+
+def test_card_reports_each_stratum_at_each_canvas_and_the_server_measurement(
+    tmp_path: Path,
+) -> None:
+    out = write_tiny("llada", tmp_path / "m")
+    names = ["addition_1+1", "addition_3+3", "reverse_word"]
+    scores = {f"{n}@{c}": 0.25 * i for i, n in enumerate(names) for c in (32, 1024)}
+    server = {
+        "accuracy": {
+            key: {n: {"accuracy": 0.5, "right": 5, "of": 10} for n in names}
+            for key in ("default", "1024")
+        },
+        "same_answer_at_every_canvas": {"questions": 30, "same": 29},
+    }
+    report = _report(
+        held_out_exact_match=scores,
+        held_out_counts={n: 10 + i for i, n in enumerate(names)},
+        task_weights={"addition": 10, "reverse_word": 3, "subtraction": 0},
+        tail_rows=3,
+        spelled=True,
+        addition_operands="stratified",
+    )
+    write_model_card(out, "demo-x", "llada", report, server)
+    card = (out / "README.md").read_text()
+    assert "| held-out (exact match, temperature 0) | max_tokens 32 | max_tokens 1024 |" in card
+    assert "| addition, 3+3 digits | 25.0% | 25.0% | 11 |" in card
+    assert "| reverse an English word | 50.0% | 50.0% | 12 |" in card
+    assert "| no max_tokens | max_tokens 1024 |" in card
+    assert "29 of 30 questions" in card
+    assert "addition 10, reverse_word 3." in card  # zero weights are not in the mix
+    assert "spelled one character per token" in card
+    assert "log-uniformly" in card
+    assert "nine\n  length pairs" in card
