@@ -134,12 +134,14 @@ class LLaDA2Family(Family):
                 # are trained with the norms (dFactory builds them unconditionally; SGLang
                 # defaults the flag to true): absent means on. ``with_tensors`` has the last
                 # word, from the tensors the checkpoint actually holds.
-                qk_norm=bool(config.get("use_qk_norm", True)),
+                qk_norm=config.get("use_qk_norm") is not False,
                 rope_scaling=scaling,
                 rotary_dim=rotary_dim,
                 fused_qkv=True,
                 moe=moe,
             )
+        except UnsupportedModelError:
+            raise
         except ValueError as e:  # inconsistent sizes: say so as an unsupported config
             raise UnsupportedModelError(f"LLaDA2 config.json: {e}") from None
 
