@@ -1,4 +1,5 @@
-"""The layers of the decoder: RMSNorm, the embedding, grouped-query attention, SwiGLU MLP.
+"""The layers of the decoder: RMSNorm, the embedding, grouped-query attention, SwiGLU MLP
+(the mixture-of-experts MLP is in ``moe.py``).
 
 Attention runs in two layouts: padded rows with an explicit mask (training and the reference
 tests) and the serving runtime's flat batches (``models/flat_batch.py``: real tokens only, one
@@ -61,9 +62,10 @@ class Attention(nn.Module):
     """Grouped-query attention; optional q/k/v (and o) biases and per-head q/k RMSNorm.
 
     Checkpoints load into separate ``q_proj``/``k_proj``/``v_proj``; :meth:`fuse` replaces them
-    with one ``qkv_proj`` for serving (one matmul instead of three). GQA never copies K/V: SDPA
-    maps query head ``h`` to kv head ``h // n_rep`` itself (``enable_gqa``), the HF/LLaDA
-    ``repeat_kv`` convention.
+    with one ``qkv_proj`` for serving (one matmul instead of three). Checkpoints that store the
+    fused projection (``fused_qkv``, LLaDA2) load straight into ``qkv_proj``. GQA never copies
+    K/V: SDPA maps query head ``h`` to kv head ``h // n_rep`` itself (``enable_gqa``), the
+    HF/LLaDA ``repeat_kv`` convention.
     """
 
     def __init__(self, config: TransformerConfig) -> None:
@@ -72,17 +74,19 @@ class Attention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = hd
+        self.rotary_dim = config.rotary_dim
         qkv_bias = config.qkv_bias or config.o_bias
-        self.q_proj: nn.Linear | None = nn.Linear(
-            config.d_model, config.n_heads * hd, bias=qkv_bias
-        )
-        self.k_proj: nn.Linear | None = nn.Linear(
-            config.d_model, config.n_kv_heads * hd, bias=qkv_bias
-        )
-        self.v_proj: nn.Linear | None = nn.Linear(
-            config.d_model, config.n_kv_heads * hd, bias=qkv_bias
-        )
+        self.q_proj: nn.Linear | None = None
+        self.k_proj: nn.Linear | None = None
+        self.v_proj: nn.Linear | None = None
         self.qkv_proj: nn.Linear | None = None
+        if config.fused_qkv:
+            out = (config.n_heads + 2 * config.n_kv_heads) * hd
+            self.qkv_proj = nn.Linear(config.d_model, out, bias=qkv_bias)
+        else:
+            self.q_proj = nn.Linear(config.d_model, config.n_heads * hd, bias=qkv_bias)
+            self.k_proj = nn.Linear(config.d_model, config.n_kv_heads * hd, bias=qkv_bias)
+            self.v_proj = nn.Linear(config.d_model, config.n_kv_heads * hd, bias=qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * hd, config.d_model, bias=config.o_bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
@@ -94,12 +98,20 @@ class Attention(nn.Module):
             self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
             self.q_proj = self.k_proj = self.v_proj = None
 
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first ``rotary_dim`` dims of each head; the rest pass through (partial
+        rotary, LLaDA2: rotate-half on that slice, tables built for that width)."""
+        if self.rotary_dim == x.shape[-1]:
+            return apply_rotary(x, cos, sin)
+        r = self.rotary_dim
+        return torch.cat((apply_rotary(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[..., H, hd]``, k and v ``[..., Hkv, hd]`` for ``x`` ``[..., D]``, RoPE applied.
 
-        ``cos``/``sin`` broadcast against ``[..., heads, hd]`` (``[..., 1, hd]``).
+        ``cos``/``sin`` broadcast against ``[..., heads, rotary_dim]`` (``[..., 1, rotary_dim]``).
         """
         hd, h, hkv = self.head_dim, self.n_heads, self.n_kv_heads
         lead = x.shape[:-1]
@@ -107,7 +119,7 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x)
             if self.q_norm is None:
                 # Rotate q and k together: one set of RoPE ops for both.
-                qk = apply_rotary(qkv[..., : (h + hkv) * hd].view(*lead, h + hkv, hd), cos, sin)
+                qk = self.rotate(qkv[..., : (h + hkv) * hd].view(*lead, h + hkv, hd), cos, sin)
                 v = qkv[..., (h + hkv) * hd :].view(*lead, hkv, hd)
                 return qk[..., :h, :], qk[..., h:, :], v
             q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], dim=-1)
@@ -116,8 +128,8 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.view(*lead, h, hd), k.view(*lead, hkv, hd), v.view(*lead, hkv, hd)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: per head, before RoPE
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3, LLaDA2: per head, before RoPE
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin), v
 
     def forward(
         self,
@@ -172,16 +184,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``; :meth:`fuse` merges gate and up."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, d_model: int, hidden_size: int) -> None:
         super().__init__()
-        self.gate_proj: nn.Linear | None = nn.Linear(
-            config.d_model, config.mlp_hidden_size, bias=False
-        )
-        self.up_proj: nn.Linear | None = nn.Linear(
-            config.d_model, config.mlp_hidden_size, bias=False
-        )
+        self.gate_proj: nn.Linear | None = nn.Linear(d_model, hidden_size, bias=False)
+        self.up_proj: nn.Linear | None = nn.Linear(d_model, hidden_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None
-        self.down_proj = nn.Linear(config.mlp_hidden_size, config.d_model, bias=False)
+        self.down_proj = nn.Linear(hidden_size, d_model, bias=False)
 
     def fuse(self) -> None:
         if self.gate_up_proj is None:

@@ -221,9 +221,15 @@ def _progress(total: int, desc: str) -> Any:
 
 
 def _load_weights(
-    path: Path, family: Family, tcfg: TransformerConfig, device: torch.device, dtype: torch.dtype
+    path: Path,
+    family: Family,
+    config: dict[str, Any],
+    tcfg: TransformerConfig,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> DecoderTransformer:
     files = _weight_files(path)
+    tcfg = family.with_tensors(config, tcfg, set(files))
     expected = family.weight_map(tcfg)
     missing = sorted(set(expected) - set(files))
     unexpected = sorted(
@@ -254,7 +260,9 @@ def _load_weights(
                             f"{name}: checkpoint {list(shape)}, config implies {list(shapes[ours])}"
                         )
                         continue
-                    state[ours] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    # The MoE router stays fp32 (routing is computed in fp32).
+                    want = torch.float32 if model.keeps_fp32(ours) else dtype
+                    state[ours] = f.get_tensor(name).to(device=device, dtype=want)
                     bar.update(state[ours].numel() * item)
     if wrong:
         raise ModelLoadError(
@@ -293,7 +301,7 @@ def load_model(
         raise ModelLoadError(f"{path}: {e}") from None
     nbytes = check_memory(tcfg, dt, dev)
     logger.info("loading %s (%s, %.2f GiB) from %s", family.name, dt, nbytes / 2**30, path)
-    model = _load_weights(path, family, tcfg, dev, dt)
+    model = _load_weights(path, family, config, tcfg, dev, dt)
     is_named = name_or_path in EMBEDDED_MODELS or not Path(name_or_path).expanduser().is_dir()
     return LoadedModel(
         # Embedded names and HF ids are what users typed; a directory is named by its last part.
@@ -310,7 +318,7 @@ def load_model(
         default_block_length=_positive_int(gen, "block_length", gen_path)
         or _default_gen_length(gen, gen_path),
         vocab_size=tcfg.vocab_size,
-        block_size=int(config["block_size"]) if family.block_diffusion else None,
+        block_size=family.block_size(config, _positive_int(gen, "block_length", gen_path)),
         **ids,
     )
 

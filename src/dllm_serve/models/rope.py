@@ -55,15 +55,35 @@ def _rope_dict(config: Mapping[str, Any]) -> dict[str, Any]:
     return dict(raw)
 
 
+def partial_rotary_factor(config: Mapping[str, Any]) -> float:
+    """The fraction of each head's dims that rotate (``partial_rotary_factor``, at the top
+    level or inside the RoPE parameters; 1.0 when absent)."""
+    params = _rope_dict(config)
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is None:
+        return 1.0
+    if isinstance(partial, bool) or not isinstance(partial, int | float) or not 0 < partial <= 1:
+        raise RopeConfigError(f"partial_rotary_factor must be in (0, 1], got {partial!r}")
+    return float(partial)
+
+
 def parse_rope(
-    config: Mapping[str, Any], max_position_embeddings: int, default_theta: float = 10000.0
+    config: Mapping[str, Any],
+    max_position_embeddings: int,
+    default_theta: float = 10000.0,
+    *,
+    allow_partial: bool = False,
 ) -> tuple[float, RopeScaling | None]:
-    """``(theta, scaling)`` from a config.json written by transformers 4.x or 5.x."""
+    """``(theta, scaling)`` from a config.json written by transformers 4.x or 5.x.
+
+    A ``partial_rotary_factor`` below 1 is refused unless the caller builds partial RoPE
+    (``allow_partial``; it reads the factor with :func:`partial_rotary_factor`).
+    """
     params = _rope_dict(config)
     theta = params.get("rope_theta", config.get("rope_theta"))
     theta = float(default_theta if theta is None else theta)
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
+    partial = partial_rotary_factor(config)
+    if partial != 1.0 and not allow_partial:
         raise RopeConfigError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
     # 4.x wrote "type", 5.x writes "rope_type" (and sometimes both).
     rope_type = params.get("rope_type", params.get("type", "default"))

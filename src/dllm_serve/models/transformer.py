@@ -1,8 +1,11 @@
-"""One compact decoder transformer shared by every supported family (LLaDA, Dream, I-DLM).
+"""One compact decoder transformer shared by every supported family (LLaDA, Dream, I-DLM,
+SDAR, LLaDA2).
 
-RMSNorm, rotary position embeddings (NeoX/HF-Llama ``rotate_half`` layout), SwiGLU MLP and
-grouped-query attention (optional q/k/v biases for Qwen2, per-head q/k norm for Qwen3; the
-layers are in ``layers.py``) through ``torch.nn.functional.scaled_dot_product_attention``.
+RMSNorm, rotary position embeddings (NeoX/HF-Llama ``rotate_half`` layout, optionally on the
+first ``rotary_dim`` dims only), SwiGLU MLP or mixture of experts (``moe.py``) and
+grouped-query attention (optional q/k/v biases for Qwen2, per-head q/k norm for Qwen3 and
+LLaDA2; the layers are in ``layers.py``) through
+``torch.nn.functional.scaled_dot_product_attention``.
 Diffusion LMs differ from autoregressive ones mostly in *which* attention pattern they use, so
 the pattern is always an input (a mask, or the flat batch's attention groups) and never implied
 by the module.
@@ -20,6 +23,7 @@ from torch import nn
 from dllm_serve.models.flat_batch import FlatBatch
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.layers import MLP, Attention, Embedding, RMSNorm
+from dllm_serve.models.moe import FP32_PARAMETERS, MoE
 from dllm_serve.models.rope import rope_frequencies, rotary_table
 from dllm_serve.models.transformer_config import TransformerConfig
 
@@ -27,14 +31,19 @@ __all__ = ["Block", "DecoderTransformer", "TransformerConfig"]
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP (dense, or mixture-of-experts for the
+    layers ``config.moe`` routes)."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, index: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.rms_norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.d_model, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: MLP | MoE
+        if config.moe is not None and config.moe.is_moe_layer(index):
+            self.mlp = MoE(config.d_model, config.moe)
+        else:
+            self.mlp = MLP(config.d_model, config.mlp_hidden_size)
 
     def forward(
         self,
@@ -74,7 +83,7 @@ class DecoderTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.rms_norm_eps)
         # Tied checkpoints reuse the embedding matrix, so there is no separate parameter.
         self.head = (
@@ -84,10 +93,16 @@ class DecoderTransformer(nn.Module):
         )
         # A plain attribute, not a buffer: ``module.to(bfloat16)`` would cast a buffer, and the
         # frequencies must stay fp32 (LLaDA's ``rope_full_precision``; HF computes them in fp32).
+        # Partial RoPE builds its frequencies for the rotated width only (HF, SGLang).
         self._inv_freq, self._rope_factor = rope_frequencies(
-            config.head_dim, config.rope_theta, config.rope_scaling
+            config.rotary_dim, config.rope_theta, config.rope_scaling
         )
         self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def keeps_fp32(name: str) -> bool:
+        """Whether parameter ``name`` stays fp32 in a half-precision model (the MoE router)."""
+        return name.endswith(FP32_PARAMETERS)
 
     def fuse_projections(self) -> DecoderTransformer:
         """Fuse q/k/v and gate/up projections (for serving; same outputs, fewer kernels)."""
@@ -99,7 +114,7 @@ class DecoderTransformer(nn.Module):
     def rope(
         self, positions: torch.Tensor, max_position: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[*positions.shape, 1, head_dim]`` (fp32) looked up in a cached table.
+        """cos/sin ``[*positions.shape, 1, rotary_dim]`` (fp32) looked up in a cached table.
 
         The table covers the model's context and grows (doubling) when a position past it is
         asked for: an I-DLM round places its masks a few positions past the answer's last one.

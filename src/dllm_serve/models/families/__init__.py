@@ -13,6 +13,7 @@ from typing import Any
 
 from dllm_serve.models.families.base import Family, UnsupportedModelError
 from dllm_serve.models.families.llada import LLADA, LLaDAFamily
+from dllm_serve.models.families.llada2 import LLADA2, LLaDA2Family
 from dllm_serve.models.families.qwen import (
     DREAM,
     SDAR,
@@ -27,9 +28,11 @@ __all__ = [
     "DREAM",
     "FAMILIES",
     "LLADA",
+    "LLADA2",
     "SDAR",
     "SDAR_BLOCK",
     "Family",
+    "LLaDA2Family",
     "LLaDAFamily",
     "QwenFamily",
     "SDARBlockFamily",
@@ -39,7 +42,9 @@ __all__ = [
     "supported_summary",
 ]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR, LLADA2)}
+# The mixture-of-experts families this server implements; every other MoE config is refused.
+MOE_FAMILIES: tuple[Family, ...] = (LLADA2,)
 
 # Keys that only mixture-of-experts configs carry.
 _MOE_KEYS = (
@@ -70,18 +75,23 @@ def family_for(config: Mapping[str, Any]) -> Family:
     """The :class:`Family` for a checkpoint's ``config.json`` contents.
 
     Raises :class:`UnsupportedModelError` naming the supported model types for anything else:
-    mixture-of-experts configs (LLaDA-MoE also says ``model_type: "llada"``), plain
-    autoregressive Qwen3, architectures that exist only as the checkpoint's remote code
-    (``auto_map``; this server never runs it), and unknown types.
+    mixture-of-experts configs other than LLaDA2's (LLaDA-MoE also says ``model_type:
+    "llada"``), plain autoregressive Qwen3, architectures that exist only as the checkpoint's
+    remote code (``auto_map``; this server never runs it), and unknown types.
     """
     supported = supported_summary()
     model_type = config.get("model_type")
     archs = config.get("architectures")
+    for family in MOE_FAMILIES:
+        if family.matches(config):
+            family.check(config)
+            return family
     # LLaDA-MoE ships with model_type "llada" too, so this check must come before the lookup.
     if _is_moe(config):
+        moe = "; ".join(f"{'/'.join(f.model_types)}" for f in MOE_FAMILIES)
         raise UnsupportedModelError(
             f"mixture-of-experts checkpoints (model_type={model_type!r}, architectures={archs!r}) "
-            f"are not supported; supported dense model types: {supported}"
+            f"are not supported, except {moe}; supported model types: {supported}"
         )
     for family in FAMILIES.values():
         if family.matches(config):

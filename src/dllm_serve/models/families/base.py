@@ -46,9 +46,9 @@ class Family(ABC):
     tokenizer_class: str | None = None
     # Buffers some exports save next to the weights; they hold nothing this model needs.
     ignored_tensor_suffixes: tuple[str, ...] = (".rotary_emb.inv_freq",)
-    # Block diffusion (SDAR): attention is block-causal — bidirectional inside a block of
-    # ``config.json``'s ``block_size`` tokens, causal across blocks — so finished blocks' K/V
-    # are exact and a decode step forwards only the active block.
+    # Block diffusion (SDAR, LLaDA2): attention is block-causal — bidirectional inside a block of
+    # :meth:`block_size` tokens, causal across blocks — so finished blocks' K/V are exact and a
+    # decode step forwards only the active block.
     block_diffusion: bool = False
 
     @property
@@ -79,6 +79,18 @@ class Family(ABC):
     def ignorable_tensor(self, name: str, tcfg: TransformerConfig) -> bool:
         """Tensors some exports carry that hold nothing this model needs (e.g. RoPE buffers)."""
         return name.endswith(self.ignored_tensor_suffixes)
+
+    def with_tensors(
+        self, config: Mapping[str, Any], tcfg: TransformerConfig, names: set[str]
+    ) -> TransformerConfig:
+        """``tcfg`` adjusted to the tensor names the checkpoint holds, for switches its config
+        does not state reliably (LLaDA2's q/k norms); unchanged by default."""
+        return tcfg
+
+    def block_size(self, config: Mapping[str, Any], block_length: int | None) -> int | None:
+        """The trained block of a block-diffusion checkpoint (None for other families), from
+        ``config.json`` and ``generation_config.json``'s ``block_length``."""
+        return int(config["block_size"]) if self.block_diffusion else None
 
 
 def require(config: Mapping[str, Any], key: str) -> Any:

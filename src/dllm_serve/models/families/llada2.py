@@ -1,0 +1,206 @@
+"""LLaDA2.0 / LLaDA2.1 (mini, flash; ``model_type: llada2_moe``): block diffusion on a MoE.
+
+Block-causal attention (bidirectional inside blocks of 32 aligned to position 0, causal
+across them), no logit shift, mask ``<|mask|>`` (156895 in the real checkpoints), end of text
+``<|endoftext|>`` (156892, also the pad), end of turn ``<|role_end|>``. The network: fused
+``query_key_value`` attention with per-head q/k RMSNorm before a partial RoPE, a dense SwiGLU
+in the first ``first_k_dense_replace`` layers and a sigmoid-routed, group-limited
+mixture-of-experts with a shared expert in the others (``models/moe.py``), untied LM head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dllm_serve.models.families.base import (
+    Family,
+    UnsupportedModelError,
+    check_values,
+    require,
+    rope_error,
+)
+from dllm_serve.models.rope import RopeConfigError, parse_rope, partial_rotary_factor
+from dllm_serve.models.transformer import TransformerConfig
+from dllm_serve.models.transformer_config import MoEConfig
+
+DEFAULT_BLOCK = 32  # the official generate()'s block_length and the published eval setting
+
+# Keys whose every other value describes a network this module does not build. Checked only
+# when present: absent means the LLaDA2 default, which is this value.
+EXPECTED = (
+    ("hidden_act", "silu"),
+    ("score_function", "sigmoid"),
+    ("moe_router_enable_expert_bias", True),
+    ("router_dtype", "fp32"),
+    ("use_qkv_bias", False),
+    ("use_bias", False),
+    ("norm_head", False),
+)
+# The routing is not guessable: a config without these keys is refused, naming the key.
+REQUIRED = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "first_k_dense_replace",
+)
+
+
+def _positive_int(config: Mapping[str, Any], key: str, *, zero_ok: bool = False) -> int:
+    value = require(config, key)
+    low = 0 if zero_ok else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        bound = "a non-negative" if zero_ok else "a positive"
+        raise UnsupportedModelError(
+            f"LLaDA2 config.json: {key} must be {bound} integer, got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class LLaDA2Family(Family):
+    """LLaDA2.x MoE block-diffusion checkpoints (see the module docstring)."""
+
+    def check(self, config: Mapping[str, Any]) -> None:
+        check_values(self.name, config, EXPECTED)
+        for key in REQUIRED:
+            require(config, key)
+        size = config.get("block_size")
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise UnsupportedModelError(
+                f"LLaDA2 config.json: block_size must be a positive integer, got {size!r}"
+            )
+
+    def transformer_config(self, config: Mapping[str, Any]) -> TransformerConfig:
+        self.check(config)
+        d_model = _positive_int(config, "hidden_size")
+        n_heads = _positive_int(config, "num_attention_heads")
+        n_layers = _positive_int(config, "num_hidden_layers")
+        head_dim = int(config.get("head_dim") or d_model // n_heads)
+        max_len = int(config.get("max_position_embeddings") or 32768)
+        try:
+            theta, scaling = parse_rope(config, max_len, allow_partial=True)
+            rotary_dim = int(head_dim * partial_rotary_factor(config))
+        except RopeConfigError as e:
+            raise rope_error(e) from None
+        # The released configs also state rotary_dim; it must agree with the factor.
+        if config.get("rotary_dim") is not None and config["rotary_dim"] != rotary_dim:
+            raise UnsupportedModelError(
+                f"LLaDA2 config.json: rotary_dim {config['rotary_dim']!r} disagrees with "
+                f"head_dim {head_dim} × partial_rotary_factor ({rotary_dim})"
+            )
+        first_dense = _positive_int(config, "first_k_dense_replace", zero_ok=True)
+        if first_dense > n_layers:
+            raise UnsupportedModelError(
+                f"LLaDA2 config.json: first_k_dense_replace {first_dense} exceeds "
+                f"num_hidden_layers {n_layers}"
+            )
+        expert_width = _positive_int(config, "moe_intermediate_size")
+        shared = int(config.get("num_shared_experts") or 0)
+        try:
+            moe = MoEConfig(
+                num_experts=_positive_int(config, "num_experts"),
+                top_k=_positive_int(config, "num_experts_per_tok"),
+                n_group=_positive_int(config, "n_group"),
+                topk_group=_positive_int(config, "topk_group"),
+                expert_hidden_size=expert_width,
+                shared_hidden_size=expert_width * shared,
+                routed_scaling_factor=float(config["routed_scaling_factor"]),
+                first_dense_layers=first_dense,
+                renormalize=bool(config.get("norm_topk_prob", True)),
+            )
+            return TransformerConfig(
+                vocab_size=_positive_int(config, "vocab_size"),
+                d_model=d_model,
+                n_heads=n_heads,
+                n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+                n_layers=n_layers,
+                mlp_hidden_size=_positive_int(config, "intermediate_size"),
+                rope_theta=theta,
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                max_sequence_length=max_len,
+                head_dim=head_dim,
+                # HF's config class defaults use_qk_norm to false, yet the released models
+                # are trained with the norms (dFactory builds them unconditionally; SGLang
+                # defaults the flag to true): absent means on. ``with_tensors`` has the last
+                # word, from the tensors the checkpoint actually holds.
+                qk_norm=config.get("use_qk_norm") is not False,
+                rope_scaling=scaling,
+                rotary_dim=rotary_dim,
+                fused_qkv=True,
+                moe=moe,
+            )
+        except UnsupportedModelError:
+            raise
+        except ValueError as e:  # inconsistent sizes: say so as an unsupported config
+            raise UnsupportedModelError(f"LLaDA2 config.json: {e}") from None
+
+    def with_tensors(
+        self, config: Mapping[str, Any], tcfg: TransformerConfig, names: set[str]
+    ) -> TransformerConfig:
+        # Norm weights in the checkpoint switch the norms on whatever use_qk_norm says (dFactory
+        # applies them unconditionally); without them they are off unless the config says
+        # use_qk_norm: true, in which case the missing tensors are reported by name.
+        has_norms = any(n.endswith("attention.query_layernorm.weight") for n in names)
+        qk_norm = has_norms or config.get("use_qk_norm") is True
+        return replace(tcfg, qk_norm=qk_norm) if qk_norm != tcfg.qk_norm else tcfg
+
+    def block_size(self, config: Mapping[str, Any], block_length: int | None) -> int | None:
+        return int(config.get("block_size") or block_length or DEFAULT_BLOCK)
+
+    def weight_map(self, tcfg: TransformerConfig) -> dict[str, str]:
+        assert tcfg.moe is not None
+        names = {"model.word_embeddings.weight": "embed_tokens.weight"}
+        attention = {
+            "input_layernorm.weight": "attn_norm.weight",
+            "attention.query_key_value.weight": "attn.qkv_proj.weight",
+            "attention.dense.weight": "attn.o_proj.weight",
+            "post_attention_layernorm.weight": "mlp_norm.weight",
+        }
+        if tcfg.qk_norm:
+            attention["attention.query_layernorm.weight"] = "attn.q_norm.weight"
+            attention["attention.key_layernorm.weight"] = "attn.k_norm.weight"
+        swiglu = ("gate_proj", "up_proj", "down_proj")
+        for i in range(tcfg.n_layers):
+            per_layer = dict(attention)
+            if not tcfg.moe.is_moe_layer(i):
+                per_layer.update({f"mlp.{p}.weight": f"mlp.{p}.weight" for p in swiglu})
+            else:
+                per_layer["mlp.gate.weight"] = "mlp.router.weight"
+                per_layer["mlp.gate.expert_bias"] = "mlp.router.expert_bias"
+                for e in range(tcfg.moe.num_experts):
+                    for p in swiglu:
+                        per_layer[f"mlp.experts.{e}.{p}.weight"] = f"mlp.experts.{e}.{p}.weight"
+                if tcfg.moe.shared_hidden_size:
+                    for p in swiglu:
+                        per_layer[f"mlp.shared_experts.{p}.weight"] = f"mlp.shared.{p}.weight"
+            for theirs, ours in per_layer.items():
+                names[f"model.layers.{i}.{theirs}"] = f"layers.{i}.{ours}"
+        names["model.norm.weight"] = "norm.weight"
+        if not tcfg.tie_embeddings:
+            names["lm_head.weight"] = "head.weight"
+        return names
+
+
+LLADA2 = LLaDA2Family(
+    name="llada2",
+    bidirectional=True,  # inside a block; causal across blocks (block_diffusion)
+    logit_shift=False,
+    mask_token="<|mask|>",
+    eot_token="<|role_end|>",
+    model_types=("llada2_moe",),
+    architectures=("LLaDA2MoeModelLM",),
+    description="LLaDA2.0/2.1 mini and flash (MoE block diffusion)",
+    extra_stop_tokens=("<|endoftext|>",),
+    block_diffusion=True,
+)

@@ -1,0 +1,171 @@
+"""Tiny random-weight checkpoints in the LLaDA2.x (``llada2_moe``) on-disk format.
+
+``config.json`` carries the keys of the released LLaDA2.0-mini config (as recorded from
+dFactory's model configs and xLLM's LLaDA2.1-mini fixture, reference ``block_diffusion.md``
+§2.1) with small sizes; the weights use the real tensor names: fused
+``attention.query_key_value``, q/k layernorms, a dense first layer, then per-expert
+``mlp.experts.{e}.*`` tensors, the router ``mlp.gate.weight`` / ``mlp.gate.expert_bias`` and
+``mlp.shared_experts.*``. The tokenizer is the shared small byte-level BPE plus LLaDA2's
+special tokens right after it (the real ids — mask 156895, eos 156892 — need the real
+157184-row vocabulary; the other specials' ids were never published), with the
+``<role>HUMAN</role>…<|role_end|><role>ASSISTANT</role>`` chat format. Output is a pure
+function of the arguments.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dllm_serve.models.families import LLADA2
+from dllm_serve.models.families.llada2 import DEFAULT_BLOCK
+from dllm_serve.models.tiny.bpe import base_vocab_size, build_tokenizer
+from dllm_serve.models.tiny.files import FLAGS, random_weights, readable, round_up, save_weights
+from dllm_serve.models.tiny.files import write_json as _write_json
+from dllm_serve.models.tiny.files import write_text as _write_text
+
+SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|mask|>", "<|role_end|>")
+
+# The turn format every LLaDA2 client uses (reference §2.3): each message is
+# ``<role>ROLE</role>content<|role_end|>``, and the generation prompt opens the assistant turn.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{%- set role = 'SYSTEM' -%}"
+    "{%- elif message['role'] == 'user' -%}{%- set role = 'HUMAN' -%}"
+    "{%- elif message['role'] == 'assistant' -%}{%- set role = 'ASSISTANT' -%}"
+    "{%- else -%}{%- set role = message['role'] | upper -%}{%- endif -%}"
+    "{{- '<role>' + role + '</role>' + message['content'] + '<|role_end|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<role>ASSISTANT</role>' -}}{%- endif -%}"
+)
+
+CARD = """\
+# {name}
+
+A tiny **random-weight** checkpoint in the on-disk format of inclusionAI/LLaDA2.0-mini
+(`model_type: llada2_moe`). Made by `dllm-serve make-tiny --family llada2` for tests and
+demos; its answers are gibberish.
+
+- Shape: hidden {d_model}, {n_layers} layers (the first {dense} dense, SwiGLU {mlp}; the rest
+  {experts} experts of width {expert}, top-{top_k} within the best {topk_group} of {n_group}
+  groups, {shared} shared expert), {n_heads} heads / {n_kv_heads} KV heads (head dim
+  {head_dim}, RoPE on the first {rotary} dims), q/k norm; {params:,} parameters, bf16.
+- Vocabulary: {vocab} rows; byte-level BPE then {specials} at ids {first}-{last}
+  (mask `<|mask|>` = {mask}, eos `<|endoftext|>` = {eos}).
+- Blocks: {block} tokens{block_note}.
+- Weights: norms ones, everything else `randn * 0.02` from `torch.Generator` seed {seed}.
+"""
+
+
+def _config(sizes: dict[str, Any], eos: int, vocab: int) -> dict[str, Any]:
+    """LLaDA2.0-mini's config.json keys with ``sizes`` and the tiny ids."""
+    cfg: dict[str, Any] = {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+            "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+            "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
+        },
+        "model_type": "llada2_moe",
+        "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 20,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+        "first_k_dense_replace": 1, "num_experts": 256, "num_experts_per_tok": 8,
+        "num_shared_experts": 1, "moe_intermediate_size": 512, "score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True, "n_group": 8, "topk_group": 4,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "router_dtype": "fp32",
+        "rope_theta": 600000, "partial_rotary_factor": 0.5, "rotary_dim": 64,
+        "rope_scaling": None, "use_qk_norm": True, "use_qkv_bias": False, "use_bias": False,
+        "norm_head": False, "hidden_act": "silu", "rms_norm_eps": 1e-06,
+        "max_position_embeddings": 32768, "vocab_size": 157184, "pad_token_id": 156892,
+        "eos_token_id": 156892, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    cfg.update(sizes, vocab_size=vocab, pad_token_id=eos, eos_token_id=eos)
+    return cfg
+
+
+def _tokenizer_config(first: int, max_len: int) -> dict[str, Any]:
+    return {
+        "add_bos_token": False, "add_eos_token": False,
+        "added_tokens_decoder": {
+            str(first + i): {"content": t, **FLAGS, "special": True}
+            for i, t in enumerate(SPECIALS)
+        },
+        "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False, "model_max_length": max_len,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }  # fmt: skip
+
+
+def write_tiny_llada2(
+    out_dir: str | Path,
+    *,
+    block_size: int = DEFAULT_BLOCK,
+    d_model: int = 64,
+    n_layers: int = 3,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 16,
+    mlp_hidden_size: int = 128,
+    num_experts: int = 8,
+    experts_per_token: int = 2,
+    n_group: int = 2,
+    topk_group: int = 1,
+    expert_hidden_size: int = 32,
+    max_sequence_length: int = 2048,
+    seed: int = 0,
+    num_shards: int = 1,
+) -> Path:
+    """Write a complete LLaDA2-format (``llada2_moe``) checkpoint and return its path.
+
+    ``block_size`` other than the default 32 is written as ``generation_config.json``'s
+    ``block_length`` (where the loader reads a checkpoint's block when config.json has no
+    ``block_size``); the released configs state none.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    first = base_vocab_size()
+    tok = build_tokenizer(SPECIALS)
+    assert [tok.token_to_id(t) for t in SPECIALS] == list(range(first, first + len(SPECIALS)))
+    vocab = round_up(first + len(SPECIALS))
+    bos, eos, mask, _ = (first + i for i in range(len(SPECIALS)))
+    sizes = {
+        "hidden_size": d_model, "intermediate_size": mlp_hidden_size,
+        "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads, "head_dim": head_dim,
+        "rotary_dim": head_dim // 2, "num_experts": num_experts,
+        "num_experts_per_tok": experts_per_token, "n_group": n_group, "topk_group": topk_group,
+        "moe_intermediate_size": expert_hidden_size, "max_position_embeddings": max_sequence_length,
+    }  # fmt: skip
+    config = _config(sizes, eos, vocab)
+    _write_json(out / "config.json", config)
+    gen: dict[str, Any] = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}
+    if block_size != DEFAULT_BLOCK:
+        gen["block_length"] = block_size
+    _write_json(out / "generation_config.json", gen)
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(first, max_sequence_length))
+    _write_json(out / "special_tokens_map.json", {
+        "bos_token": {"content": "<|startoftext|>", **FLAGS},
+        "eos_token": {"content": "<|endoftext|>", **FLAGS},
+        "pad_token": {"content": "<|endoftext|>", **FLAGS},
+    })  # fmt: skip
+    tok.save(str(out / "tokenizer.json"))
+    readable(out / "tokenizer.json")
+
+    tcfg = LLADA2.transformer_config(config)
+    assert tcfg.moe is not None
+    tensors = random_weights(LLADA2, tcfg, seed)
+    save_weights(out, tensors, num_shards)
+    _write_text(out / "README.md", CARD.format(
+        name=out.name, d_model=d_model, n_layers=n_layers, dense=tcfg.moe.first_dense_layers,
+        mlp=mlp_hidden_size, experts=num_experts, expert=expert_hidden_size,
+        top_k=experts_per_token, topk_group=topk_group, n_group=n_group,
+        shared=config["num_shared_experts"], n_heads=n_heads, n_kv_heads=n_kv_heads,
+        head_dim=head_dim, rotary=tcfg.rotary_dim,
+        params=sum(t.numel() for t in tensors.values()), vocab=vocab,
+        specials=", ".join(f"`{t}`" for t in SPECIALS), first=first,
+        last=first + len(SPECIALS) - 1, mask=mask, eos=eos, block=block_size,
+        block_note="" if block_size == DEFAULT_BLOCK else " (generation_config block_length)",
+        seed=seed,
+    ))  # fmt: skip
+    return out

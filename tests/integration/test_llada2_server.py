@@ -1,0 +1,63 @@
+"""A LLaDA2-format (``llada2_moe``) checkpoint served by a real dllm-serve on 127.0.0.1.
+
+The in-process engine's answers equal the no-cache official loop token for token
+(tests/unit/decoding/test_decoding_llada2.py); here the server, through the openai SDK, gives
+the engine's answers, streamed and not, with the server's defaults and with the official
+commit rule (``confidence_threshold``), and refuses another block than the trained 32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from remote_server import RemoteServer
+
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.llm import LLM
+from dllm_serve.models.tiny import write_tiny_llada2
+
+QUESTIONS = ["What is 2 + 2?", "Reverse the word cat."]
+MAX_TOKENS = 11
+
+
+@pytest.fixture(scope="module")
+def llada2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llada2(Path(tmp_path_factory.mktemp("llada2")) / "tiny-llada2", seed=3)
+
+
+def test_server_answers_are_the_engines(llada2_dir: Path, tmp_path: Path) -> None:
+    # The server's defaults for max_tokens 11: one block-length canvas, 11 steps.
+    settings = [
+        DecodingParams(gen_length=MAX_TOKENS, steps=MAX_TOKENS),
+        DecodingParams(gen_length=MAX_TOKENS, steps=MAX_TOKENS, confidence_threshold=0.002),
+    ]
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    with LLM(str(llada2_dir), device="cpu", dtype="float32") as llm:
+        want = [[c.text for c in llm.generate(chats, params)] for params in settings]
+    server = RemoteServer.start(
+        ["--model", str(llada2_dir), "--log-level", "warning"], tmp_path / "log"
+    )
+    try:
+        client = server.client()
+        for extra, texts in zip([{}, {"confidence_threshold": 0.002}], want, strict=True):
+            for messages, text in zip(chats, texts, strict=True):
+                reply = client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=MAX_TOKENS, extra_body=extra
+                )
+                assert reply.choices[0].message.content == text
+                assert reply.usage is not None and reply.usage.completion_tokens <= MAX_TOKENS
+                chunks = client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=MAX_TOKENS, stream=True,
+                    extra_body=extra,
+                )  # fmt: skip
+                streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                assert streamed == text
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(
+                model="m", messages=chats[0], max_tokens=32, extra_body={"block_length": 16}
+            )
+        assert "must be 32" in str(bad.value)
+    finally:
+        server.stop()
