@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from dllm_serve.api.request_params import recommended_block
+from dllm_serve.api.protocol import ChatCompletionRequest
+from dllm_serve.api.request_params import decoding_params
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
+from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
 from dllm_serve.models.loader import load_model
 from dllm_serve.models.tiny import write_tiny
@@ -221,7 +222,7 @@ def evaluate(
     with LLM(str(out), device=device, dtype="float32", engine_config=config) as llm:
         for length in canvases or (canvas,):
             suffix = f"@{length}" if canvases else ""
-            params = _server_params(family, length, canvas)
+            params = server_params(length, canvas)
             right_adds = n_adds = 0
             for name, exs in sets.items():
                 outs = llm.generate(
@@ -236,15 +237,15 @@ def evaluate(
     return scores
 
 
-def _server_params(family: str, length: int, trained: int) -> DecodingParams:
-    """The decoding a request of ``max_tokens`` = ``length`` gets by default (see
-    ``api/request_params.py``): blocks of about the trained canvas, one step per token."""
-    if family == "idlm":
-        return DecodingParams(gen_length=length, steps=length, block_length=1)
-    block = recommended_block(length, trained) or length
-    return DecodingParams(
-        gen_length=length, steps=length // block * min(DEFAULT_STEPS, block), block_length=block
-    )
+def server_params(length: int | None, trained: int = 32) -> DecodingParams:
+    """The decoding a chat request with ``max_tokens`` = ``length`` (None: not set) gets from
+    the server for a model trained on ``trained``-token canvases (its default canvas and
+    block): the API's own rules (``api/request_params.py``), so the evaluation measures what
+    users get. Self-speculative models ignore the canvas fields."""
+    body: dict = {"messages": [{"role": "user", "content": "?"}]}
+    if length is not None:
+        body["max_tokens"] = length
+    return decoding_params(ChatCompletionRequest.model_validate(body), trained, trained)
 
 
 def main(argv: list[str] | None = None) -> None:
