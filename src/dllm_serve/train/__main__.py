@@ -217,7 +217,7 @@ def evaluate(
         if task == "addition":
             for name in STRATA:
                 sets[f"addition_{name}"] = held_out_additions(name, n_addition // len(STRATA))
-        elif WEIGHTS.get(task) or task.endswith("_word"):
+        else:
             sets[task] = held_out_set(n_other, task=task)
     with LLM(str(out), device=device, dtype="float32", engine_config=config) as llm:
         for length in canvases or (canvas,):
@@ -334,15 +334,16 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     report = train(args)
     canvases = tuple(int(c) for c in filter(None, args.eval_canvases.split(",")))
+    trained = tuple(t for t, w in report["task_weights"].items() if w)  # untrained: not scored
     report["held_out_exact_match"] = evaluate(
-        args.out, args.family, args.device, args.canvas, canvases=canvases
+        args.out, args.family, args.device, args.canvas, tasks=trained, canvases=canvases
     )
     if args.init and (args.init / "training_report.json").is_file():
         first = json.loads((args.init / "training_report.json").read_text())
         report["init_from"] = {k: first[k] for k in ("command", "steps", "seconds") if k in first}
     report["held_out_counts"] = {
         **{f"addition_{n}": len(held_out_additions(n, N_ADDITION // len(STRATA))) for n in STRATA},
-        **{t: len(held_out_set(N_OTHER, task=t)) for t in TASKS if t != "addition"},
+        **{t: len(held_out_set(N_OTHER, task=t)) for t in trained if t != "addition"},
     }
     report["command"] = "python -m dllm_serve.train " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, "")

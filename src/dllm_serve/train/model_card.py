@@ -165,7 +165,10 @@ def _operands(report: dict[str, Any]) -> str:
     }.get(report.get("addition_operands") or "uniform")
     if how is None:
         return ""
-    return f"\n  Additions: {how}."
+    stage = (
+        " (the last stage; an earlier stage's are in its command)" if "init_from" in report else ""
+    )
+    return f"\n  Additions{stage}: {how}."
 
 
 def _recipe(report: dict[str, Any]) -> str:
