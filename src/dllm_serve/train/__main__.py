@@ -94,6 +94,18 @@ def save(model: torch.nn.Module, loaded, out: Path) -> None:
     save_weights(out, tensors, num_shards=1)
 
 
+def command_line(args: dict) -> str:
+    """The command that repeats this run (flags set to True are bare; False/None/"" left out)."""
+    parts = ["python -m dllm_serve.train"]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value not in (None, "", False):
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
 def _parse_weights(text: str) -> dict[str, int]:
     """``reverse_word=4,sort=0`` → task weights (unknown tasks are an error)."""
     out = {}
@@ -345,9 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         **{f"addition_{n}": len(held_out_additions(n, N_ADDITION // len(STRATA))) for n in STRATA},
         **{t: len(held_out_set(N_OTHER, task=t)) for t in trained if t != "addition"},
     }
-    report["command"] = "python -m dllm_serve.train " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, "")
-    )
+    report["command"] = command_line(vars(args))
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_model_card(args.out, args.name or f"demo-{args.family}", args.family, report)
     print(json.dumps(report, indent=2))
