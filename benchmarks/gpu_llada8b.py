@@ -80,7 +80,7 @@ def tiny_config(full: TransformerConfig) -> TransformerConfig:
     """The same architecture at toy size: the CPU smoke path runs in well under a second."""
     return dataclasses.replace(
         full, vocab_size=512, d_model=64, n_heads=4, n_kv_heads=4, head_dim=16,
-        n_layers=2, mlp_hidden_size=128,
+        n_layers=2, mlp_hidden_size=128, rotary_dim=0,  # 0: the whole (smaller) head
     )  # fmt: skip
 
 

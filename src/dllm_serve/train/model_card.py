@@ -78,6 +78,8 @@ model: it answers the kinds of question below, and little else.
 def _accuracy_tables(family: str, report: dict[str, Any], server: dict | None) -> str:
     scores = report["held_out_exact_match"]
     counts = report["held_out_counts"]
+    if not scores and server:  # evaluated through the server only
+        return _server_table(server)
     canvases = sorted({int(k.split("@")[1]) for k in scores if "@" in k})
     if not canvases:  # an older report: one canvas, plain task keys
         rows = "\n".join(
@@ -103,8 +105,13 @@ def _accuracy_tables(family: str, report: dict[str, Any], server: dict | None) -
         if family == "llada"
         else "greedy, which is exactly what self-speculative decoding returns at temperature 0"
     )
-    text = f"Measured by the training run through the serving engine, {how}:\n\n" + "\n".join(lines)
-    if server:
+    intro = report.get("evaluation") or (
+        f"Measured by the training run through the serving engine, {how}"
+    )
+    text = f"{intro}:\n\n" + "\n".join(lines)
+    if report.get("evaluation_note"):
+        text += "\n\n" + report["evaluation_note"]
+    if server and not report.get("evaluation"):  # else the table above is the server's
         text += "\n\n" + _server_table(server)
     return text
 

@@ -70,7 +70,7 @@ def test_demo_answer_at_defaults(app: FastAPI) -> None:
     body = chat(app).json()
     assert body["choices"][0]["message"]["content"] == ANSWER
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"]["completion_tokens"] == 12
+    assert body["usage"]["completion_tokens"] == 14
 
 
 # ---- /v1/completions -------------------------------------------------------------------------
@@ -90,8 +90,8 @@ def test_completion_raw_prompt(app: FastAPI) -> None:
     assert body["choices"] == [
         {"index": 0, "text": ANSWER, "logprobs": None, "finish_reason": "stop"}
     ]
-    assert body["usage"]["prompt_tokens"] == 25  # no chat template added around the prompt
-    assert body["usage"]["completion_tokens"] == 12
+    assert body["usage"]["prompt_tokens"] == 39  # no chat template added around the prompt
+    assert body["usage"]["completion_tokens"] == 14
     assert body["usage"]["diffusion"]["canvas_length"] == 32
 
 
@@ -121,7 +121,7 @@ def test_completion_stream(app: FastAPI) -> None:
     assert finishes[-1] == "stop" and finishes.count("stop") == 1
     assert all(c["usage"] is None for c in body[:-1])
     assert body[-1]["choices"] == []
-    assert body[-1]["usage"]["completion_tokens"] == 12
+    assert body[-1]["usage"]["completion_tokens"] == 14
 
 
 @pytest.mark.parametrize(
@@ -189,13 +189,13 @@ def test_continuous_usage_stats(app: FastAPI) -> None:
     options = {"include_usage": True, "continuous_usage_stats": True}
     chunks = events(chat(app, stream=True, stream_options=options))[:-1]
     assert all(c["usage"] is not None for c in chunks)
-    assert chunks[0]["usage"] == {"prompt_tokens": 25, "completion_tokens": 0, "total_tokens": 25}
+    assert chunks[0]["usage"] == {"prompt_tokens": 39, "completion_tokens": 0, "total_tokens": 39}
     counts = [c["usage"]["completion_tokens"] for c in chunks]
-    assert counts == sorted(counts) and counts[-1] == 12
+    assert counts == sorted(counts) and counts[-1] == 14
     nfes = [c["usage"]["diffusion"]["nfe"] for c in chunks[1:]]
     assert nfes == sorted(nfes) and nfes[-1] == 32
     for c in chunks:
-        assert c["usage"]["total_tokens"] == 25 + c["usage"]["completion_tokens"]
+        assert c["usage"]["total_tokens"] == 39 + c["usage"]["completion_tokens"]
     assert chunks[-1]["choices"] == []  # include_usage: the final usage-only chunk
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == ANSWER
@@ -209,7 +209,7 @@ def test_ignore_eos_decodes_the_whole_canvas(app: FastAPI) -> None:
     assert body["choices"][0]["message"]["content"].startswith(ANSWER)
     body = chat(app, ignore_eos=True, max_tokens=48).json()
     assert body["usage"]["completion_tokens"] == 48
-    assert chat(app, ignore_eos=False).json()["usage"]["completion_tokens"] == 12
+    assert chat(app, ignore_eos=False).json()["usage"]["completion_tokens"] == 14
 
 
 def test_stop_token_ids(app: FastAPI, loaded: LoadedModel) -> None:
@@ -217,7 +217,7 @@ def test_stop_token_ids(app: FastAPI, loaded: LoadedModel) -> None:
     body = chat(app, stop_token_ids=[equals]).json()
     assert body["choices"][0]["message"]["content"] == "123 + 456 "
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"]["completion_tokens"] == 8
+    assert body["usage"]["completion_tokens"] == 9
 
 
 @pytest.mark.parametrize(
