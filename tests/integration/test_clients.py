@@ -111,7 +111,7 @@ def test_openai_models_retrieve_and_completions(demo: RemoteServer) -> None:
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ANSWER
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 14
 
 
 def test_openai_fields_frameworks_send(demo: RemoteServer) -> None:
@@ -149,7 +149,7 @@ def test_litellm(demo: RemoteServer) -> None:
         model=f"openai/{MODEL}", messages=messages, num_retries=0, **common
     )
     assert response.choices[0].message.content == ANSWER
-    assert response.usage.completion_tokens == 12
+    assert response.usage.completion_tokens == 14
 
     stream = litellm.completion(
         model=f"openai/{MODEL}", messages=messages, stream=True, num_retries=0, **common
@@ -197,7 +197,7 @@ def test_langchain_invoke_stream_batch(demo: RemoteServer, tokenizer_model: Load
     parts = list(llm.stream([HumanMessage(QUESTION)]))
     assert "".join(str(p.content) for p in parts) == ANSWER
     usage = [p.usage_metadata for p in parts if p.usage_metadata]
-    assert usage and usage[-1]["output_tokens"] == 12  # stream_usage=True: include_usage
+    assert usage and usage[-1]["output_tokens"] == 14  # stream_usage=True: include_usage
 
     answers = llm.batch([[HumanMessage(QUESTION)], [HumanMessage("What is 250 + 250?")]])
     assert [a.content for a in answers] == [ANSWER, "250 + 250 = 500"]

@@ -458,7 +458,7 @@ def test_fuzzed_decoding_options_are_answered_or_rejected_with_a_param(
         ("OPTIONS", CHAT, 405),  # CORS is off unless configured
         ("POST", "/health", 405),
         ("GET", "/nope", 404),
-        ("TRACE", "/", 404),
+        ("TRACE", "/", 405),  # / is the playground page (GET only)
         ("GET", "/v1/chat/completions/../models", 404),
     ],
 )
