@@ -91,8 +91,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
-        # /docs is served by api/playground.py from the package's own Swagger UI files (the
-        # default loads them from a CDN and is blank offline); ReDoc has no local copy.
+        # /docs and /redoc are served by api/playground.py from locally installed files (the
+        # defaults load them from a CDN and are blank offline).
         docs_url=None,
         redoc_url=None,
     )

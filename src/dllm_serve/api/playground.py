@@ -11,9 +11,11 @@
   ``done`` (content, finish_reason, usage) or ``error``. The chat stream itself is untouched.
 - ``GET /v1/dllm/info``: the model's decoding mode and defaults, so the page offers only the
   settings that apply.
-- ``GET /docs``: Swagger UI from ``static/swagger`` (no CDN).
+- ``GET /docs`` and ``GET /redoc``: Swagger UI and ReDoc from the files of the
+  ``fastapi-offline`` package, served under ``/static/docs`` (FastAPI's defaults load them
+  from a CDN and are blank on a node without internet access).
 
-Everything the page loads comes from ``/static`` in this package.
+Everything these pages load is served by this server.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import fastapi_offline
 from fastapi import FastAPI, Request
-from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
@@ -35,6 +38,8 @@ from dllm_serve.api.validation import RequestSpec
 from dllm_serve.engine.outputs import RequestOutput
 
 STATIC = Path(__file__).with_name("static")
+# Swagger UI / ReDoc bundles, installed as a dependency rather than copied into this package.
+DOCS_STATIC = Path(fastapi_offline.__file__).with_name("static")
 
 ChatSpec = Callable[[Request], Awaitable[tuple[RequestSpec, list[int]]]]
 Submit = Callable[..., AsyncIterator[RequestOutput]]
@@ -43,6 +48,8 @@ Submit = Callable[..., AsyncIterator[RequestOutput]]
 def install_playground(
     app: FastAPI, engine: Any, chat_spec: ChatSpec, submit: Submit, facts: Any
 ) -> None:
+    # The more specific mount first: /static/docs would otherwise fall into /static.
+    app.mount("/static/docs", StaticFiles(directory=DOCS_STATIC), name="docs-static")
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -54,11 +61,21 @@ def install_playground(
         return get_swagger_ui_html(
             openapi_url=app.openapi_url or "/openapi.json",
             title="dllm-serve API",
-            swagger_js_url="/static/swagger/swagger-ui-bundle.js",
-            swagger_css_url="/static/swagger/swagger-ui.css",
-            swagger_favicon_url="/static/swagger/favicon-32x32.png",
+            swagger_js_url="/static/docs/swagger-ui-bundle.js",
+            swagger_css_url="/static/docs/swagger-ui.css",
+            swagger_favicon_url="/static/docs/favicon.png",
             # No validator badge: it would send the schema to validator.swagger.io.
             swagger_ui_parameters={"validatorUrl": None},
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title="dllm-serve API",
+            redoc_js_url="/static/docs/redoc.standalone.js",
+            redoc_favicon_url="/static/docs/favicon.png",
+            with_google_fonts=False,
         )
 
     @app.get("/v1/dllm/info", tags=["dllm"])

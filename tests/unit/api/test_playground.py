@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from dllm_serve.api.app import build_app
-from dllm_serve.api.playground import STATIC
+from dllm_serve.api.playground import DOCS_STATIC, STATIC
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.models.loader import load_model
@@ -39,9 +39,10 @@ def test_page_and_docs_load_nothing_from_the_network() -> None:
     with _client("tiny-llada") as client:
         page = client.get("/")
         docs = client.get("/docs")
-        assert page.status_code == docs.status_code == 200
+        redoc = client.get("/redoc")
+        assert page.status_code == docs.status_code == redoc.status_code == 200
         assert page.headers["content-type"].startswith("text/html")
-        for html in (page.text, docs.text):
+        for html in (page.text, docs.text, redoc.text):
             refs = re.findall(r'(?:src|href)\s*[=:]\s*["\']([^"\']+)', html)
             assert refs, html
             local = [r for r in refs if r.startswith("/") or r.startswith("#")]
@@ -50,7 +51,7 @@ def test_page_and_docs_load_nothing_from_the_network() -> None:
                 if ref.startswith("/static/"):
                     assert client.get(ref).status_code == 200, ref
         assert '"validatorUrl": null' in docs.text
-        assert client.get("/redoc").status_code == 404  # no local ReDoc: not offered
+        assert "fonts.googleapis" not in redoc.text
     for name in ("playground.html", "playground.js", "playground.css"):
         assert not URL.search((STATIC / name).read_text()), name
 
@@ -151,6 +152,7 @@ def test_trace_needs_the_api_key_and_the_page_does_not() -> None:
         assert _events(ok.text)[-1][0] == "done"
 
 
-def test_static_dir_is_packaged() -> None:
-    assert (STATIC / "swagger" / "swagger-ui-bundle.js").is_file()
+def test_static_dirs_exist() -> None:
+    assert (DOCS_STATIC / "swagger-ui-bundle.js").is_file()
+    assert (DOCS_STATIC / "redoc.standalone.js").is_file()
     assert Path(STATIC, "playground.html").is_file()
