@@ -120,9 +120,11 @@ def test_idlm_rounds_show_drafts_in_chromium(page: Browser, tmp_path: Path) -> N
 def test_docs_and_redoc_render_from_local_files(llada_server: RemoteServer, page: Browser) -> None:
     """Swagger UI and ReDoc come from the installed package, not a CDN (this test has no
     network beyond loopback): both must actually render the schema."""
-    page.goto(llada_server.url + "/docs", "document.querySelector('.swagger-ui .info .title')")
+    page.goto(
+        llada_server.url + "/docs", "document.querySelector('.swagger-ui .info .title') !== null"
+    )
     title = page.evaluate("document.querySelector('.swagger-ui .info .title').textContent")
     assert title.startswith("dllm-serve") and "OAS 3.1" in title
     assert page.evaluate("document.querySelectorAll('.opblock').length") >= 5
-    page.goto(llada_server.url + "/redoc", "document.querySelector('h1')")
+    page.goto(llada_server.url + "/redoc", "document.querySelector('h1') !== null")
     assert page.evaluate("document.querySelector('h1').textContent").startswith("dllm-serve")
