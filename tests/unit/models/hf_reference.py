@@ -21,15 +21,15 @@ QWEN_KEYS = (
 
 
 def hf_reference(path: Path, rope_parameters: dict | None = None) -> torch.nn.Module:
-    """``Qwen2ForCausalLM`` (Dream) or ``Qwen3ForCausalLM`` (SDAR / qwen3) for a checkpoint,
-    fp32, eager attention, weights loaded strictly under the checkpoint's own names."""
+    """``Qwen2ForCausalLM`` (Dream, Fast-dLLM v2) or ``Qwen3ForCausalLM`` (SDAR / qwen3) for a
+    checkpoint, fp32, eager attention, weights loaded strictly under the checkpoint's own names."""
     config = json.loads((path / "config.json").read_text())
     kwargs = {k: config[k] for k in QWEN_KEYS if k in config}
     kwargs["rope_parameters"] = rope_parameters or {
         "rope_type": "default",
         "rope_theta": config["rope_theta"],
     }
-    if config["model_type"] == "Dream":
+    if config["model_type"] in ("Dream", "Fast_dLLM_Qwen"):
         cls, cfg = transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**kwargs)
     else:
         cls, cfg = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**kwargs)

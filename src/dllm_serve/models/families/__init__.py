@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dllm_serve.models.families.base import Family, UnsupportedModelError
+from dllm_serve.models.families.fast_dllm import FAST_DLLM, FastDLLMFamily
 from dllm_serve.models.families.llada import LLADA, LLaDAFamily
 from dllm_serve.models.families.llada2 import LLADA2, LLaDA2Family
 from dllm_serve.models.families.qwen import (
@@ -27,11 +28,13 @@ from dllm_serve.models.families.qwen import (
 __all__ = [
     "DREAM",
     "FAMILIES",
+    "FAST_DLLM",
     "LLADA",
     "LLADA2",
     "SDAR",
     "SDAR_BLOCK",
     "Family",
+    "FastDLLMFamily",
     "LLaDA2Family",
     "LLaDAFamily",
     "QwenFamily",
@@ -42,7 +45,9 @@ __all__ = [
     "supported_summary",
 ]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR, LLADA2)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR, LLADA2, FAST_DLLM)
+}
 # The mixture-of-experts families this server implements; every other MoE config is refused.
 MOE_FAMILIES: tuple[Family, ...] = (LLADA2,)
 
@@ -95,8 +100,15 @@ def family_for(config: Mapping[str, Any]) -> Family:
         )
     for family in FAMILIES.values():
         if family.matches(config):
+            _check_unambiguous(config, family)
             family.check(config)
             return family
+    if config.get("bd_size") is not None:
+        raise UnsupportedModelError(
+            f"config.json has bd_size (Fast-dLLM v2's block) but model_type {model_type!r} "
+            f"(architectures {archs!r}); a Fast-dLLM v2 checkpoint says model_type "
+            f"'Fast_dLLM_Qwen'. Supported model types: {supported}"
+        )
     if is_qwen3_config(config):
         raise UnsupportedModelError(
             "this is a plain (autoregressive) Qwen3 config; an I-DLM checkpoint stored as qwen3 "
@@ -112,3 +124,15 @@ def family_for(config: Mapping[str, Any]) -> Family:
         f"unsupported model_type {model_type!r} (architectures {archs!r}); "
         f"supported model types: {supported}"
     )
+
+
+def _check_unambiguous(config: Mapping[str, Any], family: Family) -> None:
+    """Refuse a config that names one family by model_type and another by its block key:
+    SDAR and I-DLM would read Fast-dLLM v2's ``bd_size`` as nothing and decode it the wrong
+    way (no logit shift, or strictly causal)."""
+    if family is not FAST_DLLM and config.get("bd_size") is not None:
+        raise UnsupportedModelError(
+            f"ambiguous config.json: model_type {config.get('model_type')!r} is the "
+            f"{family.name} family, but bd_size is Fast-dLLM v2's block key; a Fast-dLLM v2 "
+            "checkpoint says model_type 'Fast_dLLM_Qwen'"
+        )

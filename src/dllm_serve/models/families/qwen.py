@@ -1,9 +1,10 @@
-"""Families stored in Qwen's transformers format: Dream (Qwen2) and I-DLM/SDAR (Qwen3).
+"""Families stored in Qwen's transformers format: Dream (Qwen2), I-DLM and SDAR (Qwen3).
 
-Both use the HF ``model.layers.N.self_attn.q_proj``… tensor names and both read logits with a
-shift (the output at ``j - 1`` predicts token ``j``). They differ in attention (Dream is
-bidirectional, I-DLM strictly causal), in q/k/v biases (Qwen2) versus per-head q/k RMSNorm
-(Qwen3), and in their mask token.
+All use the HF ``model.layers.N.self_attn.q_proj``… tensor names. They differ in attention
+(Dream is bidirectional, I-DLM strictly causal, SDAR block-causal), in the logit shift (Dream
+and I-DLM read position ``j`` from the output at ``j - 1``; SDAR does not), in q/k/v biases
+(Qwen2) versus per-head q/k RMSNorm (Qwen3), and in their mask token. Fast-dLLM v2 (Qwen2
+weights, block-causal, shifted) lives in ``fast_dllm.py``.
 """
 
 from __future__ import annotations
@@ -115,18 +116,43 @@ def is_qwen3_config(config: Mapping[str, Any]) -> bool:
     return "Qwen3ForCausalLM" in (config.get("architectures") or [])
 
 
+# Keys of SDAR's own training framework that its released configs carry (JetAstra/SDAR
+# ``training/model/SDAR-{4B,8B}-Chat/config.json``) and I-DLM's do not.
+SDAR_RELEASE_KEYS = ("ep_size", "use_deepep", "micro_forward", "skip_checkpoint")
+
+
+def is_sdar_block_config(config: Mapping[str, Any]) -> bool:
+    """Whether a ``model_type: sdar`` config is SDAR/TraDo block diffusion rather than I-DLM.
+
+    Both ship the same model_type, architecture, tensor names, mask token, ``block_size`` and
+    ``attn_implementation``; what differs is the attention they were trained with, which only
+    their remote code states. ``use_regular_causal`` says it when present (I-DLM's SDARConfig
+    defaults it to true, strict causality; false is block-causal). SDAR's own SDARConfig has no
+    such key, so its released configs omit it — but they carry its training framework's keys
+    (:data:`SDAR_RELEASE_KEYS`), which I-DLM's do not. Neither: I-DLM (its config class's
+    default).
+    """
+    explicit = config.get("use_regular_causal")
+    if explicit is not None:
+        return explicit is False
+    return any(key in config for key in SDAR_RELEASE_KEYS)
+
+
 @dataclass(frozen=True)
 class SDARFamily(QwenFamily):
     """I-DLM / SDAR: Qwen3 weights, strictly causal, logit shift, mask ``<|MASK|>``."""
 
     def matches(self, config: Mapping[str, Any]) -> bool:
+        # SDAR's block-bidirectional checkpoints (SDAR_BLOCK) share model_type sdar.
+        if super().matches(config):
+            return not is_sdar_block_config(config)
         # I-DLM may also be published as a plain Qwen3 config; the diffusion mask id is what
-        # tells it apart from an autoregressive Qwen3. ``use_regular_causal: false`` is SDAR's
-        # block-bidirectional variant (SDAR_BLOCK), not I-DLM.
-        if config.get("use_regular_causal") is False:
-            return False
-        plain_qwen3 = is_qwen3_config(config)
-        return super().matches(config) or (plain_qwen3 and "mask_token_id" in config)
+        # tells it apart from an autoregressive Qwen3.
+        return (
+            is_qwen3_config(config)
+            and "mask_token_id" in config
+            and config.get("use_regular_causal") is not False
+        )
 
 
 @dataclass(frozen=True)
@@ -134,12 +160,11 @@ class SDARBlockFamily(QwenFamily):
     """SDAR / TraDo block diffusion: Qwen3 weights, block-causal attention, no logit shift.
 
     It shares ``model_type: sdar`` and the tensor names with I-DLM; what differs is the
-    attention the checkpoint was trained with, which its config states as
-    ``use_regular_causal: false`` (SDARConfig's default, true, is I-DLM's strict causality).
+    attention the checkpoint was trained with (:func:`is_sdar_block_config`).
     """
 
     def matches(self, config: Mapping[str, Any]) -> bool:
-        return super().matches(config) and config.get("use_regular_causal") is False
+        return super().matches(config) and is_sdar_block_config(config)
 
     def check(self, config: Mapping[str, Any]) -> None:
         super().check(config)
@@ -158,7 +183,7 @@ SDAR_BLOCK = SDARBlockFamily(
     eot_token="<|im_end|>",
     model_types=("sdar",),
     architectures=("SDARForCausalLM",),
-    description="SDAR/TraDo block diffusion: model_type sdar with use_regular_causal false",
+    description="SDAR-Chat/TraDo block diffusion: model_type sdar, block-causal",
     extra_stop_tokens=("<|endoftext|>",),
     tokenizer_class="Qwen2Tokenizer",
     qk_norm=True,

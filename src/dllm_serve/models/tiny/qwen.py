@@ -1,11 +1,12 @@
-"""Tiny random-weight checkpoints in the Dream-v0-Instruct-7B and I-DLM-8B on-disk formats.
+"""Tiny random-weight checkpoints in the Qwen-based on-disk formats: Dream-v0-Instruct-7B,
+I-DLM-8B, SDAR (I-DLM's files made block-causal) and Fast-dLLM v2 7B.
 
 Config, generation config and tokenizer files are the real ones (``assets/formats/``) with only
 sizes changed and, for the default small vocabulary, every special id moved consistently to
 just after the base vocabulary (``real_ids`` keeps the real ids and vocabulary size). The
 tokenizer is Qwen2's file format, ``vocab.json`` + ``merges.txt``, built from the shared
-byte-level BPE; weights use Qwen2 (Dream, with q/k/v biases) or Qwen3 (I-DLM, with q/k norms)
-tensor names.
+byte-level BPE; weights use Qwen2 (Dream, Fast-dLLM v2: q/k/v biases) or Qwen3 (I-DLM, SDAR:
+q/k norms) tensor names.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dllm_serve.models.families import DREAM, SDAR, SDAR_BLOCK, Family
+from dllm_serve.models.families import DREAM, FAST_DLLM, SDAR, SDAR_BLOCK, Family
+from dllm_serve.models.families.fast_dllm import DEFAULT_BLOCK
 from dllm_serve.models.tiny.bpe import base_vocab_size, qwen2_vocab_files
 from dllm_serve.models.tiny.files import (
     random_weights,
@@ -41,7 +43,8 @@ A tiny **random-weight** checkpoint in the on-disk format of {real}. Made by
 """
 
 
-TINY_NAMES = {"dream": "dream", "sdar": "idlm", "sdar_block": "sdar"}  # family → make-tiny name
+# family → make-tiny name
+TINY_NAMES = {"dream": "dream", "sdar": "idlm", "sdar_block": "sdar", "fastdllm": "fastdllm"}
 
 
 def _moved(real_id: Any, first: int) -> Any:
@@ -110,7 +113,8 @@ def _write(
         max_len=tcfg.max_sequence_length, params=sum(t.numel() for t in tensors.values()),
         vocab=vocab, placement="at their real" if real_ids else "moved as one block to",
         first=first, last=first + n_special - 1, mask_token=family.mask_token,
-        mask=config["mask_token_id"], seed=seed,
+        # Fast-dLLM v2's config has no mask_token_id: its mask id is the tokenizer's.
+        mask=config.get("mask_token_id", _moved(added[family.mask_token], first)), seed=seed,
     ))  # fmt: skip
     return out
 
@@ -183,6 +187,34 @@ def write_tiny_sdar(
     )
     sizes.update(use_regular_causal=False, block_size=block_size)
     return _write(out_dir, SDAR_BLOCK, "idlm-8b", sizes,
+                  seed=seed, num_shards=num_shards, real_ids=real_ids)  # fmt: skip
+
+
+def write_tiny_fastdllm(
+    out_dir: str | Path,
+    *,
+    block_size: int = DEFAULT_BLOCK,
+    d_model: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    mlp_hidden_size: int = 128,
+    max_sequence_length: int = 2048,
+    seed: int = 0,
+    num_shards: int = 1,
+    real_ids: bool = False,
+) -> Path:
+    """Write a Fast-dLLM v2 checkpoint: the 7B's config (``Fast_dLLM_Qwen``, ``bd_size`` =
+    ``block_size``, a multiple of its 8-token sub-block), tokenizer files with ``|<MASK>|``
+    and the ChatML template, and Qwen2 tensors (q/k/v biases)."""
+    sizes: dict[str, Any] = {
+        "hidden_size": d_model, "intermediate_size": mlp_hidden_size,
+        "num_hidden_layers": n_layers, "max_window_layers": n_layers,
+        "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
+        "max_position_embeddings": max_sequence_length, "bd_size": block_size,
+        "layer_types": ["full_attention"] * n_layers,
+    }  # fmt: skip
+    return _write(out_dir, FAST_DLLM, "fast-dllm-v2-7b", sizes,
                   seed=seed, num_shards=num_shards, real_ids=real_ids)  # fmt: skip
 
 
