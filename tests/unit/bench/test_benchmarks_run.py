@@ -95,12 +95,18 @@ def test_block_diffusion(tmp_path: Path) -> None:
         ["--prompts", "2", "--max-tokens", "8", "--threads", "1", "--out", str(out)]
     )
     report = read(out)
-    assert report["block_size"] == 4 and report["random_weights"]
-    by = {(r["setting"], r["fused_write"]): r for r in report["rows"]}
+    assert report["random_weights"]
+    sdar, fast = report["models"]
+    assert (sdar["family"], sdar["block_size"]) == ("sdar_block", 4)
+    by = {(r["setting"], r["fused_write"]): r for r in sdar["rows"]}
     for setting in {s for s, _ in by}:
         fused, unfused = by[setting, True], by[setting, False]
         assert fused["answer_tokens"] == unfused["answer_tokens"] > 0
         assert fused["nfe"] < unfused["nfe"]  # the fused write saves a forward per block
+    # Fast-dLLM v2: block 32 in sub-blocks of 8, its write never fused.
+    assert (fast["family"], fast["block_size"], fast["sub_block"]) == ("fastdllm", 32, 8)
+    assert {r["fused_write"] for r in fast["rows"]} == {False} and len(fast["rows"]) == 4
+    assert all(r["answer_tokens"] > 0 and r["nfe"] > 0 for r in fast["rows"])
 
 
 def test_gpu_llada8b_tiny_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
