@@ -82,8 +82,13 @@ def test_weight_map_covers_every_parameter_at_real_widths(tiny: Path) -> None:
 
 def test_other_moe_configs_are_still_refused(tiny: Path) -> None:
     config = config_of(tiny)
-    for change in ({"model_type": "lladamoe"}, {"model_type": "llada", "num_experts": 64}):
+    for change in ({"model_type": "olmoe"}, {"model_type": "qwen3_moe", "architectures": None}):
         with pytest.raises(UnsupportedModelError, match=r"mixture-of-experts.*llada2_moe"):
+            family_for({**config, **change})
+    # Relabelled "llada" (LLaDA-MoE's type), its MoE keys make it LLaDA-MoE, whose rules name
+    # the LLaDA2 routing key they do not implement instead of loading it as either family.
+    for change in ({"model_type": "lladamoe"}, {"model_type": "llada", "num_experts": 64}):
+        with pytest.raises(UnsupportedModelError, match="moe_router_enable_expert_bias"):
             family_for({**config, **change})
 
 
