@@ -75,7 +75,7 @@ def test_unknown_model_type_lists_supported(real_config: dict) -> None:
 def test_moe_markers_never_load_as_dense_llada(real_config: dict, change: dict) -> None:
     # LLaDA-MoE shares model_type "llada": any MoE marker makes the config LLaDA-MoE's, and
     # LLaDA-8B's keys do not describe that network.
-    with pytest.raises(UnsupportedModelError, match="LLaDA-MoE config.json lacks required key"):
+    with pytest.raises(UnsupportedModelError, match=r"LLaDA-MoE config\.json lacks required key"):
         family_for({**real_config, **change})
 
 
