@@ -78,7 +78,7 @@ def _description(family: str) -> str:
         + " or ".join(f"`dllm-serve make-tiny --family {f} --help`" for f in others)
         + ". Every file is written with mode 0644 (readable by any user, e.g. a container's)."
     )
-    formats = [f"  {name:<8} {fmt}" for name, fmt in FORMATS.items()]
+    formats = [f"  {name:<6} {fmt}" for name, fmt in FORMATS.items()]
     fill = textwrap.TextWrapper(79, break_on_hyphens=False).fill
     return "\n".join([fill(intro), *formats, fill(outro)])
 
