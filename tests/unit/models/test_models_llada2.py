@@ -65,6 +65,23 @@ def test_the_real_config_parses(tiny: Path) -> None:
     assert LLADA2.block_size({**config, "block_size": 8}, 16) == 8
 
 
+def test_the_published_mini_metadata_parses() -> None:
+    """tests/fixtures/llada2-mini (LLaDA2.0-mini's config, reconstructed; see its README)."""
+    real = Path(__file__).resolve().parents[2] / "fixtures" / "llada2-mini"
+    config = config_of(real)
+    assert family_for(config) is LLADA2
+    cfg = LLADA2.transformer_config(config)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads) == (2048, 20, 16, 4)
+    assert cfg.rotary_dim == 64 and cfg.qk_norm and cfg.max_sequence_length == 16384
+    assert cfg.moe is not None and cfg.moe.routing == "sigmoid_group_limited"
+    assert cfg.moe.renormalize and cfg.moe.first_dense_layers == 1
+    gen = json.loads((real / "generation_config.json").read_text())
+    assert "block_length" not in gen and LLADA2.block_size(config, None) == 32
+    with torch.device("meta"):
+        total = sum(p.numel() for p in DecoderTransformer(cfg).parameters())
+    assert 16.0e9 < total < 16.5e9  # "16B total"
+
+
 def test_weight_map_covers_every_parameter_at_real_widths(tiny: Path) -> None:
     config = {**mini_config(tiny), "num_hidden_layers": 3}  # 2 MoE layers keep it quick
     cfg = LLADA2.transformer_config(config)
