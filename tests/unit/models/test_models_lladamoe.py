@@ -148,6 +148,19 @@ def test_unsupported_variants_refused_naming_the_key(
         family_for(config).transformer_config(config)
 
 
+def test_rope_keys_may_be_transformers_5_parameters(real_config: dict) -> None:
+    config = {
+        k: v for k, v in real_config.items() if k not in ("rope_theta", "partial_rotary_factor")
+    }
+    config["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 1e4,
+        "partial_rotary_factor": 0.25,
+    }
+    cfg = LLADAMOE.transformer_config(config)
+    assert cfg.rope_theta == 1e4 and cfg.rotary_dim == 32
+
+
 def test_optional_variants_are_built(real_config: dict) -> None:
     config = {**real_config, "moe_layer_freq": [0] * 2 + [1] * 14, "qk_layernorm": False}
     config.update(shared_expert_intermediate_size=512, partial_rotary_factor=0.5)

@@ -68,8 +68,9 @@ REQUIRED = (
     "num_experts_per_tok",
     "expert_intermediate_size",
     "moe_layer_freq",
-    "partial_rotary_factor",
 )
+# Likewise required, at the top level or (transformers 5.x) inside rope_parameters.
+ROPE_REQUIRED = ("rope_theta", "partial_rotary_factor")
 
 
 def _int(config: Mapping[str, Any], key: str) -> int:
@@ -121,9 +122,11 @@ class LLaDAMoEFamily(Family):
                     f"{LABEL} config has {key}={value!r}; group-limited routing is not part "
                     "of LLaDA-MoE (only null or a value <= 1 is supported)"
                 )
-        params = config.get("rope_parameters") or {}
-        if config.get("rope_theta") is None and params.get("rope_theta") is None:
-            raise UnsupportedModelError(f"{LABEL} config.json lacks required key 'rope_theta'")
+        params = config.get("rope_parameters")
+        params = params if isinstance(params, Mapping) else {}
+        for key in ROPE_REQUIRED:
+            if config.get(key) is None and params.get(key) is None:
+                raise UnsupportedModelError(f"{LABEL} config.json lacks required key {key!r}")
 
     def transformer_config(self, config: Mapping[str, Any]) -> TransformerConfig:
         self.check(config)
