@@ -106,14 +106,23 @@ def main() -> None:
     p.add_argument("--n-other", type=int, default=100, help="questions per other task")
     p.add_argument("--canvases", default="default,32,256,1024")
     p.add_argument("--workers", type=int, default=32, help="concurrent requests")
+    p.add_argument(
+        "--model-path",
+        type=Path,
+        help="measure this checkpoint (e.g. a training run's output) instead of the shipped "
+        "demo; needs --only and --out",
+    )
+    p.add_argument("--out", type=Path, help="results file (default: benchmarks/results/...)")
     args = p.parse_args()
+    if args.model_path and not (args.only and args.out):
+        p.error("--model-path needs --only (which family) and --out")
     canvases = [None if c == "default" else int(c) for c in args.canvases.split(",")]
     for family in [args.only] if args.only else ["llada", "idlm"]:
-        model = f"demo-{family}"
+        model = str(args.model_path) if args.model_path else f"demo-{family}"
         result = run_model(model, canvases, args.n, args.n_other, args.workers)
         result["machine"] = machine_info()
         result["command"] = " ".join(sys.argv)
-        write_json(RESULTS_DIR / f"demo_accuracy_{model}.json", result)
+        write_json(args.out or RESULTS_DIR / f"demo_accuracy_demo-{family}.json", result)
 
 
 if __name__ == "__main__":

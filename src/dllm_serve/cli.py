@@ -1,7 +1,7 @@
 """`dllm-serve`: flags → config → model → engine → uvicorn.
 
 dllm-serve [--model NAME_OR_DIR] [--host H] [--port P] [--device D] [--dtype T] ...
-dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|fastdllm] DIR
+dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm] DIR
     write a tiny random-weight checkpoint in that family's format (default llada)
 """
 
@@ -24,8 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dllm-serve",
         description="OpenAI-compatible server for diffusion LLMs. "
-        "Subcommand: `dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|fastdllm] DIR` "
-        "writes a tiny random-weight checkpoint in that family's real format.",
+        "Subcommand: `dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|lladamoe|"
+        "fastdllm] DIR` writes a tiny random-weight checkpoint in that family's real format.",
     )
     parser.add_argument(
         "--model",

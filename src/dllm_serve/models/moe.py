@@ -1,26 +1,18 @@
-"""The mixture-of-experts feed-forward of LLaDA2.x (Ling 2.0 / BailingMoeV2 lineage).
-
-Routing of one token ``x`` (``d_model``) over ``E`` experts split into ``G`` equal groups, all
-in fp32 (the checkpoints' ``router_dtype``):
+"""The mixture-of-experts feed-forward of LLaDA2.x and LLaDA-MoE.
 
 .. code-block:: text
 
-    s      = sigmoid(W_gate · x)                 [E]  the scores
-    b      = s + expert_bias                     [E]  used only to *choose* experts
-    g_j    = sum of the 2 largest b in group j   [G]
-    kept   = the topk_group groups with the largest g_j
-    chosen = the top_k experts by b among the kept groups' experts
-    w_i    = s_i / (Σ_{c ∈ chosen} s_c + 1e-20) · routed_scaling_factor      (i ∈ chosen)
-
+    (w, chosen) = route(x)                       models/routing.py, in fp32
     y = Σ_{i ∈ chosen} w_i · expert_i(x) + shared(x)
 
-The bias (learned for load balancing) changes *which* experts run but never their weight:
-the weights are the unbiased scores, renormalised over the chosen experts
-(``norm_topk_prob``) and scaled. Every expert and the shared expert is a SwiGLU
-``down(silu(gate(x)) · up(x))``; the shared one is always on.
+Every expert and the optional shared expert is a SwiGLU ``down(silu(gate(x)) · up(x))``; the
+shared one is always on. The routing rule (LLaDA2's sigmoid group-limited top-k, or
+LLaDA-MoE's softmax top-k) is pluggable through ``MoEConfig.routing``.
 
-Experts run one at a time on all the tokens routed to them (a batched gather, not a loop over
-tokens): correct and simple; fused grouped-GEMM kernels are what the fast engines add on GPU.
+The computation is grouped by expert: the (token, slot) picks are sorted by expert id, each
+expert that received tokens runs once on its contiguous run (one matmul per active expert, no
+loop over tokens), and each token's ``top_k`` outputs are summed in slot order. Fused
+grouped-GEMM kernels are what the fast engines add on GPU; this is their reference layout.
 """
 
 from __future__ import annotations
@@ -30,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm_serve.models.layers import MLP
+from dllm_serve.models.routing import route
 from dllm_serve.models.transformer_config import MoEConfig
 
 __all__ = ["FP32_PARAMETERS", "MoE", "Router", "route"]
@@ -40,38 +33,17 @@ __all__ = ["FP32_PARAMETERS", "MoE", "Router", "route"]
 FP32_PARAMETERS = ("mlp.router.weight", "mlp.router.expert_bias")
 
 
-def route(
-    logits: torch.Tensor, expert_bias: torch.Tensor, cfg: MoEConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights [T, top_k] fp32, expert ids [T, top_k])`` for router logits ``[T, E]``.
-
-    Group-limited top-k on the biased sigmoid scores; weights from the unbiased scores (the
-    module docstring has the math).
-    """
-    scores = logits.float().sigmoid()
-    biased = scores + expert_bias.float()
-    tokens = scores.shape[0]
-    per_group = cfg.num_experts // cfg.n_group
-    group_score = biased.view(tokens, cfg.n_group, per_group).topk(2, dim=-1).values.sum(-1)
-    kept = group_score.topk(cfg.topk_group, dim=-1).indices
-    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
-    # -inf, not 0: a biased score may be negative, and a dropped group must never win.
-    eligible = biased.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
-    ids = eligible.topk(cfg.top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if cfg.renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids
-
-
 class Router(nn.Module):
-    """The gate: ``weight`` ``[E, d_model]`` and the selection-only ``expert_bias`` ``[E]``."""
+    """The gate ``weight`` ``[E, d_model]``, plus the selection-only ``expert_bias`` ``[E]``
+    for the routing rule that has one (sigmoid group-limited)."""
 
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
-        self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+        self.expert_bias: nn.Parameter | None = None
+        if cfg.routing == "sigmoid_group_limited":
+            self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``route`` of tokens ``x`` ``[T, d_model]``, logits computed in fp32."""
@@ -80,7 +52,7 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed SwiGLU experts plus always-on shared experts (see the module docstring)."""
+    """Routed SwiGLU experts plus an optional always-on shared expert (module docstring)."""
 
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()

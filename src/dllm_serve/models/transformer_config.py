@@ -3,32 +3,65 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from dllm_serve.models.rope import RopeScaling
+
+Routing = Literal["sigmoid_group_limited", "softmax"]
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """A mixture-of-experts feed-forward (LLaDA2.x; routing math in ``models/moe.py``).
+    """A mixture-of-experts feed-forward (routing math in ``models/routing.py``).
 
-    Layers ``0 .. first_dense_layers - 1`` keep the dense SwiGLU MLP (``mlp_hidden_size``
-    wide); every later layer routes each token to ``top_k`` of ``num_experts`` SwiGLU experts
-    (``expert_hidden_size`` wide) chosen within the best ``topk_group`` of ``n_group`` expert
-    groups, and adds one always-on shared SwiGLU (``shared_hidden_size`` wide; 0 = none).
+    Each MoE layer routes every token to ``top_k`` of ``num_experts`` SwiGLU experts
+    (``expert_hidden_size`` wide) and adds an always-on shared SwiGLU (``shared_hidden_size``
+    wide; 0 = none). ``routing`` picks the rule: ``"sigmoid_group_limited"`` (LLaDA2.x: biased
+    sigmoid scores, the best ``topk_group`` of ``n_group`` expert groups) or ``"softmax"``
+    (LLaDA-MoE: softmax over all experts, top-k). ``renormalize`` divides the chosen weights
+    by their sum, ``routed_scaling_factor`` multiplies them.
+
+    Which layers are MoE: ``moe_layers`` (one flag per layer, LLaDA-MoE's ``moe_layer_freq``)
+    when given, else every layer from ``first_dense_layers`` on (LLaDA2's
+    ``first_k_dense_replace``). The other layers keep the dense SwiGLU (``mlp_hidden_size``).
     """
 
     num_experts: int
     top_k: int
-    n_group: int
-    topk_group: int
     expert_hidden_size: int
     shared_hidden_size: int
-    routed_scaling_factor: float
-    first_dense_layers: int
+    routing: Routing = "sigmoid_group_limited"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_dense_layers: int = 0
     renormalize: bool = True  # divide the chosen experts' scores by their sum
+    moe_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.num_experts < 1 or self.n_group < 1 or self.num_experts % self.n_group:
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+        if self.routing == "softmax":
+            self._check_softmax()
+        elif self.routing == "sigmoid_group_limited":
+            self._check_grouped()
+        else:
+            raise ValueError(f"unknown MoE routing {self.routing!r}")
+        if self.first_dense_layers < 0:
+            raise ValueError("first_k_dense_replace must be >= 0")
+        if self.moe_layers is not None and self.first_dense_layers:
+            raise ValueError("give either moe_layers or first_dense_layers, not both")
+
+    def _check_softmax(self) -> None:
+        if self.n_group != 1 or self.topk_group != 1:
+            raise ValueError("softmax routing has no expert groups (n_group = topk_group = 1)")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.top_k} must be in [1, num_experts {self.num_experts}]"
+            )
+
+    def _check_grouped(self) -> None:
+        if self.n_group < 1 or self.num_experts % self.n_group:
             raise ValueError(
                 f"num_experts {self.num_experts} must be a positive multiple of n_group "
                 f"{self.n_group}"
@@ -44,10 +77,10 @@ class MoEConfig:
                 f"num_experts_per_tok {self.top_k} must be in [1, {self.topk_group * per_group}] "
                 f"(the experts of topk_group {self.topk_group} groups)"
             )
-        if self.first_dense_layers < 0:
-            raise ValueError("first_k_dense_replace must be >= 0")
 
     def is_moe_layer(self, index: int) -> bool:
+        if self.moe_layers is not None:
+            return self.moe_layers[index]
         return index >= self.first_dense_layers
 
 
@@ -94,4 +127,9 @@ class TransformerConfig:
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(
                 f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim {self.head_dim}]"
+            )
+        moe_layers = self.moe.moe_layers if self.moe is not None else None
+        if moe_layers is not None and len(moe_layers) != self.n_layers:
+            raise ValueError(
+                f"the MoE layer pattern has {len(moe_layers)} entries for {self.n_layers} layers"
             )

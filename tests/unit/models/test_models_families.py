@@ -72,8 +72,10 @@ def test_unknown_model_type_lists_supported(real_config: dict) -> None:
         {"num_experts": 64, "num_experts_per_tok": 8},
     ],
 )
-def test_moe_rejected(real_config: dict, change: dict) -> None:
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+def test_moe_markers_never_load_as_dense_llada(real_config: dict, change: dict) -> None:
+    # LLaDA-MoE shares model_type "llada": any MoE marker makes the config LLaDA-MoE's, and
+    # LLaDA-8B's keys do not describe that network.
+    with pytest.raises(UnsupportedModelError, match=r"LLaDA-MoE config\.json lacks required key"):
         family_for({**real_config, **change})
 
 

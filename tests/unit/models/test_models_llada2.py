@@ -65,6 +65,23 @@ def test_the_real_config_parses(tiny: Path) -> None:
     assert LLADA2.block_size({**config, "block_size": 8}, 16) == 8
 
 
+def test_the_published_mini_metadata_parses() -> None:
+    """tests/fixtures/llada2-mini (LLaDA2.0-mini's config, reconstructed; see its README)."""
+    real = Path(__file__).resolve().parents[2] / "fixtures" / "llada2-mini"
+    config = config_of(real)
+    assert family_for(config) is LLADA2
+    cfg = LLADA2.transformer_config(config)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads) == (2048, 20, 16, 4)
+    assert cfg.rotary_dim == 64 and cfg.qk_norm and cfg.max_sequence_length == 16384
+    assert cfg.moe is not None and cfg.moe.routing == "sigmoid_group_limited"
+    assert cfg.moe.renormalize and cfg.moe.first_dense_layers == 1
+    gen = json.loads((real / "generation_config.json").read_text())
+    assert "block_length" not in gen and LLADA2.block_size(config, None) == 32
+    with torch.device("meta"):
+        total = sum(p.numel() for p in DecoderTransformer(cfg).parameters())
+    assert 16.0e9 < total < 16.5e9  # "16B total"
+
+
 def test_weight_map_covers_every_parameter_at_real_widths(tiny: Path) -> None:
     config = {**mini_config(tiny), "num_hidden_layers": 3}  # 2 MoE layers keep it quick
     cfg = LLADA2.transformer_config(config)
@@ -82,8 +99,13 @@ def test_weight_map_covers_every_parameter_at_real_widths(tiny: Path) -> None:
 
 def test_other_moe_configs_are_still_refused(tiny: Path) -> None:
     config = config_of(tiny)
-    for change in ({"model_type": "lladamoe"}, {"model_type": "llada", "num_experts": 64}):
+    for change in ({"model_type": "olmoe"}, {"model_type": "qwen3_moe", "architectures": None}):
         with pytest.raises(UnsupportedModelError, match=r"mixture-of-experts.*llada2_moe"):
+            family_for({**config, **change})
+    # Relabelled "llada" (LLaDA-MoE's type), its MoE keys make it LLaDA-MoE, whose rules name
+    # the LLaDA2 routing key they do not implement instead of loading it as either family.
+    for change in ({"model_type": "lladamoe"}, {"model_type": "llada", "num_experts": 64}):
+        with pytest.raises(UnsupportedModelError, match="moe_router_enable_expert_bias"):
             family_for({**config, **change})
 
 

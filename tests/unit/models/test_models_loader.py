@@ -146,8 +146,12 @@ def test_unknown_model_type(single_dir: Path, tmp_path: Path) -> None:
 
 def test_moe_config_rejected(single_dir: Path, tmp_path: Path) -> None:
     path = broken_copy(single_dir, tmp_path / "moe")
-    edit_config(path, architectures=["LLaDAMoEModelLM"])
+    edit_config(path, architectures=["OlmoeForCausalLM"], model_type="olmoe")
     with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+        load_model(str(path))
+    # A LLaDA-8B config naming LLaDA-MoE's architecture is LLaDA-MoE's, and lacks its keys.
+    edit_config(path, architectures=["LLaDAMoEModelLM"], model_type="llada")
+    with pytest.raises(UnsupportedModelError, match=r"LLaDA-MoE config\.json lacks required key"):
         load_model(str(path))
 
 

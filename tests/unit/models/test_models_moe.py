@@ -1,4 +1,5 @@
-"""LLaDA2's mixture of experts (models/moe.py) against the spec, written out in the test."""
+"""The mixture of experts (models/moe.py, models/routing.py) against the spec, written out in the
+tests: LLaDA2's sigmoid group-limited routing and LLaDA-MoE's softmax top-k."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import pytest
 import torch
 from llada2_reference import reference_route
+from lladamoe_reference import reference_route as softmax_reference_route
 
 from dllm_serve.models.moe import MoE, route
 from dllm_serve.models.transformer_config import MoEConfig
@@ -127,6 +129,11 @@ def test_moe_layer_is_routed_experts_plus_the_shared_one() -> None:
     torch.testing.assert_close(layer(x), got, rtol=1e-6, atol=1e-6)
 
 
+BASE = {"num_experts": 8, "top_k": 2, "n_group": 2, "topk_group": 1, "expert_hidden_size": 4,
+        "shared_hidden_size": 4, "routed_scaling_factor": 1.0,
+        "first_dense_layers": 1}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
@@ -138,8 +145,95 @@ def test_moe_layer_is_routed_experts_plus_the_shared_one() -> None:
     ],
 )
 def test_inconsistent_routing_shapes_refused(change: dict, match: str) -> None:
-    base = {"num_experts": 8, "top_k": 2, "n_group": 2, "topk_group": 1, "expert_hidden_size": 4,
-            "shared_hidden_size": 4, "routed_scaling_factor": 1.0,
-            "first_dense_layers": 1}  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**{**BASE, **change})
+
+
+# ---- softmax top-k routing (LLaDA-MoE) ---------------------------------------------------------
+def softmax_config(experts: int, k: int, renormalize: bool, scale: float = 1.0) -> MoEConfig:
+    return MoEConfig(
+        routing="softmax", num_experts=experts, top_k=k, expert_hidden_size=6,
+        shared_hidden_size=0, renormalize=renormalize, routed_scaling_factor=scale,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["as-released", "renormalized"])
+@pytest.mark.parametrize(("experts", "k"), [(8, 2), (64, 8), (5, 5), (16, 1)])
+def test_softmax_routing_equals_the_spec(experts: int, k: int, renormalize: bool) -> None:
+    cfg = softmax_config(experts, k, renormalize, scale=1.5)
+    gen = torch.Generator().manual_seed(experts + k)
+    logits = torch.randn(48, experts, generator=gen) * 2
+    got = routes(*route(logits, None, cfg))
+    want = softmax_reference_route(logits, k, renormalize, scale=1.5)
+    for g, w in zip(got, want, strict=True):
+        assert set(g) == set(w)
+        for e in w:
+            assert g[e] == pytest.approx(w[e], rel=1e-6)
+        total = sum(g.values())
+        if renormalize or k == experts:
+            assert total == pytest.approx(1.5, rel=1e-6)
+        else:  # the unchosen experts' probability mass is not given back
+            assert total < 1.5
+
+
+def test_softmax_routing_picks_by_probability_and_keeps_it() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    p = torch.softmax(logits.double(), -1)[0].tolist()
+    weights, ids = route(logits, None, softmax_config(4, 2, renormalize=False))
+    assert routes(weights, ids)[0] == pytest.approx({1: p[1], 2: p[2]}, rel=1e-6)
+    weights, ids = route(logits, None, softmax_config(4, 2, renormalize=True))
+    norm = p[1] + p[2]
+    assert routes(weights, ids)[0] == pytest.approx({1: p[1] / norm, 2: p[2] / norm}, rel=1e-6)
+
+
+@torch.no_grad()
+def test_softmax_moe_layer_is_routed_experts_plus_the_shared_one() -> None:
+    cfg = MoEConfig(
+        routing="softmax", num_experts=8, top_k=3, expert_hidden_size=6, shared_hidden_size=5,
+        renormalize=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    layer = MoE(16, cfg)
+    assert layer.router.expert_bias is None  # softmax routing has no selection bias
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, 7, 16)
+    got = layer(x)
+
+    def swiglu(mlp: torch.nn.Module, v: torch.Tensor) -> torch.Tensor:
+        gate, up = v @ mlp.gate_proj.weight.T, v @ mlp.up_proj.weight.T
+        return (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.T
+
+    flat = x.reshape(-1, 16)
+    chosen = softmax_reference_route(flat @ layer.router.weight.T, 3, renormalize=False)
+    rows = [
+        sum(w * swiglu(layer.experts[e], flat[t]) for e, w in r.items())
+        + swiglu(layer.shared, flat[t])
+        for t, r in enumerate(chosen)
+    ]
+    torch.testing.assert_close(got, torch.stack(rows).view(3, 7, 16).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x[2, 4:5]), got[2, 4:5], rtol=1e-6, atol=1e-6)
+
+
+def test_a_moe_layer_pattern_picks_the_layers() -> None:
+    cfg = MoEConfig(num_experts=4, top_k=1, expert_hidden_size=2, shared_hidden_size=0,
+                    routing="softmax", moe_layers=(False, True, False))  # fmt: skip
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, False]
+    dense_first = MoEConfig(**{**BASE, "first_dense_layers": 1})
+    assert [dense_first.is_moe_layer(i) for i in range(2)] == [False, True]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"n_group": 2}, "softmax routing has no expert groups"),
+        ({"top_k": 9}, r"num_experts_per_tok 9 must be in \[1, num_experts 8\]"),
+        ({"moe_layers": (True,), "first_dense_layers": 1}, "either moe_layers"),
+        ({"routing": "sparsemixer"}, "unknown MoE routing"),
+    ],
+)
+def test_inconsistent_softmax_configs_refused(change: dict, match: str) -> None:
+    base = {"num_experts": 8, "top_k": 2, "expert_hidden_size": 4, "shared_hidden_size": 0,
+            "routing": "softmax"}  # fmt: skip
     with pytest.raises(ValueError, match=match):
         MoEConfig(**{**base, **change})

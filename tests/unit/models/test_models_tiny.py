@@ -310,15 +310,17 @@ def test_docs_synopsis_lists_only_real_flags(capsys: pytest.CaptureFixture) -> N
     """docs/models.md's make-tiny synopsis: every flag exists, for the families it names."""
     doc = (Path(__file__).resolve().parents[3] / "docs" / "models.md").read_text()
     synopsis = doc.split("dllm-serve make-tiny [--family", 1)[1].split("```", 1)[0]
-    names = ("llada", "dream", "idlm", "sdar", "llada2", "fastdllm")
+    names = ("llada", "dream", "idlm", "sdar", "llada2", "lladamoe", "fastdllm")
     helps = {f: help_text(capsys, "--family", f) for f in names}
     for flag in re.findall(r"\[(--[a-z-]+)", synopsis):
         assert any(f" {flag} " in text for text in helps.values()), flag
     for flag, families in (
-        ("--n-kv-heads", {"dream", "idlm", "sdar", "llada2", "fastdllm"}),
+        ("--n-kv-heads", {"dream", "idlm", "sdar", "llada2", "lladamoe", "fastdllm"}),
         ("--head-dim", {"idlm", "sdar", "llada2"}),
         ("--block-size", {"sdar", "llada2", "fastdllm"}),
-        ("--expert-hidden-size", {"llada2"}),
+        ("--expert-hidden-size", {"llada2", "lladamoe"}),
+        ("--topk-group", {"llada2"}),
+        ("--rotary-dim", {"lladamoe"}),
     ):
         assert re.search(rf"\[{flag} \d+\]\s+\({', '.join(sorted(families))}\)", synopsis), flag
         assert {f for f, text in helps.items() if f" {flag} " in text} == families, flag

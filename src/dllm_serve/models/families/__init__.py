@@ -15,6 +15,7 @@ from dllm_serve.models.families.base import Family, UnsupportedModelError
 from dllm_serve.models.families.fast_dllm import FAST_DLLM, FastDLLMFamily
 from dllm_serve.models.families.llada import LLADA, LLaDAFamily
 from dllm_serve.models.families.llada2 import LLADA2, LLaDA2Family
+from dllm_serve.models.families.lladamoe import LLADAMOE, LLaDAMoEFamily
 from dllm_serve.models.families.qwen import (
     DREAM,
     SDAR,
@@ -31,12 +32,14 @@ __all__ = [
     "FAST_DLLM",
     "LLADA",
     "LLADA2",
+    "LLADAMOE",
     "SDAR",
     "SDAR_BLOCK",
     "Family",
     "FastDLLMFamily",
     "LLaDA2Family",
     "LLaDAFamily",
+    "LLaDAMoEFamily",
     "QwenFamily",
     "SDARBlockFamily",
     "SDARFamily",
@@ -46,10 +49,11 @@ __all__ = [
 ]
 
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR, LLADA2, FAST_DLLM)
+    f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR, LLADA2, LLADAMOE, FAST_DLLM)
 }
-# The mixture-of-experts families this server implements; every other MoE config is refused.
-MOE_FAMILIES: tuple[Family, ...] = (LLADA2,)
+# The mixture-of-experts families this server implements, matched before the dense ones (LLaDA-MoE
+# shares LLaDA-8B's model_type "llada"); every other MoE config is refused.
+MOE_FAMILIES: tuple[Family, ...] = (LLADA2, LLADAMOE)
 
 # Keys that only mixture-of-experts configs carry.
 _MOE_KEYS = (
@@ -79,10 +83,11 @@ def _is_moe(config: Mapping[str, Any]) -> bool:
 def family_for(config: Mapping[str, Any]) -> Family:
     """The :class:`Family` for a checkpoint's ``config.json`` contents.
 
-    Raises :class:`UnsupportedModelError` naming the supported model types for anything else:
-    mixture-of-experts configs other than LLaDA2's (LLaDA-MoE also says ``model_type:
-    "llada"``), plain autoregressive Qwen3, architectures that exist only as the checkpoint's
-    remote code (``auto_map``; this server never runs it), and unknown types.
+    The mixture-of-experts families come first: LLaDA-MoE says ``model_type: "llada"`` like
+    LLaDA-8B and is told apart by its MoE keys. Raises :class:`UnsupportedModelError` naming the
+    supported model types for anything else: other mixture-of-experts configs, plain
+    autoregressive Qwen3, architectures that exist only as the checkpoint's remote code
+    (``auto_map``; this server never runs it), and unknown types.
     """
     supported = supported_summary()
     model_type = config.get("model_type")
@@ -91,9 +96,9 @@ def family_for(config: Mapping[str, Any]) -> Family:
         if family.matches(config):
             family.check(config)
             return family
-    # LLaDA-MoE ships with model_type "llada" too, so this check must come before the lookup.
+    # Before the dense lookup: an MoE config must never load as the dense family of its type.
     if _is_moe(config):
-        moe = "; ".join(f"{'/'.join(f.model_types)}" for f in MOE_FAMILIES)
+        moe = "; ".join(f"{'/'.join(f.model_types)} ({f.description})" for f in MOE_FAMILIES)
         raise UnsupportedModelError(
             f"mixture-of-experts checkpoints (model_type={model_type!r}, architectures={archs!r}) "
             f"are not supported, except {moe}; supported model types: {supported}"

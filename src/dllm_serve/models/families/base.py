@@ -100,6 +100,19 @@ def require(config: Mapping[str, Any], key: str) -> Any:
     return config[key]
 
 
+def positive_int(label: str, config: Mapping[str, Any], key: str, *, zero_ok: bool = False) -> int:
+    """``config[key]`` as a positive (or, with ``zero_ok``, non-negative) integer, else an
+    :class:`UnsupportedModelError` naming the key; ``label`` names the format ("LLaDA2")."""
+    value = require(config, key)
+    low = 0 if zero_ok else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        bound = "a non-negative" if zero_ok else "a positive"
+        raise UnsupportedModelError(
+            f"{label} config.json: {key} must be {bound} integer, got {value!r}"
+        )
+    return value
+
+
 def check_values(
     family: str, config: Mapping[str, Any], expected: tuple[tuple[str, Any], ...]
 ) -> None:

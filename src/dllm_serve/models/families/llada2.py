@@ -5,7 +5,7 @@ across them), no logit shift, mask ``<|mask|>`` (156895 in the real checkpoints)
 ``<|endoftext|>`` (156892, also the pad), end of turn ``<|role_end|>``. The network: fused
 ``query_key_value`` attention with per-head q/k RMSNorm before a partial RoPE, a dense SwiGLU
 in the first ``first_k_dense_replace`` layers and a sigmoid-routed, group-limited
-mixture-of-experts with a shared expert in the others (``models/moe.py``), untied LM head.
+mixture-of-experts with a shared expert in the others (``models/routing.py``), untied LM head.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dllm_serve.models.families.base import (
     Family,
     UnsupportedModelError,
     check_values,
+    positive_int,
     require,
     rope_error,
 )
@@ -56,14 +57,7 @@ REQUIRED = (
 
 
 def _positive_int(config: Mapping[str, Any], key: str, *, zero_ok: bool = False) -> int:
-    value = require(config, key)
-    low = 0 if zero_ok else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        bound = "a non-negative" if zero_ok else "a positive"
-        raise UnsupportedModelError(
-            f"LLaDA2 config.json: {key} must be {bound} integer, got {value!r}"
-        )
-    return value
+    return positive_int("LLaDA2", config, key, zero_ok=zero_ok)
 
 
 @dataclass(frozen=True)
@@ -108,6 +102,7 @@ class LLaDA2Family(Family):
         shared = int(config.get("num_shared_experts") or 0)
         try:
             moe = MoEConfig(
+                routing="sigmoid_group_limited",
                 num_experts=_positive_int(config, "num_experts"),
                 top_k=_positive_int(config, "num_experts_per_tok"),
                 n_group=_positive_int(config, "n_group"),

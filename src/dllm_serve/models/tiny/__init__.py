@@ -1,13 +1,14 @@
 """Tiny random-weight checkpoints in the real on-disk formats of each supported family.
 
 ``write_tiny(family, DIR, ...)`` (or ``write_tiny_llada`` / ``write_tiny_dream`` /
-``write_tiny_idlm`` / ``write_tiny_sdar`` / ``write_tiny_llada2`` / ``write_tiny_fastdllm``)
-writes a complete checkpoint whose config, tokenizer files and chat template reproduce the real
-ones, with only sizes (and, for the small default vocabulary, special ids) changed. Output is a
-pure function of the arguments.
+``write_tiny_idlm`` / ``write_tiny_sdar`` / ``write_tiny_llada2`` / ``write_tiny_lladamoe`` /
+``write_tiny_fastdllm``) writes a complete checkpoint whose config, tokenizer files and chat
+template reproduce the real ones, with only sizes (and, for the small default vocabulary,
+special ids) changed. Output is a pure function of the arguments.
 
-Command line: ``python -m dllm_serve.models.tiny [--family llada|dream|idlm|sdar|llada2|fastdllm]
-DIR [--d-model N ...] [--real-ids]`` (``dllm-serve make-tiny`` forwards its arguments here).
+Command line: ``python -m dllm_serve.models.tiny
+[--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm] DIR [--d-model N ...] [--real-ids]``
+(``dllm-serve make-tiny`` forwards its arguments here).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from dllm_serve.models.tiny.bpe import build_tokenizer
 from dllm_serve.models.tiny.llada import CHAT_TEMPLATE, llada_special_tokens, write_tiny_llada
 from dllm_serve.models.tiny.llada2 import write_tiny_llada2
+from dllm_serve.models.tiny.lladamoe import write_tiny_lladamoe
 from dllm_serve.models.tiny.qwen import (
     write_tiny_dream,
     write_tiny_fastdllm,
@@ -41,6 +43,7 @@ __all__ = [
     "write_tiny_idlm",
     "write_tiny_llada",
     "write_tiny_llada2",
+    "write_tiny_lladamoe",
     "write_tiny_sdar",
 ]
 
@@ -50,6 +53,7 @@ WRITERS: dict[str, Callable[..., Path]] = {
     "idlm": write_tiny_idlm,
     "sdar": write_tiny_sdar,
     "llada2": write_tiny_llada2,
+    "lladamoe": write_tiny_lladamoe,
     "fastdllm": write_tiny_fastdllm,
 }
 # The on-disk format each family's checkpoint reproduces (`make-tiny --help`).
@@ -59,12 +63,13 @@ FORMATS: dict[str, str] = {
     "idlm": "I-DLM-8B: SDAR config, Qwen3 tensors, vocab.json + merges.txt",
     "sdar": "SDAR/TraDo block diffusion: I-DLM's files, use_regular_causal false, block_size",
     "llada2": "LLaDA2.x MoE block diffusion: llada2_moe config, per-expert tensors, tokenizer.json",
+    "lladamoe": "LLaDA-MoE-7B-A1B: llada config with MoE keys, per-expert tensors, tokenizer.json",
     "fastdllm": "Fast-dLLM v2 7B: Fast_dLLM_Qwen config (bd_size), Qwen2 tensors, vocab.json",
 }
 
 
 def write_tiny(family: str, out_dir: str | Path, **sizes: int | bool) -> Path:
-    """Write a tiny checkpoint of ``family`` (one of :data:`WRITERS`) to ``out_dir``."""
+    """Write a tiny checkpoint of ``family`` (a key of :data:`WRITERS`) to ``out_dir``."""
     if family not in WRITERS:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(WRITERS)}")
     return WRITERS[family](out_dir, **sizes)

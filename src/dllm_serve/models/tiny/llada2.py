@@ -6,8 +6,8 @@ dFactory's model configs and xLLM's LLaDA2.1-mini fixture, reference ``block_dif
 ``attention.query_key_value``, q/k layernorms, a dense first layer, then per-expert
 ``mlp.experts.{e}.*`` tensors, the router ``mlp.gate.weight`` / ``mlp.gate.expert_bias`` and
 ``mlp.shared_experts.*``. The tokenizer is the shared small byte-level BPE plus LLaDA2's
-special tokens right after it (the real ids — mask 156895, eos 156892 — need the real
-157184-row vocabulary; the other specials' ids were never published), with the
+special tokens right after it (``ling.py``: the real ids — mask 156895, eos 156892 — need the
+real 157184-row vocabulary; the other specials' ids were never published), with the
 ``<role>HUMAN</role>…<|role_end|><role>ASSISTANT</role>`` chat format. Output is a pure
 function of the arguments.
 """
@@ -19,24 +19,14 @@ from typing import Any
 
 from dllm_serve.models.families import LLADA2
 from dllm_serve.models.families.llada2 import DEFAULT_BLOCK
-from dllm_serve.models.tiny.bpe import base_vocab_size, build_tokenizer
-from dllm_serve.models.tiny.files import FLAGS, random_weights, readable, round_up, save_weights
+from dllm_serve.models.tiny.files import random_weights, readable, round_up, save_weights
 from dllm_serve.models.tiny.files import write_json as _write_json
 from dllm_serve.models.tiny.files import write_text as _write_text
-
-SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|mask|>", "<|role_end|>")
-
-# The turn format every LLaDA2 client uses (reference §2.3): each message is
-# ``<role>ROLE</role>content<|role_end|>``, and the generation prompt opens the assistant turn.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}{%- set role = 'SYSTEM' -%}"
-    "{%- elif message['role'] == 'user' -%}{%- set role = 'HUMAN' -%}"
-    "{%- elif message['role'] == 'assistant' -%}{%- set role = 'ASSISTANT' -%}"
-    "{%- else -%}{%- set role = message['role'] | upper -%}{%- endif -%}"
-    "{{- '<role>' + role + '</role>' + message['content'] + '<|role_end|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<role>ASSISTANT</role>' -}}{%- endif -%}"
+from dllm_serve.models.tiny.ling import (
+    SPECIALS,
+    ling_tokenizer,
+    special_tokens_map,
+    tokenizer_config,
 )
 
 CARD = """\
@@ -83,20 +73,6 @@ def _config(sizes: dict[str, Any], eos: int, vocab: int) -> dict[str, Any]:
     return cfg
 
 
-def _tokenizer_config(first: int, max_len: int) -> dict[str, Any]:
-    return {
-        "add_bos_token": False, "add_eos_token": False,
-        "added_tokens_decoder": {
-            str(first + i): {"content": t, **FLAGS, "special": True}
-            for i, t in enumerate(SPECIALS)
-        },
-        "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False, "model_max_length": max_len,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }  # fmt: skip
-
-
 def write_tiny_llada2(
     out_dir: str | Path,
     *,
@@ -124,11 +100,10 @@ def write_tiny_llada2(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    first = base_vocab_size()
-    tok = build_tokenizer(SPECIALS)
-    assert [tok.token_to_id(t) for t in SPECIALS] == list(range(first, first + len(SPECIALS)))
+    tok, ids = ling_tokenizer()
+    first = ids[SPECIALS[0]]
     vocab = round_up(first + len(SPECIALS))
-    bos, eos, mask, _ = (first + i for i in range(len(SPECIALS)))
+    bos, eos, mask = ids["<|startoftext|>"], ids["<|endoftext|>"], ids["<|mask|>"]
     sizes = {
         "hidden_size": d_model, "intermediate_size": mlp_hidden_size,
         "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
@@ -143,12 +118,8 @@ def write_tiny_llada2(
     if block_size != DEFAULT_BLOCK:
         gen["block_length"] = block_size
     _write_json(out / "generation_config.json", gen)
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(first, max_sequence_length))
-    _write_json(out / "special_tokens_map.json", {
-        "bos_token": {"content": "<|startoftext|>", **FLAGS},
-        "eos_token": {"content": "<|endoftext|>", **FLAGS},
-        "pad_token": {"content": "<|endoftext|>", **FLAGS},
-    })  # fmt: skip
+    _write_json(out / "tokenizer_config.json", tokenizer_config(max_sequence_length))
+    _write_json(out / "special_tokens_map.json", special_tokens_map())
     tok.save(str(out / "tokenizer.json"))
     readable(out / "tokenizer.json")
 
