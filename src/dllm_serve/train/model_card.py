@@ -210,10 +210,13 @@ def _recipe(report: dict[str, Any]) -> str:
 def _training(report: dict[str, Any]) -> str:
     stages = [*([report["init_from"]] if "init_from" in report else []), report]
     total = sum(s["seconds"] for s in stages) / 60
+    spent = f"{total:.0f} minutes in all"
+    if all("cpu_seconds" in s for s in stages):  # CPU time: the wall clock of a shared box lies
+        cpu = sum(s["cpu_seconds"] for s in stages) / 60
+        spent = f"{cpu:.0f} CPU-minutes in all ({total:.0f} minutes of wall time)"
     text = (
         f"{' then '.join(str(s['steps']) for s in stages)} steps of {report['batch_size']} "
-        f"examples, AdamW, linear warm-up then cosine decay, {total:.0f} minutes in all on "
-        f"{report['machine']}"
+        f"examples, AdamW, linear warm-up then cosine decay, {spent} on {report['machine']}"
     )
     if len(stages) == 1:
         return f"{text}:\n\n      {report['command']}"

@@ -103,3 +103,16 @@ def test_card_reports_each_stratum_at_each_canvas_and_the_server_measurement(
     assert "spelled one character per token" in card
     assert "log-uniformly" in card
     assert "nine\n  length pairs" in card
+
+
+def test_card_states_cpu_minutes_of_every_stage_when_recorded(tmp_path: Path) -> None:
+    out = write_tiny("llada", tmp_path / "m")
+    first = {"command": "train stage 1", "steps": 30, "seconds": 7200, "cpu_seconds": 4800}
+    write_model_card(out, "demo-llada", "llada", _report(cpu_seconds=540, init_from=first))
+    card = (out / "README.md").read_text()
+    # 4800 + 540 CPU seconds; the wall clock (7200 + 60) is stated beside it, not as the budget
+    assert "89 CPU-minutes in all (121 minutes of wall time)" in card
+    assert "30 then 10 steps" in card
+    del first["cpu_seconds"]  # a stage without CPU time: only the wall clock can be stated
+    write_model_card(out, "demo-llada", "llada", _report(cpu_seconds=540, init_from=first))
+    assert "121 minutes in all on" in (out / "README.md").read_text()
