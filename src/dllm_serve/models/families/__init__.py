@@ -14,6 +14,7 @@ from typing import Any
 from dllm_serve.models.families.base import Family, UnsupportedModelError
 from dllm_serve.models.families.llada import LLADA, LLaDAFamily
 from dllm_serve.models.families.llada2 import LLADA2, LLaDA2Family
+from dllm_serve.models.families.nemotron import NEMOTRON, NemotronFamily
 from dllm_serve.models.families.qwen import (
     DREAM,
     SDAR,
@@ -29,11 +30,13 @@ __all__ = [
     "FAMILIES",
     "LLADA",
     "LLADA2",
+    "NEMOTRON",
     "SDAR",
     "SDAR_BLOCK",
     "Family",
     "LLaDA2Family",
     "LLaDAFamily",
+    "NemotronFamily",
     "QwenFamily",
     "SDARBlockFamily",
     "SDARFamily",
@@ -42,7 +45,9 @@ __all__ = [
     "supported_summary",
 ]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR, LLADA2)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR, LLADA2, NEMOTRON)
+}
 # The mixture-of-experts families this server implements; every other MoE config is refused.
 MOE_FAMILIES: tuple[Family, ...] = (LLADA2,)
 

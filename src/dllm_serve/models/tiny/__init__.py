@@ -1,13 +1,14 @@
 """Tiny random-weight checkpoints in the real on-disk formats of each supported family.
 
 ``write_tiny(family, DIR, ...)`` (or ``write_tiny_llada`` / ``write_tiny_dream`` /
-``write_tiny_idlm`` / ``write_tiny_sdar`` / ``write_tiny_llada2``) writes a complete checkpoint
-whose config, tokenizer files and chat template reproduce the real ones, with only sizes (and,
-for the small default vocabulary, special ids) changed. Output is a pure function of the
-arguments.
+``write_tiny_idlm`` / ``write_tiny_sdar`` / ``write_tiny_llada2`` / ``write_tiny_nemotron``)
+writes a complete checkpoint whose config, tokenizer files and chat template reproduce the
+real ones, with only sizes (and, for the small default vocabulary, special ids) changed.
+Output is a pure function of the arguments.
 
-Command line: ``python -m dllm_serve.models.tiny [--family llada|dream|idlm|sdar|llada2] DIR
-[--d-model N ...] [--real-ids]`` (``dllm-serve make-tiny`` forwards its arguments here).
+Command line: ``python -m dllm_serve.models.tiny [--family llada|dream|idlm|sdar|llada2|nemotron]
+DIR [--d-model N ...] [--real-ids]`` (nemotron: ``[--draft-lora-out DIR]``; ``dllm-serve
+make-tiny`` forwards its arguments here).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from dllm_serve.models.tiny.bpe import build_tokenizer
 from dllm_serve.models.tiny.llada import CHAT_TEMPLATE, llada_special_tokens, write_tiny_llada
 from dllm_serve.models.tiny.llada2 import write_tiny_llada2
+from dllm_serve.models.tiny.nemotron import write_tiny_draft_lora, write_tiny_nemotron
 from dllm_serve.models.tiny.qwen import write_tiny_dream, write_tiny_idlm, write_tiny_sdar
 
 __all__ = [
@@ -31,10 +33,12 @@ __all__ = [
     "llada_special_tokens",
     "main",
     "write_tiny",
+    "write_tiny_draft_lora",
     "write_tiny_dream",
     "write_tiny_idlm",
     "write_tiny_llada",
     "write_tiny_llada2",
+    "write_tiny_nemotron",
     "write_tiny_sdar",
 ]
 
@@ -44,6 +48,7 @@ WRITERS: dict[str, Callable[..., Path]] = {
     "idlm": write_tiny_idlm,
     "sdar": write_tiny_sdar,
     "llada2": write_tiny_llada2,
+    "nemotron": write_tiny_nemotron,
 }
 # The on-disk format each family's checkpoint reproduces (`make-tiny --help`).
 FORMATS: dict[str, str] = {
@@ -52,11 +57,13 @@ FORMATS: dict[str, str] = {
     "idlm": "I-DLM-8B: SDAR config, Qwen3 tensors, vocab.json + merges.txt",
     "sdar": "SDAR/TraDo block diffusion: I-DLM's files, use_regular_causal false, block_size",
     "llada2": "LLaDA2.x MoE block diffusion: llada2_moe config, per-expert tensors, tokenizer.json",
+    "nemotron": "Nemotron-Labs-Diffusion tri-mode: encoder.* + diffusion_head, YaRN; draft LoRA",
 }
 
 
-def write_tiny(family: str, out_dir: str | Path, **sizes: int | bool) -> Path:
-    """Write a tiny checkpoint of ``family`` (llada, dream, idlm, sdar or llada2) to ``out_dir``."""
+def write_tiny(family: str, out_dir: str | Path, **sizes: int | bool | str | None) -> Path:
+    """Write a tiny checkpoint of ``family`` (llada, dream, idlm, sdar, llada2 or nemotron) to
+    ``out_dir``."""
     if family not in WRITERS:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(WRITERS)}")
     return WRITERS[family](out_dir, **sizes)
@@ -98,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         flag = "--" + name.replace("_", "-")
         if isinstance(param.default, bool):
             p.add_argument(flag, action="store_true", help="keep the real special ids and vocab")
+        elif param.default is None:  # an optional path (nemotron's --draft-lora-out)
+            p.add_argument(flag, metavar="DIR", default=None, help="also write a draft LoRA here")
         else:
             p.add_argument(flag, type=int, default=param.default, help=f"default {param.default}")
     args = vars(p.parse_args(argv))
