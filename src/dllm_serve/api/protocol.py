@@ -104,6 +104,12 @@ class _GenerationRequest(BaseModel):
     confidence_threshold: float | None = Field(
         None, gt=0, le=1, description="Threshold (Fast-dLLM) parallel decoding; off by default."
     )
+    decoding_mode: Literal["ar", "diffusion", "linear_spec", "isd"] | None = Field(
+        None,
+        description="Tri-mode models: 'ar', 'diffusion' or 'linear_spec' (default: the "
+        "server's --decoding-mode). Other models accept only their own mode ('diffusion', or "
+        "'isd' for I-DLM).",
+    )
 
 
 class ChatCompletionRequest(_GenerationRequest):
