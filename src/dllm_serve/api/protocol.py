@@ -149,8 +149,12 @@ class DiffusionUsage(BaseModel):
     canvas_length: int = Field(description="Masked positions the request decoded over.")
     committed_tokens: int = Field(description="Canvas positions committed (incl. EOS padding).")
     tokens_per_forward: float = Field(description="committed_tokens / nfe.")
-    drafted_tokens: int | None = Field(None, description="I-DLM self-speculation only.")
-    accepted_drafts: int | None = Field(None, description="I-DLM self-speculation only.")
+    drafted_tokens: int | None = Field(
+        None, description="Self-speculation only (isd, ar, linear_spec)."
+    )
+    accepted_drafts: int | None = Field(
+        None, description="Self-speculation only (isd, ar, linear_spec)."
+    )
     acceptance_rate: float | None = Field(None, description="accepted_drafts / drafted_tokens.")
 
 

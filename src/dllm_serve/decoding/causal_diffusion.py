@@ -123,19 +123,23 @@ class CausalBlockDiffusionDecoder:
         """``[R, M]``: the denoising rows' commits (LLaDA's sampler, ``mask_id`` where nothing
         is committed); the prefill and refresh rows carry their seed in column 0 (argmax, or an
         exact sample at T > 0, of the causal logits; mask id excluded)."""
-        seeds = {}
-        for r, state in enumerate(states):
-            if state.phase == DENOISE:
-                continue
-            temperature = state.params.temperature
-            if temperature == 0:
-                seeds[r] = greedy_tokens(logits[r, :1].clone(), self.mask_id)[0]
-            else:
-                probs = target_probs(logits[r, :1], temperature, self.mask_id)
-                seeds[r] = sample_inverse_cdf(probs, state.generator)[0]
+        seed_rows = [r for r, s in enumerate(states) if s.phase != DENOISE]
+        seeds = None
+        if seed_rows:  # one argmax for every row (mask id excluded); only seed rows use it
+            seeds = greedy_tokens(logits[:, 0].clone(), self.mask_id)
+            for r in seed_rows:
+                state = states[r]
+                if state.params.temperature > 0:
+                    t = state.params.temperature
+                    probs = target_probs(logits[r, :1], t, self.mask_id)
+                    seeds[r] = sample_inverse_cdf(probs, state.generator)[0]
         out = self._sampler.sample(states, logits)  # type: ignore[arg-type]
-        for r, seed in seeds.items():
-            out[r, 0] = seed
+        if seeds is not None:
+            if len(seed_rows) == len(states):
+                out[:, 0] = seeds
+            else:
+                is_seed = torch.tensor([s.phase != DENOISE for s in states]).to(out.device)
+                out[:, 0] = torch.where(is_seed, seeds.to(out.dtype), out[:, 0])
         return out
 
     def commit(
