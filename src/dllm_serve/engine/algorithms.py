@@ -21,8 +21,8 @@ def algorithm_for(
     loaded: LoadedModel, config: EngineConfig, running: Callable[[], int]
 ) -> DecodingAlgorithm:
     """Block-diffusion checkpoints (SDAR) decode block by block against an exact KV cache;
-    I-DLM checkpoints by exact self-speculation (stride per tiers, docs/isd.md); every other
-    family by LLaDA-style block denoising (prefix cache per ``--kv-cache``).
+    I-DLM checkpoints by exact self-speculation (stride per tiers, docs/self-speculation.md);
+    every other family by LLaDA-style block denoising (prefix cache per ``--kv-cache``).
 
     ``running`` returns the engine's current number of running requests; with tiers the ISD
     decoder asks it at every ``prepare``, so the stride follows the load.
