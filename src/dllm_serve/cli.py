@@ -1,7 +1,7 @@
 """`dllm-serve`: flags → config → model → engine → uvicorn.
 
 dllm-serve [--model NAME_OR_DIR] [--host H] [--port P] [--device D] [--dtype T] ...
-dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm] DIR
+dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm|nemotron] DIR
     write a tiny random-weight checkpoint in that family's format (default llada)
 """
 
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from dllm_serve import __version__
 from dllm_serve.config import KV_CACHE_MODES, EngineConfig, ModelConfig, ServerConfig
+from dllm_serve.decoding.modes import REQUEST_MODES
 from dllm_serve.engine.tiers import parse_tiers
 
 _DEFAULT = ServerConfig()
@@ -25,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dllm-serve",
         description="OpenAI-compatible server for diffusion LLMs. "
         "Subcommand: `dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|lladamoe|"
-        "fastdllm] DIR` writes a tiny random-weight checkpoint in that family's real format.",
+        "fastdllm|nemotron] DIR` writes a tiny random-weight checkpoint in that family's real "
+        "format.",
     )
     parser.add_argument(
         "--model",
@@ -84,7 +86,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-size-tiers",
         default="",
         help="I-DLM models: shrink the stride under load, as RUNNING:STRIDE pairs, e.g. "
-        "'1:8,8:4,32:2' (answers do not change; default: no tiers)",
+        "'1:8,8:4,32:2'; tri-mode models: LinearSpec's block the same way, e.g. '4:16,32:8' "
+        "(answers do not change; default: no tiers)",
+    )
+    parser.add_argument(
+        "--decoding-mode",
+        default=None,
+        choices=list(REQUEST_MODES),
+        help="the decoding mode of requests that name none (their 'decoding_mode' field). "
+        "Tri-mode models (Nemotron-Labs-Diffusion): ar, diffusion or linear_spec (default: "
+        "linear_spec); any other model accepts only its own mode (diffusion, or isd for I-DLM)",
+    )
+    parser.add_argument(
+        "--draft-lora",
+        default=None,
+        metavar="DIR",
+        help="tri-mode models: a PEFT LoRA on o_proj (adapter_config.json + "
+        "adapter_model.safetensors) applied in LinearSpec's draft forwards only; verify "
+        "forwards, and so the answers at temperature 0, keep the base weights (default: none)",
     )
     parser.add_argument(
         "--api-key",
@@ -166,6 +185,7 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
             block_size_tiers=parse_tiers(args.block_size_tiers),
             kv_cache=args.kv_cache,
             kv_cache_memory=args.kv_cache_memory,
+            decoding_mode=args.decoding_mode,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -186,7 +206,9 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
         request_timeout=args.request_timeout,
         shutdown_timeout=args.shutdown_timeout,
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
-        model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype),
+        model=ModelConfig(
+            model=args.model, device=args.device, dtype=args.dtype, draft_lora=args.draft_lora
+        ),
         engine=engine,
     )
 
@@ -200,11 +222,19 @@ def serve(config: ServerConfig) -> None:
     from dllm_serve.logs import configure_logging
     from dllm_serve.models.families import UnsupportedModelError
     from dllm_serve.models.loader import ModelLoadError, load_model
+    from dllm_serve.models.lora import attach_draft_lora
 
     log_config = configure_logging(config.log_level, config.log_format)
     mc = config.model
     try:
         loaded = load_model(mc.model, device=mc.device, dtype=mc.dtype)
+        if mc.draft_lora is not None:
+            if not loaded.family.tri_mode:
+                raise ModelLoadError(
+                    f"--draft-lora applies to tri-mode models (Nemotron-Labs-Diffusion); "
+                    f"{loaded.name!r} is a {loaded.family.name} model"
+                )
+            attach_draft_lora(loaded.model, mc.draft_lora)
     except (ModelLoadError, UnsupportedModelError) as exc:
         # One line, no traceback; the model's name once (most messages already start with it).
         message = str(exc)
@@ -214,7 +244,10 @@ def serve(config: ServerConfig) -> None:
     logging.getLogger("dllm_serve").info(
         "serving %s from %s on %s (%s)", loaded.name, loaded.path, loaded.device, loaded.dtype
     )
-    engine = AsyncEngine(loaded, config.engine)
+    try:
+        engine = AsyncEngine(loaded, config.engine)
+    except ValueError as exc:  # e.g. a --decoding-mode the model does not have
+        sys.exit(f"dllm-serve: {exc}")
     app = build_app(engine, config)
     uv_config = uvicorn.Config(
         app,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dllm_serve.decoding.modes import REQUEST_MODES
+
 KV_CACHE_MODES = ("none", "prefix")
 
 
@@ -12,6 +14,8 @@ class ModelConfig:
     model: str = "demo-llada"  # embedded model name or a local checkpoint directory
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # A PEFT draft-only LoRA for a tri-mode model (LinearSpec draft forwards only).
+    draft_lora: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +31,9 @@ class EngineConfig:
     # GiB of KV pool (I-DLM, or --kv-cache prefix); None: 90% of free GPU memory after the
     # weights on CUDA, 1 GiB on CPU, never more than max_running_requests full contexts.
     kv_cache_memory: float | None = None
+    # The decoding mode of requests that name none (decoding/modes.py): a tri-mode model's
+    # default (None: linear_spec); any other model accepts only its own mode here.
+    decoding_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_tokens_per_forward < 1:
@@ -39,6 +46,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be > 0 GiB")
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}")
+        if self.decoding_mode is not None and self.decoding_mode not in REQUEST_MODES:
+            raise ValueError(f"decoding_mode must be one of {REQUEST_MODES}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ class Completion:
     completion_tokens: int
     nfe: int  # forward passes this request took part in
     committed: int = 0  # canvas positions decoded (answer + EOS padding)
-    drafted: int = 0  # I-DLM self-speculation: drafts verified ...
+    drafted: int = 0  # self-speculation (ISD, LinearSpec): drafts verified ...
     accepted_drafts: int = 0  # ... and accepted
 
 

@@ -185,7 +185,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             engine.default_gen_length,
             facts.default_block_length,
         )
-        spec.check_decoding_mode(engine.decoding_mode, facts.block_size)
+        spec.check_decoding_mode(engine.decoding_mode, facts.block_size, facts.default_mode)
         facts.check_stop_token_ids(spec)
         if not engine.is_alive:
             raise unavailable()
@@ -208,7 +208,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             engine.default_gen_length,
             facts.default_block_length,
         )
-        spec.check_decoding_mode(engine.decoding_mode, facts.block_size)
+        spec.check_decoding_mode(engine.decoding_mode, facts.block_size, facts.default_mode)
         facts.check_stop_token_ids(spec)
         if not engine.is_alive:
             raise unavailable()
@@ -345,6 +345,8 @@ class _ModelFacts:
         self.vocab_size: int = getattr(loaded, "vocab_size", 0) or 0
         self.mask_id: int | None = getattr(loaded, "mask_id", None)
         self.block_size: int | None = getattr(loaded, "block_size", None)
+        # The decoding_mode of requests that name none (tri-mode models: --decoding-mode).
+        self.default_mode: str | None = getattr(engine, "default_decoding_mode", None)
 
     def check_stop_token_ids(self, spec: RequestSpec) -> None:
         if spec.params.stop_token_ids:

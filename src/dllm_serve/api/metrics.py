@@ -89,12 +89,13 @@ class Metrics:
         )
         self.spec_drafted = Counter(
             "dllm:spec_decode_num_draft_tokens",
-            "I-DLM self-speculation: drafted tokens verified.",
+            "Self-speculation (I-DLM ISD, LinearSpec): drafted tokens verified.",
             registry=r,
         )
         self.spec_accepted = Counter(
             "dllm:spec_decode_num_accepted_tokens",
-            "I-DLM self-speculation: drafted tokens accepted (rate = accepted / draft).",
+            "Self-speculation (I-DLM ISD, LinearSpec): drafted tokens accepted (rate = accepted "
+            "/ draft).",
             registry=r,
         )
         self.request_forwards = Histogram(

@@ -84,6 +84,8 @@ def install_playground(
         return {
             "model": engine.model_name,
             "decoding_mode": engine.decoding_mode,
+            # Tri-mode models: the mode of requests that name none (--decoding-mode).
+            "default_decoding_mode": getattr(engine, "default_decoding_mode", None),
             "default_max_tokens": engine.default_gen_length,
             "default_block_length": facts.default_block_length,
             "block_size": facts.block_size,

@@ -104,6 +104,12 @@ class _GenerationRequest(BaseModel):
     confidence_threshold: float | None = Field(
         None, gt=0, le=1, description="Threshold (Fast-dLLM) parallel decoding; off by default."
     )
+    decoding_mode: Literal["ar", "diffusion", "linear_spec", "isd"] | None = Field(
+        None,
+        description="Tri-mode models: 'ar', 'diffusion' or 'linear_spec' (default: the "
+        "server's --decoding-mode). Other models accept only their own mode ('diffusion', or "
+        "'isd' for I-DLM).",
+    )
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -143,8 +149,12 @@ class DiffusionUsage(BaseModel):
     canvas_length: int = Field(description="Masked positions the request decoded over.")
     committed_tokens: int = Field(description="Canvas positions committed (incl. EOS padding).")
     tokens_per_forward: float = Field(description="committed_tokens / nfe.")
-    drafted_tokens: int | None = Field(None, description="I-DLM self-speculation only.")
-    accepted_drafts: int | None = Field(None, description="I-DLM self-speculation only.")
+    drafted_tokens: int | None = Field(
+        None, description="Self-speculation only (isd, ar, linear_spec)."
+    )
+    accepted_drafts: int | None = Field(
+        None, description="Self-speculation only (isd, ar, linear_spec)."
+    )
     acceptance_rate: float | None = Field(None, description="accepted_drafts / drafted_tokens.")
 
 

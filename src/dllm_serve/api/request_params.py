@@ -109,5 +109,6 @@ def _build_params(
         use_local_leap=bool(req.use_local_leap),
         ignore_eos=bool(req.ignore_eos),
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        decoding_mode=req.decoding_mode,
         **local_leap_settings(req),
     )

@@ -32,7 +32,8 @@ def usage_dict(output: RequestOutput, canvas_length: int) -> dict[str, Any]:
 
 
 def _speculation(output: RequestOutput) -> dict[str, Any]:
-    """I-DLM self-speculation counters; absent for diffusion decoding."""
+    """Self-speculation counters (ISD, LinearSpec, and ar as ISD at stride 1: zero drafts);
+    absent for diffusion decoding."""
     if output.drafted is None:
         return {}
     drafted, accepted = output.drafted, output.accepted_drafts or 0

@@ -24,6 +24,7 @@ from dllm_serve.api.field_rules import (
     reject_unavailable_fields,
 )
 from dllm_serve.api.messages import messages_of
+from dllm_serve.api.mode_rules import check_decoding_mode
 from dllm_serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from dllm_serve.api.request_params import decoding_params
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
@@ -53,31 +54,14 @@ class RequestSpec:
     include_stop_str: bool = False  # include_stop_str_in_output
     info: dict[str, Any] = field(default_factory=dict)  # informational fields the client set
 
-    def check_decoding_mode(self, mode: str, block_size: int | None = None) -> None:
-        """Self-speculative (I-DLM) models have no canvas to denoise: those fields are 400s.
-        Block-diffusion models (SDAR) decode in their trained block: another block_length is
-        a 400."""
-        if (
-            mode == "block_diffusion"
-            and "block_length" in self.diffusion_fields
-            and self.params.block_length != block_size
-        ):
-            raise invalid(
-                f"'block_length' must be {block_size} for this model: it is a block-diffusion "
-                "model trained with that block (bidirectional inside a block, causal across "
-                "blocks), and other blocks are not what it learned. Omit it.",
-                "block_length",
-                code="not_applicable",
-            )
-        if mode == "self_speculation" and self.diffusion_fields:
-            name = self.diffusion_fields[0]
-            raise invalid(
-                f"'{name}' configures diffusion denoising, but this model decodes by exact "
-                "self-speculation (I-DLM): it has no denoising steps, blocks, schedules or commit "
-                "thresholds. Omit it; max_tokens, temperature, seed and stop apply.",
-                name,
-                code="not_applicable",
-            )
+    def check_decoding_mode(
+        self, mode: str, block_size: int | None = None, default_mode: str | None = None
+    ) -> None:
+        """The fields and ``decoding_mode`` this request may use with a model whose algorithm
+        kind is ``mode`` (``api/mode_rules.py``): I-DLM has no canvas to denoise, block
+        diffusion decodes in its trained block, a tri-mode model's request decodes by the
+        mode it names (else ``default_mode``), any other model only by its own."""
+        check_decoding_mode(self.params, self.diffusion_fields, mode, block_size, default_mode)
 
 
 ChatRequestSpec = RequestSpec  # the name the chat route has always used

@@ -40,6 +40,8 @@ class RowSpec:
     how many of them the request keeps (``KVSpan.length``). Without ``kv`` the row attends to
     its own tokens only. ``attention`` applies among the current tokens and towards the prefix:
     CAUSAL sees every earlier position, BIDIRECTIONAL sees all of them.
+
+    ``draft``: the row is computed in the draft weight view (``models/lora.py``).
     """
 
     tokens: list[int]
@@ -48,6 +50,9 @@ class RowSpec:
     attention: AttentionKind = AttentionKind.BIDIRECTIONAL
     kv: KVSpan | None = None
     block: int = 0  # the block size of BLOCK_CAUSAL attention
+    # The draft weight view (a tri-mode model's draft-only LoRA applies to this row's tokens);
+    # False: base weights. A property of the phase, never of the request.
+    draft: bool = False
 
     @property
     def causal(self) -> bool:

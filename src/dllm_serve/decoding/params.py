@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dllm_serve.decoding.modes import REQUEST_MODES
+
 BLOCK_SCHEDULES = ("uniform", "front_loaded", "cosine")
 CONFIDENCE_METRICS = ("top1_prob", "entropy_inverse")
 COMMIT_MODES = ("topk", "threshold", "local_leap")
@@ -53,6 +55,9 @@ class DecodingParams:
     # stop_token_ids are stop ids in addition to the model's.
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # Tri-mode models (decoding/modes.py): "ar", "diffusion" or "linear_spec"; None: the
+    # server's default. Single-mode models accept only their own mode (checked by the API).
+    decoding_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.gen_length < 1:
@@ -73,6 +78,8 @@ class DecodingParams:
             raise ValueError(f"block_schedule must be one of {BLOCK_SCHEDULES}")
         if self.confidence_metric not in CONFIDENCE_METRICS:
             raise ValueError(f"confidence_metric must be one of {CONFIDENCE_METRICS}")
+        if self.decoding_mode is not None and self.decoding_mode not in REQUEST_MODES:
+            raise ValueError(f"decoding_mode must be one of {REQUEST_MODES}")
         self._check_commit_rule()
 
     def _check_commit_rule(self) -> None:

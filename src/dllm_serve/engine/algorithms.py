@@ -7,9 +7,13 @@ from collections.abc import Callable
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.algorithm import DecodingAlgorithm
 from dllm_serve.decoding.block_diffusion import BlockDiffusionDecoder
+from dllm_serve.decoding.causal_diffusion import CausalBlockDiffusionDecoder
 from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.fast_dllm import FastDLLMDecoder
 from dllm_serve.decoding.isd import ISDecoder
+from dllm_serve.decoding.linear_spec import LinearSpecDecoder
+from dllm_serve.decoding.modes import AR, DEFAULT_TRI_MODE, DIFFUSION, LINEAR_SPEC, model_mode
+from dllm_serve.decoding.trimode import TriModeDecoder
 from dllm_serve.engine.tiers import ISD_FAMILIES, BlockSizeTiers
 from dllm_serve.models.families import FastDLLMFamily
 from dllm_serve.models.loader import LoadedModel
@@ -19,13 +23,60 @@ def algorithm_for(
     loaded: LoadedModel, config: EngineConfig, running: Callable[[], int]
 ) -> DecodingAlgorithm:
     """Block-diffusion checkpoints (SDAR, LLaDA2; Fast-dLLM v2 with its token shift and
-    sub-blocks) decode block by block against an exact KV cache;
-    I-DLM checkpoints by exact self-speculation (stride per tiers, docs/isd.md); every other
-    family by LLaDA-style block denoising (prefix cache per ``--kv-cache``).
+    sub-blocks) decode block by block against an exact KV cache; I-DLM checkpoints by exact
+    self-speculation (stride per tiers, docs/self-speculation.md); every other family by
+    LLaDA-style block denoising (prefix cache per ``--kv-cache``).
 
     ``running`` returns the engine's current number of running requests; with tiers the ISD
     decoder asks it at every ``prepare``, so the stride follows the load.
+
+    Tri-mode checkpoints (Nemotron-Labs-Diffusion) decode each request by its own
+    ``decoding_mode`` (default ``--decoding-mode``, else linear_spec; docs/self-speculation.md).
+    Any other model has one mode, and a ``--decoding-mode`` naming another is a ValueError.
     """
+    if loaded.family.tri_mode:
+        return _tri_mode(loaded, config, running)
+    algorithm = _one_mode(loaded, config, running)
+    own = model_mode(algorithm.decoding_mode)
+    if config.decoding_mode not in (None, own):
+        raise ValueError(
+            f"--decoding-mode {config.decoding_mode}: model {loaded.name!r} decodes only by "
+            f"'{own}'; omit the flag or set it to '{own}'"
+        )
+    return algorithm
+
+
+def _tri_mode(
+    loaded: LoadedModel, config: EngineConfig, running: Callable[[], int]
+) -> TriModeDecoder:
+    """ar, diffusion and linear_spec over the same weights; block-size tiers shrink
+    LinearSpec's block B under load (exact for any B)."""
+    assert loaded.block_size is not None  # the tri-mode family reads it from config.json
+    tiers = BlockSizeTiers(loaded.block_size, tuple(config.block_size_tiers))
+    linear = LinearSpecDecoder(
+        loaded.mask_id,
+        loaded.stop_ids,
+        block_size=loaded.block_size,
+        block_for=(lambda: tiers.stride_for(running())) if tiers.tiers else None,
+        max_block=tiers.max_stride,
+    )
+    modes = {
+        AR: ISDecoder(loaded.mask_id, loaded.stop_ids, stride=1),
+        DIFFUSION: CausalBlockDiffusionDecoder(loaded.mask_id, loaded.stop_ids, loaded.block_size),
+        LINEAR_SPEC: linear,
+    }
+    default = config.decoding_mode or DEFAULT_TRI_MODE
+    if default not in modes:
+        raise ValueError(
+            f"--decoding-mode {default}: model {loaded.name!r} is tri-mode and decodes by "
+            "'ar', 'diffusion' or 'linear_spec'"
+        )
+    return TriModeDecoder(modes, default)
+
+
+def _one_mode(
+    loaded: LoadedModel, config: EngineConfig, running: Callable[[], int]
+) -> DecodingAlgorithm:
     if loaded.family.block_diffusion:
         assert loaded.block_size is not None  # the loader reads it for these families
         if isinstance(loaded.family, FastDLLMFamily):
@@ -52,3 +103,10 @@ def algorithm_for(
         bidirectional=loaded.family.bidirectional,
         prefix_cache=config.kv_cache == "prefix",
     )
+
+
+def default_mode(algorithm: DecodingAlgorithm) -> str:
+    """The ``decoding_mode`` a request that names none decodes by."""
+    if isinstance(algorithm, TriModeDecoder):
+        return algorithm.default
+    return model_mode(algorithm.decoding_mode)

@@ -21,7 +21,7 @@ import uuid6
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
-from dllm_serve.engine.algorithms import algorithm_for
+from dllm_serve.engine.algorithms import algorithm_for, default_mode
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.observer import EngineObserver, NullObserver
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
@@ -52,9 +52,11 @@ class AsyncEngine(EngineSteps):
         self.config = config or EngineConfig()
         self.observer: EngineObserver = observer or NullObserver()
         self.algorithm = algorithm_for(loaded, self.config, lambda: len(self.scheduler.running))
-        # "diffusion" (canvas denoising), "block_diffusion" (SDAR) or "self_speculation"
-        # (I-DLM ISD): the API rejects request fields that do not apply to the model's mode.
+        # "diffusion" (canvas denoising), "block_diffusion" (SDAR), "self_speculation"
+        # (I-DLM ISD) or "tri_mode" (per request): the API rejects request fields that do not
+        # apply to the model's mode, and a request's decoding_mode the model does not have.
         self.decoding_mode = self.algorithm.decoding_mode
+        self.default_decoding_mode = default_mode(self.algorithm)
         # Slots a request of the longest context needs (0: the algorithm keeps no K/V).
         longest = self.algorithm.kv_tokens(loaded.max_length - 1, DecodingParams(gen_length=1))
         kv_slots = 0

@@ -18,6 +18,7 @@ import torch
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
 from dllm_serve.models.kv_pool import KVPool
+from dllm_serve.models.lora import PhaseHooks, weight_view_hooks
 from dllm_serve.models.transformer import DecoderTransformer
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,11 @@ class ModelRunner:
                 dtype=weight.dtype, device=device,
             )  # fmt: skip
         self.last_batch: FlatBatch | None = None  # for benchmarks replaying forwards
+        # The weight view per phase (a tri-mode model's draft-only LoRA; models/lora.py).
+        # Eager forwards apply it per token from RowSpec.draft; graph capture, when it comes,
+        # must call before_draft / before_verify before capturing or replaying a phase's
+        # graph and after_capture afterwards. No-ops without a draft LoRA.
+        self.phase_hooks: PhaseHooks = weight_view_hooks(self.model)
         self._cpu_seconds = 0.0
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
@@ -76,6 +82,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_at: list[int] = []
+        draft: list[int] = []  # flat tokens in the draft weight view (draft-only LoRA)
         width = max(len(r.logits_at) for r in rows)
         any_kv = any(r.kv is not None for r in rows)
         # Group consecutive rows of one shape; the rows arrive sorted by the scheduler.
@@ -98,6 +105,8 @@ class ModelRunner:
                     raise ValueError(f"a row of {row.start + n} tokens overflows its KV span")
                 base = row.kv.start + row.start
                 slots.extend(range(base, base + n))
+            if row.draft:
+                draft.extend(range(offset, offset + n))
             first = row.logits_at[0]
             logits_at.extend(offset + i for i in row.logits_at)
             logits_at.extend([offset + first] * (width - len(row.logits_at)))
@@ -129,6 +138,7 @@ class ModelRunner:
         host.extend(positions)
         host.extend(slots)
         host.extend(logits_at)
+        host.extend(draft)
         packed = torch.frombuffer(host, dtype=torch.long)
         if self.device.type != "cpu":
             # The previous step ended with its device→host copy, so the device is idle here
@@ -136,13 +146,17 @@ class ModelRunner:
             packed = packed.to(self.device)
         input_ids, pos = packed[:t], packed[t : 2 * t]
         slot_mapping = packed[2 * t : 3 * t] if any_kv else None
-        index = packed[(3 if any_kv else 2) * t :]
+        index_start = (3 if any_kv else 2) * t
+        index = packed[index_start : index_start + len(logits_at)]
+        draft_index = packed[index_start + len(logits_at) :] if draft else None
         attn = [
             self._block_causal(g, b, block_rows[i]) if i in block_rows else self._group(g, b, p)
             for i, (g, b, p) in enumerate(zip(groups, bases, prefixes, strict=True))
         ]
         top = max(r.start + len(r.tokens) for r in rows) - 1
-        return FlatBatch(input_ids, pos, attn, index, slot_mapping, max_position=top), width
+        batch = FlatBatch(input_ids, pos, attn, index, slot_mapping, max_position=top)
+        batch.draft_index = draft_index
+        return batch, width
 
     def _group(
         self, group: tuple[int, int, int, bool, bool], bases: list[int], prefixes: list[int]

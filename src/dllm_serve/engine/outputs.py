@@ -24,7 +24,7 @@ class RequestOutput:
     committed: int
     step: int
     block: int
-    drafted: int | None = None  # I-DLM self-speculation: drafts verified so far
+    drafted: int | None = None  # self-speculation (ISD, LinearSpec): drafts verified so far
     accepted_drafts: int | None = None  # ... and accepted (None for diffusion decoding)
     finished: bool = False
     finish_reason: str | None = None

@@ -7,9 +7,11 @@ number of running requests to the stride: ``"1:8,8:4,32:2"`` means N = 8 from 1 
 request, 4 from 8, 2 from 32 (below the smallest threshold the server's ``--isd-stride``
 applies).
 
-Tiers apply only to the ISD stride: ISD verification is exact, so a request's answer does not
-depend on N (greedy: token-identical; sampling: same distribution). They never touch a
-LLaDA ``block_length``, which is part of what the client asked for. The KV reservation of
+Tiers apply only to self-speculation: the ISD stride N, and for tri-mode models LinearSpec's
+block B (``decoding/linear_spec.py``; the default is then the checkpoint's block). Both
+verifications are exact, so a request's answer does not depend on N or B (greedy:
+token-identical; sampling: same distribution). They never touch a LLaDA ``block_length``,
+which is part of what the client asked for. The KV reservation of
 each request is sized for :attr:`BlockSizeTiers.max_stride`, so shrinking or growing the
 stride never reallocates.
 """

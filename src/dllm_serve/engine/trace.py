@@ -7,7 +7,7 @@ which ``POST /v1/dllm/trace`` streams as server-sent events (docs/playground.md)
 - denoising (LLaDA, Dream, block diffusion) — ``{"type": "step", "commits": [[position,
   token_id, text], ...], "masked": n, ...}``: the answer-canvas positions this step
   committed (position 0 is the first answer position) and how many are still masked;
-- self-speculation (I-DLM) — ``{"type": "round", "drafts": [...], "accepted": j,
+- self-speculation (I-DLM ISD, LinearSpec) — ``{"type": "round", "drafts": [...], "accepted": j,
   "emitted": [...], ...}``: the drafts this round verified, how many were accepted and the
   tokens it emitted (accepted drafts plus the verifier's own token).
 

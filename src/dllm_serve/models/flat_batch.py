@@ -62,6 +62,9 @@ class FlatBatch:
     logits_index: torch.Tensor
     slot_mapping: torch.Tensor | None = None
     max_position: int = 0  # the largest entry of ``positions`` (known on the host)
+    # Flat tokens computed in the draft weight view (a tri-mode model's draft-only LoRA);
+    # None: every token uses the base weights.
+    draft_index: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -90,6 +90,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.n_heads * hd, config.d_model, bias=config.o_bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        # A draft-only LoRA on o_proj (tri-mode models, ``--draft-lora``), attached after
+        # loading; applied only to the tokens a forward marks as draft-view tokens.
+        self.draft_lora: nn.Module | None = None
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one fused projection (same outputs)."""
@@ -107,11 +110,17 @@ class Attention(nn.Module):
         return torch.cat((apply_rotary(x[..., :r], cos, sin), x[..., r:]), dim=-1)
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[..., H, hd]``, k and v ``[..., Hkv, hd]`` for ``x`` ``[..., D]``, RoPE applied.
 
         ``cos``/``sin`` broadcast against ``[..., heads, rotary_dim]`` (``[..., 1, rotary_dim]``).
+        ``q_scale`` (``[..., 1, 1]`` fp32, Llama-4 query scaling): multiplies the rotated
+        queries, cast to their dtype first as transformers does; keys are not scaled.
         """
         hd, h, hkv = self.head_dim, self.n_heads, self.n_kv_heads
         lead = x.shape[:-1]
@@ -121,7 +130,7 @@ class Attention(nn.Module):
                 # Rotate q and k together: one set of RoPE ops for both.
                 qk = self.rotate(qkv[..., : (h + hkv) * hd].view(*lead, h + hkv, hd), cos, sin)
                 v = qkv[..., (h + hkv) * hd :].view(*lead, hkv, hd)
-                return qk[..., :h, :], qk[..., h:, :], v
+                return _scaled(qk[..., :h, :], q_scale), qk[..., h:, :], v
             q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], dim=-1)
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
@@ -129,7 +138,7 @@ class Attention(nn.Module):
         q, k, v = q.view(*lead, h, hd), k.view(*lead, hkv, hd), v.view(*lead, hkv, hd)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # Qwen3, LLaDA2: per head, before RoPE
-        return self.rotate(q, cos, sin), self.rotate(k, cos, sin), v
+        return _scaled(self.rotate(q, cos, sin), q_scale), self.rotate(k, cos, sin), v
 
     def forward(
         self,
@@ -137,10 +146,11 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Padded rows ``x`` ``[B, L, D]`` with an explicit mask (training and references)."""
         b, length, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
+        q, k, v = self.project(x, cos, sin, q_scale)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=attn_mask, enable_gqa=self.n_kv_heads != self.n_heads,
@@ -154,9 +164,15 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         batch: FlatBatch,
         kv: tuple[KVPool, int] | None,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Flat tokens ``x`` ``[T, D]``: one SDPA call per attention group, no padding."""
-        q, k, v = self.project(x, cos, sin)
+        """Flat tokens ``x`` ``[T, D]``: one SDPA call per attention group, no padding.
+
+        Tokens listed in ``batch.draft_index`` are computed in the draft weight view: the
+        draft LoRA's update is added to their ``o_proj`` output (``models/lora.py``); every
+        other token's output is the base projection, bit for bit.
+        """
+        q, k, v = self.project(x, cos, sin, q_scale)
         pool_k = pool_v = None
         if kv is not None and batch.slot_mapping is not None:
             pool, layer = kv
@@ -178,7 +194,16 @@ class Attention(nn.Module):
                 qg, kg, vg, attn_mask=g.mask, is_causal=g.is_causal, enable_gqa=gqa
             )
             outs.append(out.transpose(1, 2).reshape(g.end - g.start, -1))
-        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+        attended = outs[0] if len(outs) == 1 else torch.cat(outs)
+        projected = self.o_proj(attended)
+        if self.draft_lora is not None and batch.draft_index is not None:
+            index = batch.draft_index
+            projected.index_add_(0, index, self.draft_lora(attended.index_select(0, index)))
+        return projected
+
+
+def _scaled(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return q if scale is None else q * scale.to(q.dtype)
 
 
 class MLP(nn.Module):

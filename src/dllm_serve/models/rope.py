@@ -222,3 +222,38 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     x32 = x.float()
     rolled = x32.roll(x32.shape[-1] // 2, dims=-1)
     return torch.addcmul(x32 * cos, rolled, sin_signed).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class QueryScale:
+    """Llama-4 style position-dependent query scaling (Ministral3, Nemotron-Labs-Diffusion).
+
+    After RoPE every query is multiplied by ``1 + beta · log(1 + ⌊p / length⌋)`` for its
+    rotary position ``p`` (transformers ``get_llama_4_attn_scale``): exactly 1 inside the
+    original context (``p < length``), then a slowly growing temperature that keeps attention
+    from flattening over a YaRN-extended context. Keys are not scaled.
+    """
+
+    beta: float
+    length: int  # rope_parameters.original_max_position_embeddings
+
+    def factors(self, positions: torch.Tensor) -> torch.Tensor:
+        """fp32 factors with ``positions``' shape."""
+        blocks = torch.floor(positions.to(torch.float32) / self.length)
+        return 1.0 + self.beta * torch.log(1.0 + blocks)
+
+
+def parse_query_scale(config: Mapping[str, Any]) -> QueryScale | None:
+    """The :class:`QueryScale` of a config whose RoPE parameters carry
+    ``llama_4_scaling_beta`` (None when absent or 0: every factor would be 1)."""
+    params = _rope_dict(config)
+    beta = params.get("llama_4_scaling_beta")
+    if beta is None or float(beta) == 0.0:
+        return None
+    length = params.get("original_max_position_embeddings")
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise RopeConfigError(
+            "llama_4_scaling_beta needs a positive integer original_max_position_embeddings "
+            f"in the RoPE parameters, got {length!r}"
+        )
+    return QueryScale(float(beta), length)

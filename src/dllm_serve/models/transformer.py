@@ -51,8 +51,9 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, q_scale)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward_flat(
@@ -62,8 +63,9 @@ class Block(nn.Module):
         sin: torch.Tensor,
         batch: FlatBatch,
         kv: tuple[KVPool, int] | None,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn.forward_flat(self.attn_norm(x), cos, sin, batch, kv)
+        x = x + self.attn.forward_flat(self.attn_norm(x), cos, sin, batch, kv, q_scale)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -136,6 +138,14 @@ class DecoderTransformer(nn.Module):
         cos, sin = tables
         return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
 
+    def query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Llama-4 query factors ``[*positions.shape, 1, 1]`` (fp32), or None when the
+        config has no query scaling (every other family)."""
+        scale = self.config.query_scale
+        if scale is None:
+            return None
+        return scale.factors(positions)[..., None, None]
+
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -160,9 +170,10 @@ class DecoderTransformer(nn.Module):
             # Such rows are padding by construction, so let them see everything instead.
             attn_mask = attn_mask | ~attn_mask.any(dim=-1, keepdim=True)
         cos, sin = self.rope(positions)
+        q_scale = self.query_scale(positions)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn_mask)
+            x = layer(x, cos, sin, attn_mask, q_scale)
         return self.norm(x)
 
     def forward_flat(self, batch: FlatBatch, pool: KVPool | None = None) -> torch.Tensor:
@@ -172,9 +183,11 @@ class DecoderTransformer(nn.Module):
         before attention reads them, so a group's keys may be gathered from the pool.
         """
         cos, sin = self.rope(batch.positions, batch.max_position)
+        q_scale = self.query_scale(batch.positions)
         x = self.embed_tokens(batch.input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer.forward_flat(x, cos, sin, batch, None if pool is None else (pool, i))
+            kv = None if pool is None else (pool, i)
+            x = layer.forward_flat(x, cos, sin, batch, kv, q_scale)
         # The norm is per token: select first, normalise only what the LM head will read.
         return self.norm(x.index_select(0, batch.logits_index))
 

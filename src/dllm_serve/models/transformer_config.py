@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dllm_serve.models.rope import RopeScaling
+from dllm_serve.models.rope import QueryScale, RopeScaling
 
 Routing = Literal["sigmoid_group_limited", "softmax"]
 
@@ -110,6 +110,8 @@ class TransformerConfig:
     # ``query_key_value``), so the module is built fused instead of fused after loading.
     fused_qkv: bool = False
     moe: MoEConfig | None = None  # None: every layer has the dense MLP
+    # Llama-4 query scaling after RoPE (Ministral3 / Nemotron-Labs-Diffusion); None: off.
+    query_scale: QueryScale | None = None
 
     def __post_init__(self) -> None:
         if not self.head_dim:

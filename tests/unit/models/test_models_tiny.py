@@ -310,14 +310,15 @@ def test_docs_synopsis_lists_only_real_flags(capsys: pytest.CaptureFixture) -> N
     """docs/models.md's make-tiny synopsis: every flag exists, for the families it names."""
     doc = (Path(__file__).resolve().parents[3] / "docs" / "models.md").read_text()
     synopsis = doc.split("dllm-serve make-tiny [--family", 1)[1].split("```", 1)[0]
-    names = ("llada", "dream", "idlm", "sdar", "llada2", "lladamoe", "fastdllm")
+    names = ("llada", "dream", "idlm", "sdar", "llada2", "lladamoe", "fastdllm", "nemotron")
     helps = {f: help_text(capsys, "--family", f) for f in names}
     for flag in re.findall(r"\[(--[a-z-]+)", synopsis):
         assert any(f" {flag} " in text for text in helps.values()), flag
     for flag, families in (
-        ("--n-kv-heads", {"dream", "idlm", "sdar", "llada2", "lladamoe", "fastdllm"}),
-        ("--head-dim", {"idlm", "sdar", "llada2"}),
-        ("--block-size", {"sdar", "llada2", "fastdllm"}),
+        ("--n-kv-heads", {"dream", "idlm", "sdar", "llada2", "lladamoe", "fastdllm", "nemotron"}),
+        ("--head-dim", {"idlm", "sdar", "llada2", "nemotron"}),
+        ("--block-size", {"sdar", "llada2", "fastdllm", "nemotron"}),
+        ("--draft-lora-rank", {"nemotron"}),
         ("--expert-hidden-size", {"llada2", "lladamoe"}),
         ("--topk-group", {"llada2"}),
         ("--rotary-dim", {"lladamoe"}),

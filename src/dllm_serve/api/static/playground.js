@@ -16,6 +16,10 @@ async function loadInfo() {
     if (!res.ok) { $("model-info").textContent = `model info: HTTP ${res.status}`; return; }
     const info = await res.json();
     mode = info.decoding_mode;
+    // A tri-mode model decodes by its default mode here (ar and linear_spec have no canvas).
+    if (mode === "tri_mode") {
+      mode = info.default_decoding_mode === "diffusion" ? "diffusion" : "self_speculation";
+    }
     $("model-info").textContent =
       `${info.model} · ${mode.replace("_", " ")} · default max_tokens ${info.default_max_tokens}`;
     // Self-speculative models have no canvas settings (the API rejects them with a 400).

@@ -16,6 +16,7 @@ from dllm_serve.models.families.fast_dllm import FAST_DLLM, FastDLLMFamily
 from dllm_serve.models.families.llada import LLADA, LLaDAFamily
 from dllm_serve.models.families.llada2 import LLADA2, LLaDA2Family
 from dllm_serve.models.families.lladamoe import LLADAMOE, LLaDAMoEFamily
+from dllm_serve.models.families.nemotron import NEMOTRON, NemotronFamily
 from dllm_serve.models.families.qwen import (
     DREAM,
     SDAR,
@@ -33,6 +34,7 @@ __all__ = [
     "LLADA",
     "LLADA2",
     "LLADAMOE",
+    "NEMOTRON",
     "SDAR",
     "SDAR_BLOCK",
     "Family",
@@ -40,6 +42,7 @@ __all__ = [
     "LLaDA2Family",
     "LLaDAFamily",
     "LLaDAMoEFamily",
+    "NemotronFamily",
     "QwenFamily",
     "SDARBlockFamily",
     "SDARFamily",
@@ -49,7 +52,7 @@ __all__ = [
 ]
 
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR, LLADA2, LLADAMOE, FAST_DLLM)
+    f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR, LLADA2, LLADAMOE, FAST_DLLM, NEMOTRON)
 }
 # The mixture-of-experts families this server implements, matched before the dense ones (LLaDA-MoE
 # shares LLaDA-8B's model_type "llada"); every other MoE config is refused.

@@ -50,6 +50,9 @@ class Family(ABC):
     # :meth:`block_size` tokens, causal across blocks — so finished blocks' K/V are exact and a
     # decode step forwards only the active block.
     block_diffusion: bool = False
+    # Tri-mode (Nemotron-Labs-Diffusion): one set of weights decoded causally (AR), by block
+    # diffusion over a causal prefix, or by LinearSpec self-speculation, chosen per request.
+    tri_mode: bool = False
 
     @property
     def attention(self) -> str:

@@ -2,13 +2,14 @@
 
 ``write_tiny(family, DIR, ...)`` (or ``write_tiny_llada`` / ``write_tiny_dream`` /
 ``write_tiny_idlm`` / ``write_tiny_sdar`` / ``write_tiny_llada2`` / ``write_tiny_lladamoe`` /
-``write_tiny_fastdllm``) writes a complete checkpoint whose config, tokenizer files and chat
-template reproduce the real ones, with only sizes (and, for the small default vocabulary,
-special ids) changed. Output is a pure function of the arguments.
+``write_tiny_fastdllm`` / ``write_tiny_nemotron``) writes a complete checkpoint whose config,
+tokenizer files and chat template reproduce the real ones, with only sizes (and, for the small
+default vocabulary, special ids) changed. Output is a pure function of the arguments.
 
 Command line: ``python -m dllm_serve.models.tiny
-[--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm] DIR [--d-model N ...] [--real-ids]``
-(``dllm-serve make-tiny`` forwards its arguments here).
+[--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm|nemotron] DIR [--d-model N ...]
+[--real-ids]`` (nemotron: ``[--draft-lora-out DIR]``; ``dllm-serve make-tiny`` forwards its
+arguments here).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dllm_serve.models.tiny.bpe import build_tokenizer
 from dllm_serve.models.tiny.llada import CHAT_TEMPLATE, llada_special_tokens, write_tiny_llada
 from dllm_serve.models.tiny.llada2 import write_tiny_llada2
 from dllm_serve.models.tiny.lladamoe import write_tiny_lladamoe
+from dllm_serve.models.tiny.nemotron import write_tiny_draft_lora, write_tiny_nemotron
 from dllm_serve.models.tiny.qwen import (
     write_tiny_dream,
     write_tiny_fastdllm,
@@ -38,12 +40,14 @@ __all__ = [
     "llada_special_tokens",
     "main",
     "write_tiny",
+    "write_tiny_draft_lora",
     "write_tiny_dream",
     "write_tiny_fastdllm",
     "write_tiny_idlm",
     "write_tiny_llada",
     "write_tiny_llada2",
     "write_tiny_lladamoe",
+    "write_tiny_nemotron",
     "write_tiny_sdar",
 ]
 
@@ -55,6 +59,7 @@ WRITERS: dict[str, Callable[..., Path]] = {
     "llada2": write_tiny_llada2,
     "lladamoe": write_tiny_lladamoe,
     "fastdllm": write_tiny_fastdllm,
+    "nemotron": write_tiny_nemotron,
 }
 # The on-disk format each family's checkpoint reproduces (`make-tiny --help`).
 FORMATS: dict[str, str] = {
@@ -65,10 +70,11 @@ FORMATS: dict[str, str] = {
     "llada2": "LLaDA2.x MoE block diffusion: llada2_moe config, per-expert tensors, tokenizer.json",
     "lladamoe": "LLaDA-MoE-7B-A1B: llada config with MoE keys, per-expert tensors, tokenizer.json",
     "fastdllm": "Fast-dLLM v2 7B: Fast_dLLM_Qwen config (bd_size), Qwen2 tensors, vocab.json",
+    "nemotron": "Nemotron-Labs-Diffusion tri-mode: encoder.* + diffusion_head, YaRN; draft LoRA",
 }
 
 
-def write_tiny(family: str, out_dir: str | Path, **sizes: int | bool) -> Path:
+def write_tiny(family: str, out_dir: str | Path, **sizes: int | bool | str | None) -> Path:
     """Write a tiny checkpoint of ``family`` (a key of :data:`WRITERS`) to ``out_dir``."""
     if family not in WRITERS:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(WRITERS)}")
@@ -111,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         flag = "--" + name.replace("_", "-")
         if isinstance(param.default, bool):
             p.add_argument(flag, action="store_true", help="keep the real special ids and vocab")
+        elif param.default is None:  # an optional path (nemotron's --draft-lora-out)
+            p.add_argument(flag, metavar="DIR", default=None, help="also write a draft LoRA here")
         else:
             p.add_argument(flag, type=int, default=param.default, help=f"default {param.default}")
     args = vars(p.parse_args(argv))

@@ -1,0 +1,77 @@
+"""Which request fields apply to the model's decoding mode, and which modes a request may
+name (``decoding_mode``; ``decoding/modes.py``). Every mismatch is a 400 that names the mode."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dllm_serve.api.errors import invalid
+from dllm_serve.decoding.modes import DESCRIPTIONS, DIFFUSION, TRI_MODE, TRI_MODES, model_mode
+from dllm_serve.decoding.params import DecodingParams
+
+
+def check_decoding_mode(
+    params: DecodingParams,
+    diffusion_fields: Sequence[str],
+    kind: str,
+    block_size: int | None,
+    default_mode: str | None,
+) -> None:
+    """``kind`` is the engine's algorithm kind (``diffusion``, ``block_diffusion``,
+    ``self_speculation`` or ``tri_mode``); ``default_mode`` the mode of requests naming none."""
+    requested = params.decoding_mode
+    if kind == TRI_MODE:
+        mode = requested or default_mode or ""
+        if mode not in TRI_MODES:
+            raise invalid(
+                f"'decoding_mode' '{mode}' is not available for this model: it is a tri-mode "
+                "model and decodes by 'ar', 'diffusion' or 'linear_spec'. Omit "
+                f"'decoding_mode' to use the server's default ('{default_mode}').",
+                "decoding_mode",
+                code="not_applicable",
+            )
+        if mode == DIFFUSION:
+            _check_block(params, diffusion_fields, block_size, "its diffusion mode decodes")
+        elif diffusion_fields:
+            name = diffusion_fields[0]
+            raise invalid(
+                f"'{name}' configures diffusion denoising, but this request decodes by "
+                f"'{mode}' ({DESCRIPTIONS[mode]}): it has no denoising steps, blocks, schedules "
+                "or commit thresholds. Omit it, or set 'decoding_mode': 'diffusion'.",
+                name,
+                code="not_applicable",
+            )
+        return
+    own = model_mode(kind)
+    if requested is not None and requested != own:
+        raise invalid(
+            f"'decoding_mode' '{requested}' is not available for this model: it decodes only "
+            f"by '{own}' ({DESCRIPTIONS[own]}). Omit 'decoding_mode' or set it to '{own}'.",
+            "decoding_mode",
+            code="not_applicable",
+        )
+    if kind == "block_diffusion":
+        _check_block(params, diffusion_fields, block_size, "it is a block-diffusion model")
+    if kind == "self_speculation" and diffusion_fields:
+        name = diffusion_fields[0]
+        raise invalid(
+            f"'{name}' configures diffusion denoising, but this model decodes by exact "
+            "self-speculation (I-DLM): it has no denoising steps, blocks, schedules or commit "
+            "thresholds. Omit it; max_tokens, temperature, seed and stop apply.",
+            name,
+            code="not_applicable",
+        )
+
+
+def _check_block(
+    params: DecodingParams, fields: Sequence[str], block_size: int | None, what: str
+) -> None:
+    """Block-diffusion decoding runs in the checkpoint's trained block: another one is a 400."""
+    if "block_length" in fields and params.block_length != block_size:
+        raise invalid(
+            f"'block_length' must be {block_size} for this model: {what} in the block it was "
+            "trained with (bidirectional inside a block, causal across blocks), and other "
+            "blocks are not what it learned. Omit it.",
+            "block_length",
+            code="not_applicable",
+        )

@@ -1,0 +1,273 @@
+"""LinearSpec: self-speculation of a tri-mode model (Nemotron-Labs-Diffusion), exact.
+
+One set of weights, two views (``models/families/nemotron.py``): the diffusion view
+(bidirectional, logits at ``i`` predict token ``i``) drafts a whole block at once, the causal
+view (logits at ``i`` predict token ``i + 1``) verifies it. Per request:
+
+1. **Prefill** (causal): the prompt's K/V are cached; its last logits give the *seed* ``s``,
+   the first answer token (emitted now; its K/V are not cached yet).
+2. **Draft** (one forward, diffusion view, the draft LoRA's weights when one is loaded): the
+   block ``[s, M × (B − 1)]`` at the next positions attends to the cached prefix and to
+   itself; the masks' argmaxes (mask id excluded) are the drafts ``d_1 … d_{B−1}``. Nothing
+   of this forward is kept: its K/V slots are overwritten by the verify.
+3. **Verify** (the next forward, causal view, base weights): ``[s, d_1 … d_{B−1}]``. Its
+   logits at ``i`` give ``a_i``, the model's own next token after ``s, d_1 … d_i``. The first
+   ``c`` drafts with ``d_{i+1} = a_i`` are accepted; the round emits ``a_0 … a_c`` (the
+   accepted drafts and one bonus token) and keeps the K/V of ``s, d_1 … d_c`` only (the KV
+   span's length grows by ``c + 1``; the rejected suffix is overwritten later). ``a_c``
+   becomes the next seed, and the next round drafts from it.
+
+Why this is exact. Every emitted token ``a_i`` (``i ≤ c``) is read at a position whose causal
+context is exactly the committed prefix: the drafts before it were accepted, i.e. equal the
+tokens emitted before it, and every cached K/V was computed causally from committed tokens.
+So at T = 0 (``a_i`` = argmax) the answer is token for token that of ``ar`` decoding, whatever
+the drafts; at T > 0 each ``a_i`` is *sampled* from the causal distribution at its position
+and a draft is accepted iff it equals that sample ("sample-and-match"): every emitted token is
+an exact sample of the AR model's next-token distribution given the emitted prefix, and the
+drafts only decide how many of them one forward yields (a draft ``x`` matches with
+probability ``p(x)``). Drafts are argmaxes at every temperature: under sample-and-match the
+most likely draft is the one that matches most often when the draft view agrees with the
+causal one (the remote code samples them at T > 0, which is as exact and accepts less).
+
+Block-size tiers (``engine/tiers.py``) may shrink ``B`` under load between rounds: exactness
+does not depend on ``B``. A round never drafts past ``max_tokens``; with one token left it
+skips the draft forward (a verify of ``[s]`` is one AR step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
+from dllm_serve.decoding.isd_verify import greedy_tokens, target_probs
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.sampling import new_generator
+from dllm_serve.models.kv_pool import KVSpan
+
+__all__ = ["LinearSpecDecoder", "LinearSpecState", "sample_inverse_cdf"]
+
+PREFILL, DRAFT, VERIFY = "prefill", "draft", "verify"
+
+
+@dataclass(slots=True, eq=False)
+class LinearSpecState:
+    """One LinearSpec request (lives in the engine's Request).
+
+    - ``phase``: what the next forward does (prefill, draft or verify).
+    - ``seed``: the last emitted token, whose K/V are not cached yet; ``specs``: this round's
+      drafts (``width − 1`` of them, empty before the draft forward).
+    - ``kv.length`` always covers the causal K/V of ``prompt + emitted[:-1]``.
+    - ``emitted``: the answer so far, stop id excluded (every token final: stream it).
+
+    Counters: ``nfe`` forwards (prefill, then two per round), ``rounds`` verified blocks,
+    ``drafted`` drafts verified, ``accepted_drafts`` accepted, ``committed`` tokens emitted
+    including a stop id.
+    """
+
+    prompt_ids: list[int]
+    params: DecodingParams
+    generator: torch.Generator | None
+    stop_ids: tuple[int, ...]
+    kv: KVSpan | None = None
+    phase: str = PREFILL
+    seed: int = -1
+    width: int = 0  # the block B of the current round (seed + drafts)
+    specs: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+    generated: int = 0  # tokens counted against max tokens, stop id included
+    nfe: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted_drafts: int = 0
+    committed: int = 0
+    block: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def step(self) -> int:
+        return self.rounds
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == PREFILL
+
+    @property
+    def row_length(self) -> int:
+        return len(self.prompt_ids) if self.phase == PREFILL else max(self.width, 1)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.committed / self.nfe if self.nfe else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_drafts / self.drafted if self.drafted else 0.0
+
+    def answer_tokens(self) -> list[int]:
+        return list(self.emitted)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One exact draw per row of ``probs`` ``[R, V]`` (float64) from one uniform per row.
+
+    ``x = (1 − u) · Σp`` lies in ``(0, Σp]``; the first index whose cumulative sum reaches it
+    is ``i`` with probability ``p_i / Σp``, and never an entry with ``p_i = 0`` (its interval is
+    empty). One random number per row instead of one per vocabulary entry.
+    """
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device)
+    picks = torch.searchsorted(cdf, (1.0 - u) * cdf[:, -1:])
+    return picks.squeeze(-1).clamp_max(probs.shape[-1] - 1)
+
+
+class LinearSpecDecoder:
+    """LinearSpec, batched (see the module docstring): :meth:`prepare` → forward →
+    :meth:`sample` (tensor in, tensor out) → one device→host copy → :meth:`commit`.
+
+    ``block_size`` is the default B (the checkpoint's block); ``block_for`` (optional) maps the
+    engine's load to B (block-size tiers) and ``max_block`` sizes each request's KV
+    reservation. The decoder holds configuration only.
+    """
+
+    decoding_mode = "self_speculation"
+
+    def __init__(
+        self,
+        mask_id: int,
+        stop_ids: Sequence[int],
+        *,
+        block_size: int,
+        block_for: Callable[[], int] | None = None,
+        max_block: int | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError("the LinearSpec block must be >= 1")
+        if mask_id in stop_ids:
+            raise ValueError("the mask id cannot be a stop id")
+        self.mask_id = mask_id
+        self.stop_ids = tuple(stop_ids)
+        self.block_size = block_size
+        self.block_for = block_for
+        self.max_block = max(block_size, max_block or block_size)
+
+    def init_state(
+        self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
+    ) -> LinearSpecState:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("LinearSpec needs a non-empty prompt (its last token gives the seed)")
+        if self.mask_id in params.stop_token_ids:
+            raise ValueError("the mask id cannot be a stop id")
+        return LinearSpecState(
+            prompt_ids=prompt,
+            params=params,
+            generator=new_generator(params, device),
+            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+        )
+
+    def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
+        """Prompt + answer + the widest block (a verify writes up to B − 1 slots past it)."""
+        return prompt_len + params.gen_length + self.max_block
+
+    def _next_width(self, state: LinearSpecState) -> int:
+        """B for the next round: the tier's (or default) block, capped by the tokens left (a
+        round emits at most B tokens)."""
+        b = self.block_size if self.block_for is None else self.block_for()
+        return max(1, min(b, state.params.gen_length - state.generated))
+
+    def prepare(self, state: LinearSpecState) -> RowSpec:
+        if state.finished or state.kv is None:
+            raise RuntimeError("prepare() called on a finished request (or one without KV)")
+        kv = state.kv
+        if state.phase == PREFILL:
+            last = len(state.prompt_ids) - 1
+            return RowSpec(state.prompt_ids, 0, [last], AttentionKind.CAUSAL, kv)
+        if state.phase == DRAFT:
+            state.width = self._next_width(state)
+            if state.width == 1:  # nothing to draft: this round is one AR step
+                state.phase, state.specs = VERIFY, []
+            else:
+                tokens = [state.seed] + [self.mask_id] * (state.width - 1)
+                offsets = list(range(1, state.width))  # no shift: logits at i predict i
+                return RowSpec(tokens, kv.length, offsets, AttentionKind.BIDIRECTIONAL, kv,
+                               draft=True)  # fmt: skip
+        tokens = [state.seed, *state.specs]
+        return RowSpec(tokens, kv.length, list(range(len(tokens))), AttentionKind.CAUSAL, kv)
+
+    def sample(self, states: Sequence[LinearSpecState], logits: torch.Tensor) -> torch.Tensor:
+        """Tokens ``[R, M]``: argmaxes (mask id excluded) of every requested position; the
+        causal positions of rows at T > 0 are exact samples instead. ``logits`` are consumed
+        (the mask id's entries are overwritten in place)."""
+        if logits.is_inference() and not torch.is_inference_mode_enabled():
+            logits = logits.clone()  # greedy_tokens writes in place
+        best = greedy_tokens(logits, self.mask_id)
+        for r, state in enumerate(states):
+            temperature = state.params.temperature
+            if temperature == 0 or state.phase == DRAFT:
+                continue
+            n = 1 if state.phase == PREFILL else len(state.specs) + 1
+            probs = target_probs(logits[r, :n], temperature, self.mask_id)
+            best[r, :n] = sample_inverse_cdf(probs, state.generator)
+        return best
+
+    def commit(
+        self, states: Sequence[LinearSpecState], host: Sequence[Sequence[int]]
+    ) -> list[StepResult]:
+        return [self._commit_row(s, row) for s, row in zip(states, host, strict=True)]
+
+    def _commit_row(self, state: LinearSpecState, row: Sequence[int]) -> StepResult:
+        if state.finished or state.kv is None:
+            raise RuntimeError("commit() called on a finished request")
+        state.nfe += 1
+        if state.phase == DRAFT:
+            state.specs = [int(t) for t in row[: state.width - 1]]
+            state.phase = VERIFY
+            return StepResult(committed=0, finished=False)
+        if state.phase == PREFILL:
+            state.kv.length = len(state.prompt_ids)
+            emitted = [int(row[0])]
+        else:
+            ar = [int(t) for t in row[: len(state.specs) + 1]]
+            specs = state.specs
+            c = next((i for i in range(len(specs)) if specs[i] != ar[i]), len(specs))
+            # Keep the seed and the accepted drafts: their K/V came from committed tokens.
+            state.kv.length += 1 + c
+            state.rounds += 1
+            state.drafted += len(specs)
+            state.accepted_drafts += c
+            emitted = ar[: c + 1]
+        before = len(state.emitted)
+        committed = self._emit(state, emitted)
+        new = len(state.emitted) - before
+        state.specs = []
+        if state.finished:
+            return StepResult(committed, True, state.finish_reason, new_tokens=new)
+        state.seed = emitted[-1]
+        state.phase = DRAFT
+        return StepResult(committed, False, new_tokens=new)
+
+    @staticmethod
+    def _emit(state: LinearSpecState, tokens: list[int]) -> int:
+        """Append tokens one by one, stopping at a stop id or at max tokens (tokens after a
+        stop are dropped although verified). Returns how many were consumed."""
+        consumed = 0
+        for token in tokens:
+            consumed += 1
+            state.generated += 1
+            state.committed += 1
+            if token in state.stop_ids:
+                state.finished, state.finish_reason = True, "stop"
+                break
+            state.emitted.append(token)
+            if state.generated >= state.params.gen_length:
+                state.finished, state.finish_reason = True, "length"
+                break
+        return consumed
