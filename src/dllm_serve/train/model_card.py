@@ -196,8 +196,8 @@ def _recipe(report: dict[str, Any]) -> str:
             "first block (`objectives.llada_tail_batch`): a canvas of 16-1024 positions drawn "
             "log-uniformly, its first block (16-32 positions) masked at a random ratio or as a "
             "suffix, everything after it MASK — what the model sees when a request asks for "
-            "`max_tokens` 1024 and the server decodes it in blocks of 32 — so the answer does "
-            "not depend on `max_tokens`."
+            "`max_tokens` 1024 and the server decodes it in blocks of 32 — meant to make the "
+            "answer independent of `max_tokens` (how far it does: the table above)."
         )
     if report.get("causal_steps"):
         text += (
