@@ -1,6 +1,6 @@
-"""Block diffusion (SDAR, Fast-dLLM v2 formats): forwards and tokens per forward per setting.
+"""Block diffusion (SDAR, LLaDA2, Fast-dLLM v2 formats): forwards and tokens per forward.
 
-    python benchmarks/block_diffusion.py --threads 1             # tiny random SDAR, Fast-dLLM v2
+    python benchmarks/block_diffusion.py --threads 1    # tiny random SDAR, LLaDA2, Fast-dLLM v2
     python benchmarks/block_diffusion.py --model /models/SDAR-4B-Chat --device cuda
 
 For each model and setting (top-k with B steps per block or fewer, threshold decoding; for
@@ -8,9 +8,10 @@ SDAR-style models also the finished block's write fused with the next block's fi
 not — Fast-dLLM v2's write gives the next block's first token and is never fused), every
 prompt of the shared list is answered alone through the offline ``LLM`` API at temperature 0,
 and the report gives NFE (forwards, the prefill and writes included), answer tokens, NFE per
-answer token and canvas tokens committed per forward. Without ``--model`` two tiny
-random-weight checkpoints are written first (``make-tiny --family sdar``, block 4, and
-``--family fastdllm``, block 32 in sub-blocks of 8): their answers are gibberish but the forward
+answer token and canvas tokens committed per forward. Without ``--model`` three tiny
+random-weight checkpoints are written first (``make-tiny --family sdar``, block 4,
+``--family llada2``, block 32, mixture of experts, and ``--family fastdllm``, block 32 in
+sub-blocks of 8): their answers are gibberish but the forward
 counts follow the decoding rules exactly. Writes ``benchmarks/results/block_diffusion.json``.
 """
 
@@ -35,7 +36,7 @@ from _common import (
 from dllm_serve.decoding.fast_dllm import FastDLLMDecoder
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
-from dllm_serve.models.tiny import write_tiny_fastdllm, write_tiny_sdar
+from dllm_serve.models.tiny import write_tiny_fastdllm, write_tiny_llada2, write_tiny_sdar
 
 
 def settings(block: int) -> dict[str, dict[str, Any]]:
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tmp = Path(tempfile.mkdtemp())
         models = [
             str(write_tiny_sdar(tmp / "tiny-sdar")),
+            str(write_tiny_llada2(tmp / "tiny-llada2")),
             str(write_tiny_fastdllm(tmp / "tiny-fastdllm")),
         ]
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS[: args.prompts]]

@@ -96,8 +96,12 @@ def test_block_diffusion(tmp_path: Path) -> None:
     )
     report = read(out)
     assert report["random_weights"]
-    sdar, fast = report["models"]
+    sdar, llada2, fast = report["models"]
     assert (sdar["family"], sdar["block_size"]) == ("sdar_block", 4)
+    assert (llada2["family"], llada2["block_size"]) == ("llada2", 32)
+    by2 = {(r["setting"], r["fused_write"]): r for r in llada2["rows"]}
+    for setting in {s for s, _ in by2}:  # the same answers whether the write is fused or not
+        assert by2[setting, True]["answer_tokens"] == by2[setting, False]["answer_tokens"] > 0
     by = {(r["setting"], r["fused_write"]): r for r in sdar["rows"]}
     for setting in {s for s, _ in by}:
         fused, unfused = by[setting, True], by[setting, False]
