@@ -22,6 +22,7 @@ from dllm_serve.models.families.base import (
     require,
     rope_error,
 )
+from dllm_serve.models.families.weight_names import decoder_weight_map, moe_mlp_names
 from dllm_serve.models.rope import RopeConfigError, parse_rope, partial_rotary_factor
 from dllm_serve.models.transformer import TransformerConfig
 from dllm_serve.models.transformer_config import MoEConfig
@@ -154,8 +155,8 @@ class LLaDA2Family(Family):
         return int(config.get("block_size") or block_length or DEFAULT_BLOCK)
 
     def weight_map(self, tcfg: TransformerConfig) -> dict[str, str]:
-        assert tcfg.moe is not None
-        names = {"model.word_embeddings.weight": "embed_tokens.weight"}
+        moe = tcfg.moe
+        assert moe is not None
         attention = {
             "input_layernorm.weight": "attn_norm.weight",
             "attention.query_key_value.weight": "attn.qkv_proj.weight",
@@ -165,26 +166,15 @@ class LLaDA2Family(Family):
         if tcfg.qk_norm:
             attention["attention.query_layernorm.weight"] = "attn.q_norm.weight"
             attention["attention.key_layernorm.weight"] = "attn.k_norm.weight"
-        swiglu = ("gate_proj", "up_proj", "down_proj")
-        for i in range(tcfg.n_layers):
-            per_layer = dict(attention)
-            if not tcfg.moe.is_moe_layer(i):
-                per_layer.update({f"mlp.{p}.weight": f"mlp.{p}.weight" for p in swiglu})
-            else:
-                per_layer["mlp.gate.weight"] = "mlp.router.weight"
-                per_layer["mlp.gate.expert_bias"] = "mlp.router.expert_bias"
-                for e in range(tcfg.moe.num_experts):
-                    for p in swiglu:
-                        per_layer[f"mlp.experts.{e}.{p}.weight"] = f"mlp.experts.{e}.{p}.weight"
-                if tcfg.moe.shared_hidden_size:
-                    for p in swiglu:
-                        per_layer[f"mlp.shared_experts.{p}.weight"] = f"mlp.shared.{p}.weight"
-            for theirs, ours in per_layer.items():
-                names[f"model.layers.{i}.{theirs}"] = f"layers.{i}.{ours}"
-        names["model.norm.weight"] = "norm.weight"
-        if not tcfg.tie_embeddings:
-            names["lm_head.weight"] = "head.weight"
-        return names
+        router = {
+            "mlp.gate.weight": "mlp.router.weight",
+            "mlp.gate.expert_bias": "mlp.router.expert_bias",
+        }
+        return decoder_weight_map(
+            tcfg,
+            lambda i: attention | moe_mlp_names(moe, i, router, "mlp.shared_experts"),
+            embed="word_embeddings",
+        )
 
 
 LLADA2 = LLaDA2Family(

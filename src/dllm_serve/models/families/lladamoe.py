@@ -37,6 +37,7 @@ from dllm_serve.models.families.base import (
     positive_int,
     rope_error,
 )
+from dllm_serve.models.families.weight_names import LLAMA_LAYER, decoder_weight_map, moe_mlp_names
 from dllm_serve.models.rope import RopeConfigError, parse_rope, partial_rotary_factor
 from dllm_serve.models.transformer import TransformerConfig
 from dllm_serve.models.transformer_config import MoEConfig
@@ -185,37 +186,19 @@ class LLaDAMoEFamily(Family):
             raise UnsupportedModelError(f"{LABEL} config.json: {e}") from None
 
     def weight_map(self, tcfg: TransformerConfig) -> dict[str, str]:
-        assert tcfg.moe is not None
-        names = {"model.embed_tokens.weight": "embed_tokens.weight"}
-        attention = {
-            "input_layernorm.weight": "attn_norm.weight",
-            **{f"self_attn.{p}_proj.weight": f"attn.{p}_proj.weight" for p in "qkvo"},
-            "post_attention_layernorm.weight": "mlp_norm.weight",
-        }
+        moe = tcfg.moe
+        assert moe is not None
+        attention = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("mlp.")}
         if tcfg.qk_norm:
             attention["self_attn.q_norm.weight"] = "attn.q_norm.weight"
             attention["self_attn.k_norm.weight"] = "attn.k_norm.weight"
-        swiglu = ("gate_proj", "up_proj", "down_proj")
-        for i in range(tcfg.n_layers):
-            per_layer = dict(attention)
-            if not tcfg.moe.is_moe_layer(i):
-                per_layer.update({f"mlp.{p}.weight": f"mlp.{p}.weight" for p in swiglu})
-            else:
-                per_layer["mlp.gate.weight"] = "mlp.router.weight"
-                for e in range(tcfg.moe.num_experts):
-                    for p in swiglu:
-                        per_layer[f"mlp.experts.{e}.{p}.weight"] = f"mlp.experts.{e}.{p}.weight"
-                if tcfg.moe.shared_hidden_size:
-                    # The decoder layer's own module in the checkpoint, fed the same normed
-                    # input as the experts; here it is part of the MoE block.
-                    for p in swiglu:
-                        per_layer[f"shared_expert.{p}.weight"] = f"mlp.shared.{p}.weight"
-            for theirs, ours in per_layer.items():
-                names[f"model.layers.{i}.{theirs}"] = f"layers.{i}.{ours}"
-        names["model.norm.weight"] = "norm.weight"
-        if not tcfg.tie_embeddings:
-            names["lm_head.weight"] = "head.weight"
-        return names
+        router = {"mlp.gate.weight": "mlp.router.weight"}
+        # The shared expert is the decoder layer's own module in the checkpoint
+        # (``shared_expert.*``), fed the same normed input as the experts; here it is part of
+        # the MoE block.
+        return decoder_weight_map(
+            tcfg, lambda i: attention | moe_mlp_names(moe, i, router, "shared_expert")
+        )
 
 
 LLADAMOE = LLaDAMoEFamily(

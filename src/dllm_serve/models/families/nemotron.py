@@ -31,6 +31,7 @@ from dllm_serve.models.families.base import (
     require,
     rope_error,
 )
+from dllm_serve.models.families.weight_names import LLAMA_LAYER, decoder_weight_map
 from dllm_serve.models.rope import RopeConfigError, parse_query_scale, parse_rope
 from dllm_serve.models.transformer import TransformerConfig
 
@@ -101,25 +102,7 @@ class NemotronFamily(Family):
         )
 
     def weight_map(self, tcfg: TransformerConfig) -> dict[str, str]:
-        names = {"encoder.embed_tokens.weight": "embed_tokens.weight"}
-        per_layer = {
-            "input_layernorm.weight": "attn_norm.weight",
-            "self_attn.q_proj.weight": "attn.q_proj.weight",
-            "self_attn.k_proj.weight": "attn.k_proj.weight",
-            "self_attn.v_proj.weight": "attn.v_proj.weight",
-            "self_attn.o_proj.weight": "attn.o_proj.weight",
-            "post_attention_layernorm.weight": "mlp_norm.weight",
-            "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-            "mlp.up_proj.weight": "mlp.up_proj.weight",
-            "mlp.down_proj.weight": "mlp.down_proj.weight",
-        }
-        for i in range(tcfg.n_layers):
-            for theirs, ours in per_layer.items():
-                names[f"encoder.layers.{i}.{theirs}"] = f"layers.{i}.{ours}"
-        names["encoder.norm.weight"] = "norm.weight"
-        if not tcfg.tie_embeddings:
-            names["diffusion_head.weight"] = "head.weight"
-        return names
+        return decoder_weight_map(tcfg, LLAMA_LAYER, prefix="encoder", head="diffusion_head")
 
     def ignorable_tensor(self, name: str, tcfg: TransformerConfig) -> bool:
         # A tied export may still write the (identical) head.

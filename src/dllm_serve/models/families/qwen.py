@@ -20,6 +20,7 @@ from dllm_serve.models.families.base import (
     require,
     rope_error,
 )
+from dllm_serve.models.families.weight_names import LLAMA_LAYER, decoder_weight_map
 from dllm_serve.models.rope import RopeConfigError, parse_rope
 from dllm_serve.models.transformer import TransformerConfig
 
@@ -73,18 +74,7 @@ class QwenFamily(Family):
         )
 
     def weight_map(self, tcfg: TransformerConfig) -> dict[str, str]:
-        names = {"model.embed_tokens.weight": "embed_tokens.weight"}
-        per_layer = {
-            "input_layernorm.weight": "attn_norm.weight",
-            "self_attn.q_proj.weight": "attn.q_proj.weight",
-            "self_attn.k_proj.weight": "attn.k_proj.weight",
-            "self_attn.v_proj.weight": "attn.v_proj.weight",
-            "self_attn.o_proj.weight": "attn.o_proj.weight",
-            "post_attention_layernorm.weight": "mlp_norm.weight",
-            "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-            "mlp.up_proj.weight": "mlp.up_proj.weight",
-            "mlp.down_proj.weight": "mlp.down_proj.weight",
-        }
+        per_layer = dict(LLAMA_LAYER)
         if tcfg.qkv_bias:
             for p in "qkv":
                 per_layer[f"self_attn.{p}_proj.bias"] = f"attn.{p}_proj.bias"
@@ -93,13 +83,7 @@ class QwenFamily(Family):
         if tcfg.qk_norm:
             per_layer["self_attn.q_norm.weight"] = "attn.q_norm.weight"
             per_layer["self_attn.k_norm.weight"] = "attn.k_norm.weight"
-        for i in range(tcfg.n_layers):
-            for theirs, ours in per_layer.items():
-                names[f"model.layers.{i}.{theirs}"] = f"layers.{i}.{ours}"
-        names["model.norm.weight"] = "norm.weight"
-        if not tcfg.tie_embeddings:
-            names["lm_head.weight"] = "head.weight"
-        return names
+        return decoder_weight_map(tcfg, per_layer)
 
     def ignorable_tensor(self, name: str, tcfg: TransformerConfig) -> bool:
         # Some exports of tied checkpoints still write the (identical) LM head.
