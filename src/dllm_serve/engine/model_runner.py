@@ -154,8 +154,9 @@ class ModelRunner:
             for i, (g, b, p) in enumerate(zip(groups, bases, prefixes, strict=True))
         ]
         top = max(r.start + len(r.tokens) for r in rows) - 1
-        batch = FlatBatch(input_ids, pos, attn, index, slot_mapping, max_position=top)
-        batch.draft_index = draft_index
+        batch = FlatBatch(
+            input_ids, pos, attn, index, slot_mapping, max_position=top, draft_index=draft_index
+        )
         return batch, width
 
     def _group(
