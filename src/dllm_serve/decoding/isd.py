@@ -193,7 +193,7 @@ class ISDecoder:
         state.drafted += k
         state.accepted_drafts += j
         before = len(state.emitted)
-        committed = self._emit(state, emitted)
+        committed = state.emit(emitted)
         new = len(state.emitted) - before
         if state.finished:
             state.specs, state.draft_q = [], None
@@ -213,24 +213,3 @@ class ISDecoder:
         if logits.dim() != 2 or logits.shape[0] != k + n:
             raise ValueError(f"expected logits [{k + n}, V], got {tuple(logits.shape)}")
         return self.commit([state], self.sample([state], logits[None].clone()).tolist())[0]
-
-    @staticmethod
-    def _emit(state: ISDState, tokens: list[int]) -> int:
-        """Append accepted tokens one by one, stopping at a stop id or at max tokens.
-
-        Tokens after a stop are dropped even though they were accepted in the same round.
-        Returns how many tokens were consumed (the stop id included).
-        """
-        consumed = 0
-        for token in tokens:
-            consumed += 1
-            state.generated += 1
-            state.committed += 1
-            if token in state.stop_ids:
-                state.finished, state.finish_reason = True, "stop"
-                break
-            state.emitted.append(token)
-            if state.generated >= state.params.gen_length:
-                state.finished, state.finish_reason = True, "length"
-                break
-        return consumed
