@@ -40,6 +40,7 @@ from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
 from dllm_serve.decoding.state import DenoiseState
+from dllm_serve.decoding.stops import request_stop_ids
 
 PREFILL, DECODE, WRITE = "prefill", "decode", "write"
 
@@ -109,8 +110,7 @@ class BlockDiffusionDecoder:
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
     ) -> BlockState:
         prompt = [int(t) for t in prompt_ids]
-        if self.mask_id in params.stop_token_ids:
-            raise ValueError("the mask id cannot be a stop id")
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         length = self._canvas_length(len(prompt), params)
         first_block = len(prompt) // self.block_size
         state = BlockState(
@@ -119,7 +119,7 @@ class BlockDiffusionDecoder:
             params=params,
             generator=new_generator(params, device),
             mask_id=self.mask_id,
-            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+            stop_ids=stop_ids,
             block_size=self.block_size,
             block=first_block,
             phase=PREFILL if first_block else DECODE,

@@ -39,6 +39,7 @@ from dllm_serve.decoding.linear_spec import sample_inverse_cdf
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
 from dllm_serve.decoding.state import DenoiseState
+from dllm_serve.decoding.stops import request_stop_ids
 
 PREFILL, DENOISE, REFRESH = "prefill", "denoise", "refresh"
 
@@ -90,15 +91,14 @@ class CausalBlockDiffusionDecoder:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("a causal prefix needs a non-empty prompt (it gives the first seed)")
-        if self.mask_id in params.stop_token_ids:
-            raise ValueError("the mask id cannot be a stop id")
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         return CausalBlockState(
             tokens=prompt + [self.mask_id] * self._canvas(params),
             prompt_len=len(prompt),
             params=params,
             generator=new_generator(params, device),
             mask_id=self.mask_id,
-            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+            stop_ids=stop_ids,
             block_size=self.block_size,
             schedule=[0],  # the prefill commits no masked position (the sampler reads k = 0)
         )

@@ -47,6 +47,7 @@ from dllm_serve.decoding.block_steps import commit_masked, finish_or_continue, s
 from dllm_serve.decoding.forward_spec import RowSpec, StepResult
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import argmax, new_generator
+from dllm_serve.decoding.stops import request_stop_ids
 
 
 @dataclass(slots=True, eq=False)
@@ -96,8 +97,7 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("a model with shifted logits needs a non-empty prompt")
-        if self.mask_id in params.stop_token_ids:
-            raise ValueError("the mask id cannot be a stop id")
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         b = self.block_size
         length = self._canvas_length(len(prompt), params)
         first_block = len(prompt) // b
@@ -107,7 +107,7 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
             params=params,
             generator=new_generator(params, device),
             mask_id=self.mask_id,
-            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+            stop_ids=stop_ids,
             block_size=b,
             block=first_block,
             phase=PREFILL if first_block else DECODE,

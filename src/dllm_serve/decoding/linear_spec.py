@@ -46,6 +46,7 @@ from dllm_serve.decoding.isd_verify import greedy_tokens, target_probs
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
 from dllm_serve.decoding.spec_state import SelfSpecState
+from dllm_serve.decoding.stops import request_stop_ids
 
 __all__ = ["LinearSpecDecoder", "LinearSpecState", "sample_inverse_cdf"]
 
@@ -127,13 +128,12 @@ class LinearSpecDecoder:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("LinearSpec needs a non-empty prompt (its last token gives the seed)")
-        if self.mask_id in params.stop_token_ids:
-            raise ValueError("the mask id cannot be a stop id")
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         return LinearSpecState(
             prompt_ids=prompt,
             params=params,
             generator=new_generator(params, device),
-            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+            stop_ids=stop_ids,
         )
 
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
