@@ -34,12 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm_serve.decoding.block_steps import commit_masked, finish_or_continue, schedule_block
 from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
-from dllm_serve.decoding.schedules import block_schedule
 from dllm_serve.decoding.state import DenoiseState
+from dllm_serve.decoding.stops import request_stop_ids
 
 PREFILL, DECODE, WRITE = "prefill", "decode", "write"
 
@@ -109,8 +110,7 @@ class BlockDiffusionDecoder:
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
     ) -> BlockState:
         prompt = [int(t) for t in prompt_ids]
-        if self.mask_id in params.stop_token_ids:
-            raise ValueError("the mask id cannot be a stop id")
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         length = self._canvas_length(len(prompt), params)
         first_block = len(prompt) // self.block_size
         state = BlockState(
@@ -119,7 +119,7 @@ class BlockDiffusionDecoder:
             params=params,
             generator=new_generator(params, device),
             mask_id=self.mask_id,
-            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+            stop_ids=stop_ids,
             block_size=self.block_size,
             block=first_block,
             phase=PREFILL if first_block else DECODE,
@@ -181,30 +181,18 @@ class BlockDiffusionDecoder:
         if state.write_pending:  # the previous block's final K/V came with this forward
             state.kv.length = lo
             state.write_pending = False
-        still: list[int] = []
-        for pos, token in zip(state.masked, row, strict=False):
-            if token == self.mask_id:
-                still.append(pos)
-            else:
-                state.tokens[pos] = token
-        committed = len(state.masked) - len(still)
-        state.masked = still
-        state.committed += committed
-        state.step += 1
-        new = state.advance_final()
-        if state.stop_at is not None or state.final_len == state.params.gen_length:
-            state.finished = True
-            state.finish_reason = "stop" if state.stop_at is not None else "length"
-            return StepResult(committed, True, state.finish_reason, new_tokens=new)
-        if not still and self.fuse_write:
+        result = finish_or_continue(state, commit_masked(state, row))
+        if result.finished:
+            return result
+        if not state.masked and self.fuse_write:
             # The next block's first step will also write this block's final K/V.
             state.block += 1
             self._start_block(state)
             state.write_pending = True
-        elif not still:
+        elif not state.masked:
             state.phase = WRITE
             state.schedule, state.step = [0], 0  # the write forward commits nothing
-        return StepResult(committed, False, new_tokens=new)
+        return result
 
     def _start_block(self, state: BlockState) -> None:
         """The active block's masks and, for top-k, its schedule over ``min(steps, masks)``
@@ -213,8 +201,4 @@ class BlockDiffusionDecoder:
         state.phase = DECODE
         state.step = 0
         state.masked = [p for p in range(lo, hi) if state.tokens[p] == self.mask_id]
-        if state.params.mode != "topk":
-            state.schedule = [0]
-            return
-        steps = max(1, min(state.params.steps, len(state.masked)))
-        state.schedule = block_schedule(state.params.block_schedule, len(state.masked), steps)
+        schedule_block(state, state.params.steps)

@@ -31,14 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm_serve.decoding.block_steps import commit_masked, finish_or_continue, schedule_block
 from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.isd_verify import greedy_tokens, target_probs
 from dllm_serve.decoding.linear_spec import sample_inverse_cdf
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
-from dllm_serve.decoding.schedules import block_schedule
 from dllm_serve.decoding.state import DenoiseState
+from dllm_serve.decoding.stops import request_stop_ids
 
 PREFILL, DENOISE, REFRESH = "prefill", "denoise", "refresh"
 
@@ -90,15 +91,14 @@ class CausalBlockDiffusionDecoder:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("a causal prefix needs a non-empty prompt (it gives the first seed)")
-        if self.mask_id in params.stop_token_ids:
-            raise ValueError("the mask id cannot be a stop id")
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         return CausalBlockState(
             tokens=prompt + [self.mask_id] * self._canvas(params),
             prompt_len=len(prompt),
             params=params,
             generator=new_generator(params, device),
             mask_id=self.mask_id,
-            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+            stop_ids=stop_ids,
             block_size=self.block_size,
             schedule=[0],  # the prefill commits no masked position (the sampler reads k = 0)
         )
@@ -160,31 +160,19 @@ class CausalBlockDiffusionDecoder:
             state.tokens[lo] = int(row[0])
             state.committed += 1
             return self._after_commit(state, 1, start_block=True)
-        still: list[int] = []
-        for pos, token in zip(state.masked, row, strict=False):
-            if token == self.mask_id:
-                still.append(pos)
-            else:
-                state.tokens[pos] = token
-        committed = len(state.masked) - len(still)
-        state.masked = still
-        state.committed += committed
-        state.step += 1
-        result = self._after_commit(state, committed, start_block=False)
-        if not result.finished and not still:
+        result = self._after_commit(state, commit_masked(state, row), start_block=False)
+        if not result.finished and not state.masked:
             state.phase = REFRESH  # the block is final: its causal K/V come next
             state.schedule, state.step = [0], 0
         return result
 
-    def _after_commit(self, state: CausalBlockState, committed: int, *, start_block: bool):
-        new = state.advance_final()
-        if state.stop_at is not None or state.final_len == state.params.gen_length:
-            state.finished = True
-            state.finish_reason = "stop" if state.stop_at is not None else "length"
-            return StepResult(committed, True, state.finish_reason, new_tokens=new)
-        if start_block:
+    def _after_commit(
+        self, state: CausalBlockState, committed: int, *, start_block: bool
+    ) -> StepResult:
+        result = finish_or_continue(state, committed)
+        if not result.finished and start_block:
             self._start_block(state)
-        return StepResult(committed, False, new_tokens=new)
+        return result
 
     def _start_block(self, state: CausalBlockState) -> None:
         """The block's masks (all but its seed) and, for top-k, its schedule over
@@ -196,8 +184,4 @@ class CausalBlockDiffusionDecoder:
         if not state.masked:  # a block of one token is its seed: straight to its refresh
             state.phase, state.schedule = REFRESH, [0]
             return
-        if state.params.mode != "topk":
-            state.schedule = [0]
-            return
-        steps = max(1, min(state.params.steps, len(state.masked)))
-        state.schedule = block_schedule(state.params.block_schedule, len(state.masked), steps)
+        schedule_block(state, state.params.steps)

@@ -43,10 +43,11 @@ from dllm_serve.decoding.block_diffusion import (
     BlockDiffusionDecoder,
     BlockState,
 )
+from dllm_serve.decoding.block_steps import commit_masked, finish_or_continue, schedule_block
 from dllm_serve.decoding.forward_spec import RowSpec, StepResult
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import argmax, new_generator
-from dllm_serve.decoding.schedules import block_schedule
+from dllm_serve.decoding.stops import request_stop_ids
 
 
 @dataclass(slots=True, eq=False)
@@ -96,8 +97,7 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("a model with shifted logits needs a non-empty prompt")
-        if self.mask_id in params.stop_token_ids:
-            raise ValueError("the mask id cannot be a stop id")
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         b = self.block_size
         length = self._canvas_length(len(prompt), params)
         first_block = len(prompt) // b
@@ -107,7 +107,7 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
             params=params,
             generator=new_generator(params, device),
             mask_id=self.mask_id,
-            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+            stop_ids=stop_ids,
             block_size=b,
             block=first_block,
             phase=PREFILL if first_block else DECODE,
@@ -174,18 +174,9 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
 
     def _commit_decode(self, state: SubBlockState, row: Sequence[int]) -> StepResult:
         state.nfe += 1
-        still: list[int] = []
-        for pos, token in zip(state.masked, row, strict=False):
-            if token == self.mask_id:
-                still.append(pos)
-            else:
-                state.tokens[pos] = token
-        committed = len(state.masked) - len(still)
-        state.masked = still
-        state.committed += committed
-        state.step += 1
+        committed = commit_masked(state, row)
         lo, hi = state.active_block
-        block_done = not still and all(t != self.mask_id for t in state.tokens[lo:hi])
+        block_done = not state.masked and all(t != self.mask_id for t in state.tokens[lo:hi])
         return self._after_commit(state, committed, block_done=block_done)
 
     def _after_commit(
@@ -193,18 +184,16 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
     ) -> StepResult:
         """Finish on a stop id or the answer budget; else move to the next sub-block with
         masks, or — once the block has none — to its write forward."""
-        new = state.advance_final()
-        if state.stop_at is not None or state.final_len == state.params.gen_length:
-            state.finished = True
-            state.finish_reason = "stop" if state.stop_at is not None else "length"
-            return StepResult(committed, True, state.finish_reason, new_tokens=new)
+        result = finish_or_continue(state, committed)
+        if result.finished:
+            return result
         if block_done:
             state.phase = WRITE
             state.seeds = True
             state.masked, state.schedule, state.step = [], [0], 0  # a write commits nothing
         elif not state.masked:
             self._start_block(state, state.sub_block + 1 if state.phase == DECODE else 0)
-        return StepResult(committed, False, new_tokens=new)
+        return result
 
     def _start_block(self, state: BlockState, sub_block: int = 0) -> None:
         """Decode the active block from its sub-block ``sub_block`` on: the first one (from
@@ -222,11 +211,6 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
                 break
         else:
             raise RuntimeError("no masked position left in the active block")
-        if state.params.mode != "topk":
-            state.schedule = [0]
-            return
         # num_denoising_steps is per block: each of its sub-blocks gets an equal share (at
         # least one step, never more than its masks).
-        share = max(1, state.params.steps * s // self.block_size)
-        steps = min(share, len(state.masked))
-        state.schedule = block_schedule(state.params.block_schedule, len(state.masked), steps)
+        schedule_block(state, state.params.steps * s // self.block_size)

@@ -41,6 +41,7 @@ from dllm_serve.decoding.isd_state import ISDState
 from dllm_serve.decoding.isd_verify import greedy_tokens, sample, target_probs, verify_row
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
+from dllm_serve.decoding.stops import request_stop_ids
 
 __all__ = ["DraftHook", "ISDState", "ISDecoder"]
 
@@ -93,8 +94,7 @@ class ISDecoder:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("ISD needs a non-empty prompt (its last token predicts the first)")
-        if self.mask_id in params.stop_token_ids:
-            raise ValueError("the mask id cannot be a stop id")
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         if self.draft_hook is not None and params.temperature > 0:
             # Forced drafts are not samples of their q; the sampling rule would not be exact.
             raise ValueError("forced drafts are for greedy decoding only")
@@ -102,7 +102,7 @@ class ISDecoder:
             prompt_ids=prompt,
             params=params,
             generator=new_generator(params, device),
-            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+            stop_ids=stop_ids,
             pending=list(prompt),
             device=torch.device(device),
         )
@@ -193,7 +193,7 @@ class ISDecoder:
         state.drafted += k
         state.accepted_drafts += j
         before = len(state.emitted)
-        committed = self._emit(state, emitted)
+        committed = state.emit(emitted)
         new = len(state.emitted) - before
         if state.finished:
             state.specs, state.draft_q = [], None
@@ -213,24 +213,3 @@ class ISDecoder:
         if logits.dim() != 2 or logits.shape[0] != k + n:
             raise ValueError(f"expected logits [{k + n}, V], got {tuple(logits.shape)}")
         return self.commit([state], self.sample([state], logits[None].clone()).tolist())[0]
-
-    @staticmethod
-    def _emit(state: ISDState, tokens: list[int]) -> int:
-        """Append accepted tokens one by one, stopping at a stop id or at max tokens.
-
-        Tokens after a stop are dropped even though they were accepted in the same round.
-        Returns how many tokens were consumed (the stop id included).
-        """
-        consumed = 0
-        for token in tokens:
-            consumed += 1
-            state.generated += 1
-            state.committed += 1
-            if token in state.stop_ids:
-                state.finished, state.finish_reason = True, "stop"
-                break
-            state.emitted.append(token)
-            if state.generated >= state.params.gen_length:
-                state.finished, state.finish_reason = True, "length"
-                break
-        return consumed

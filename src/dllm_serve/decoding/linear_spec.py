@@ -37,7 +37,7 @@ skips the draft forward (a verify of ``[s]`` is one AR step).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +45,8 @@ from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.isd_verify import greedy_tokens, target_probs
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
-from dllm_serve.models.kv_pool import KVSpan
+from dllm_serve.decoding.spec_state import SelfSpecState
+from dllm_serve.decoding.stops import request_stop_ids
 
 __all__ = ["LinearSpecDecoder", "LinearSpecState", "sample_inverse_cdf"]
 
@@ -53,47 +54,21 @@ PREFILL, DRAFT, VERIFY = "prefill", "draft", "verify"
 
 
 @dataclass(slots=True, eq=False)
-class LinearSpecState:
-    """One LinearSpec request (lives in the engine's Request).
+class LinearSpecState(SelfSpecState):
+    """One LinearSpec request (lives in the engine's Request); the shared fields, counters and
+    :meth:`~SelfSpecState.emit` are :class:`SelfSpecState`'s.
 
     - ``phase``: what the next forward does (prefill, draft or verify).
     - ``seed``: the last emitted token, whose K/V are not cached yet; ``specs``: this round's
       drafts (``width − 1`` of them, empty before the draft forward).
     - ``kv.length`` always covers the causal K/V of ``prompt + emitted[:-1]``.
-    - ``emitted``: the answer so far, stop id excluded (every token final: stream it).
 
-    Counters: ``nfe`` forwards (prefill, then two per round), ``rounds`` verified blocks,
-    ``drafted`` drafts verified, ``accepted_drafts`` accepted, ``committed`` tokens emitted
-    including a stop id.
+    ``nfe`` counts the prefill, then two forwards per round; ``rounds`` verified blocks.
     """
 
-    prompt_ids: list[int]
-    params: DecodingParams
-    generator: torch.Generator | None
-    stop_ids: tuple[int, ...]
-    kv: KVSpan | None = None
     phase: str = PREFILL
     seed: int = -1
     width: int = 0  # the block B of the current round (seed + drafts)
-    specs: list[int] = field(default_factory=list)
-    emitted: list[int] = field(default_factory=list)
-    generated: int = 0  # tokens counted against max tokens, stop id included
-    nfe: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted_drafts: int = 0
-    committed: int = 0
-    block: int = 0
-    finished: bool = False
-    finish_reason: str | None = None
-
-    @property
-    def step(self) -> int:
-        return self.rounds
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
 
     @property
     def is_prefill(self) -> bool:
@@ -102,17 +77,6 @@ class LinearSpecState:
     @property
     def row_length(self) -> int:
         return len(self.prompt_ids) if self.phase == PREFILL else max(self.width, 1)
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.committed / self.nfe if self.nfe else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_drafts / self.drafted if self.drafted else 0.0
-
-    def answer_tokens(self) -> list[int]:
-        return list(self.emitted)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -164,13 +128,12 @@ class LinearSpecDecoder:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("LinearSpec needs a non-empty prompt (its last token gives the seed)")
-        if self.mask_id in params.stop_token_ids:
-            raise ValueError("the mask id cannot be a stop id")
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         return LinearSpecState(
             prompt_ids=prompt,
             params=params,
             generator=new_generator(params, device),
-            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+            stop_ids=stop_ids,
         )
 
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
@@ -245,7 +208,7 @@ class LinearSpecDecoder:
             state.accepted_drafts += c
             emitted = ar[: c + 1]
         before = len(state.emitted)
-        committed = self._emit(state, emitted)
+        committed = state.emit(emitted)
         new = len(state.emitted) - before
         state.specs = []
         if state.finished:
@@ -253,21 +216,3 @@ class LinearSpecDecoder:
         state.seed = emitted[-1]
         state.phase = DRAFT
         return StepResult(committed, False, new_tokens=new)
-
-    @staticmethod
-    def _emit(state: LinearSpecState, tokens: list[int]) -> int:
-        """Append tokens one by one, stopping at a stop id or at max tokens (tokens after a
-        stop are dropped although verified). Returns how many were consumed."""
-        consumed = 0
-        for token in tokens:
-            consumed += 1
-            state.generated += 1
-            state.committed += 1
-            if token in state.stop_ids:
-                state.finished, state.finish_reason = True, "stop"
-                break
-            state.emitted.append(token)
-            if state.generated >= state.params.gen_length:
-                state.finished, state.finish_reason = True, "length"
-                break
-        return consumed
