@@ -6,24 +6,26 @@ family, loads the tokenizer and ids (cheap, so a broken checkpoint fails before 
 read), checks that the weights fit in memory, then checks that the safetensors hold exactly
 the tensors the family expects with the right shapes and loads them into a
 :class:`DecoderTransformer` built on the meta device (no random init). No remote code runs.
+The files themselves are read and checked in ``checkpoint_files.py``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import stat
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
+from dllm_serve.models.checkpoint_files import (
+    default_gen_length,
+    open_safetensors,
+    positive_int,
+    read_json,
+    weight_files,
+)
 from dllm_serve.models.errors import InsufficientMemoryError, ModelLoadError
 from dllm_serve.models.families import Family, family_for
 from dllm_serve.models.hub import EMBEDDED_MODELS, resolve_model_path
@@ -100,13 +102,6 @@ class LoadedModel:
         )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from e
-
-
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -142,76 +137,6 @@ def _resolve_dtype(dtype: str, device: torch.device, config: dict[str, Any]) -> 
     return _DTYPES[dtype]
 
 
-def _check_readable(path: Path) -> None:
-    """Raise a :class:`ModelLoadError` naming ``path`` and the cause when this process cannot
-    read it. safetensors reports any failure to open a file, a permission denied included, as
-    ``FileNotFoundError: No such file or directory``: opening it ourselves first gives the
-    real reason."""
-    try:
-        with open(path, "rb") as f:
-            f.read(1)
-    except PermissionError:
-        raise ModelLoadError(_permission_message(path)) from None
-    except OSError as e:
-        raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from None
-
-
-def _permission_message(path: Path) -> str:
-    try:
-        st = path.stat()
-        owner = f"mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}"
-    except OSError:
-        owner = "its directory is not searchable"
-    return (
-        f"cannot read {path}: permission denied ({owner}; this process runs as uid "
-        f"{os.geteuid()}). Make the checkpoint readable by this user, e.g. "
-        f"`chmod a+r {path}` (and a+x on its directories)"
-    )
-
-
-@contextmanager
-def _open_safetensors(path: Path) -> Iterator[Any]:
-    """``safe_open(path)`` whose failures are one clear :class:`ModelLoadError`: unreadable,
-    truncated or not a safetensors file at all (also while tensors are being read)."""
-    _check_readable(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            yield f
-    except SafetensorError as e:
-        raise ModelLoadError(
-            f"cannot read {path}: not a valid safetensors file, truncated or corrupt ({e}); "
-            "copy or download it again"
-        ) from None
-    except OSError as e:  # e.g. changed since the check above, or an I/O error mid-read
-        raise ModelLoadError(f"cannot read {path}: {e}") from None
-
-
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (single file or sharded index). Every
-    file is opened once here, so an unreadable or corrupt one fails before any is loaded."""
-    single = path / "model.safetensors"
-    if single.is_file():
-        with _open_safetensors(single) as f:
-            return dict.fromkeys(f.keys(), single)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelLoadError(f"{index} has no 'weight_map'")
-        files = {name: path / fname for name, fname in weight_map.items()}
-        for shard in sorted(set(files.values())):
-            if not shard.is_file():
-                raise ModelLoadError(f"shard {shard} listed in {index.name} is missing")
-            with _open_safetensors(shard):
-                pass  # the header parses: readable and not truncated
-        return files
-    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-        raise ModelLoadError(
-            f"{path} holds only pickled weights (.bin/.pt); convert to safetensors"
-        )
-    raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
-
-
 def _progress(total: int, desc: str) -> Any:
     """A byte progress bar on stderr, only for humans: a TTY and INFO logging enabled."""
     from tqdm import tqdm  # installed with transformers
@@ -228,7 +153,7 @@ def _load_weights(
     device: torch.device,
     dtype: torch.dtype,
 ) -> DecoderTransformer:
-    files = _weight_files(path)
+    files = weight_files(path)
     tcfg = family.with_tensors(config, tcfg, set(files))
     expected = family.weight_map(tcfg)
     missing = sorted(set(expected) - set(files))
@@ -249,7 +174,7 @@ def _load_weights(
     total = sum(torch.Size(s).numel() for s in shapes.values()) * item
     with _progress(total, f"Loading {path.name}") as bar:
         for shard in sorted(set(files.values())):
-            with _open_safetensors(shard) as f:
+            with open_safetensors(shard) as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     if files.get(name) != shard or name not in expected:
                         continue  # another shard's (trust the index) or an ignorable tensor
@@ -287,9 +212,9 @@ def load_model(
     path = resolve_model_path(name_or_path, revision)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"no config.json in {path}")
-    config = _read_json(path / "config.json")
+    config = read_json(path / "config.json")
     gen_path = path / "generation_config.json"
-    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    gen = read_json(gen_path) if gen_path.is_file() else {}
     family = family_for(config)
     tcfg = family.transformer_config(config)
     dev = _resolve_device(device)
@@ -314,23 +239,10 @@ def load_model(
         device=dev,
         dtype=dt,
         config=config,
-        default_gen_length=_default_gen_length(gen, gen_path),
-        default_block_length=_positive_int(gen, "block_length", gen_path)
-        or _default_gen_length(gen, gen_path),
+        default_gen_length=default_gen_length(gen, gen_path),
+        default_block_length=positive_int(gen, "block_length", gen_path)
+        or default_gen_length(gen, gen_path),
         vocab_size=tcfg.vocab_size,
-        block_size=family.block_size(config, _positive_int(gen, "block_length", gen_path)),
+        block_size=family.block_size(config, positive_int(gen, "block_length", gen_path)),
         **ids,
     )
-
-
-def _default_gen_length(gen: dict[str, Any], gen_path: Path) -> int | None:
-    return _positive_int(gen, "max_new_tokens", gen_path)
-
-
-def _positive_int(gen: dict[str, Any], key: str, gen_path: Path) -> int | None:
-    value = gen.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ModelLoadError(f"{gen_path}: {key} must be a positive integer: {value!r}")
-    return value

@@ -317,16 +317,16 @@ def test_progress_bar_quiet_without_tty(single_dir: Path, capfd: pytest.CaptureF
 
 # ---- unreadable and corrupt weights: one ModelLoadError naming the file and the cause --------
 def _deny_reading(monkeypatch: pytest.MonkeyPatch, denied: Path) -> None:
-    """The loader's `open` raises PermissionError for `denied`, as for a mode-0600 file owned
-    by another user (tests run as root, which chmod alone does not stop)."""
-    from dllm_serve.models import loader
+    """The checkpoint reader's `open` raises PermissionError for `denied`, as for a mode-0600
+    file owned by another user (tests run as root, which chmod alone does not stop)."""
+    from dllm_serve.models import checkpoint_files
 
     def fake_open(file, *args, **kwargs):
         if Path(file) == denied:
             raise PermissionError(13, "Permission denied", str(file))
         return open(file, *args, **kwargs)
 
-    monkeypatch.setattr(loader, "open", fake_open, raising=False)
+    monkeypatch.setattr(checkpoint_files, "open", fake_open, raising=False)
 
 
 def test_unreadable_weights_named_with_the_permission_problem(

@@ -1,0 +1,257 @@
+"""The generation routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
+
+Each reads and validates its body (``api/validation.py``), tokenizes the prompt off the event
+loop, submits to the engine and answers as one JSON response or SSE chunks in its route's
+shape. :func:`install_completion_routes` also hands the playground the chat validation and
+the submission it shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from sse_starlette import EventSourceResponse
+
+from dllm_serve.api.error_handlers import unavailable
+from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, invalid
+from dllm_serve.api.metrics import Metrics
+from dllm_serve.api.protocol import ChatCompletionResponse, CompletionResponse
+from dllm_serve.api.stops import keep_stop_strings
+from dllm_serve.api.streaming import chat_chunks, failure, text_chunks, usage_dict
+from dllm_serve.api.validation import (
+    RequestSpec,
+    check_context_length,
+    check_token_ids,
+    parse_chat_request,
+    parse_completion_request,
+)
+from dllm_serve.config import ServerConfig
+from dllm_serve.engine.engine import AsyncEngine, QueueFullError
+from dllm_serve.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from dllm_serve.api.app import Lifecycle
+    from dllm_serve.api.playground import ChatSpec, Submit
+
+# The routes were defined in api/app.py; their log lines keep that logger's name.
+logger = logging.getLogger("dllm_serve.api.app")
+
+
+def install_completion_routes(
+    app: FastAPI,
+    engine: AsyncEngine,
+    config: ServerConfig,
+    lifecycle: Lifecycle,
+    metrics: Metrics,
+) -> tuple[ChatSpec, Submit, _ModelFacts]:
+    """Add the two OpenAI generation routes; returns the chat validation, the submission and
+    the model facts the playground reuses."""
+    facts = _ModelFacts(engine)
+
+    @app.post(
+        "/v1/chat/completions",
+        tags=["openai"],
+        response_model=ChatCompletionResponse,
+        # Unset fields stay out: usage.diffusion carries the self-speculation counters only for
+        # a self-speculative model, exactly as the streamed usage does.
+        response_model_exclude_unset=True,
+        openapi_extra=_request_body("ChatCompletionRequest"),
+    )
+    async def chat_completions(request: Request) -> Any:
+        spec, prompt_ids = await chat_spec(request)
+        if config.log_requests:
+            logger.info("messages=%r params=%r%s", spec.messages, spec.params, _info(spec))
+        return await run(request, spec, prompt_ids, "chat")
+
+    async def chat_spec(request: Request) -> tuple[RequestSpec, list[int]]:
+        """A chat request's validated spec and prompt ids (also the trace endpoint's)."""
+        # The body is parsed by hand so every malformed input becomes a 400 in the OpenAI
+        # envelope (FastAPI would answer 422, and some inputs would never reach pydantic).
+        spec = parse_chat_request(
+            await request.body(),
+            request.headers.get("content-type"),
+            engine.default_gen_length,
+            facts.default_block_length,
+        )
+        spec.check_decoding_mode(engine.decoding_mode, facts.block_size, facts.default_mode)
+        facts.check_stop_token_ids(spec)
+        if not engine.is_alive:
+            raise unavailable()
+        assert spec.messages is not None
+        prompt_ids = await asyncio.to_thread(engine.chat_prompt_ids, spec.messages)
+        check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length)
+        return spec, prompt_ids
+
+    @app.post(
+        "/v1/completions",
+        tags=["openai"],
+        response_model=CompletionResponse,
+        response_model_exclude_unset=True,
+        openapi_extra=_request_body("CompletionRequest"),
+    )
+    async def completions(request: Request) -> Any:
+        spec = parse_completion_request(
+            await request.body(),
+            request.headers.get("content-type"),
+            engine.default_gen_length,
+            facts.default_block_length,
+        )
+        spec.check_decoding_mode(engine.decoding_mode, facts.block_size, facts.default_mode)
+        facts.check_stop_token_ids(spec)
+        if not engine.is_alive:
+            raise unavailable()
+        if isinstance(spec.prompt, str):
+            prompt_ids = await asyncio.to_thread(engine.prompt_ids, spec.prompt)
+        else:
+            assert spec.prompt is not None
+            check_token_ids(spec.prompt, facts.vocab_size, facts.mask_id, "prompt")
+            prompt_ids = spec.prompt
+        if not prompt_ids:
+            raise invalid("'prompt' is empty: it must hold at least one token.", "prompt")
+        check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length, "prompt")
+        if config.log_requests:
+            logger.info("prompt=%r params=%r%s", spec.prompt, spec.params, _info(spec))
+        return await run(request, spec, prompt_ids, "text")
+
+    async def run(request: Request, spec: RequestSpec, prompt_ids: list[int], kind: str) -> Any:
+        """Submit to the engine and answer as JSON or SSE in the route's shape."""
+        request_id = request.state.request_id
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+        created = int(time.time())
+        # include_stop_str_in_output: stop strings are matched here instead of in the engine.
+        keep_stops = spec.include_stop_str and bool(spec.stop)
+        outputs = submit(request_id, spec, prompt_ids, () if keep_stops else spec.stop)
+        if keep_stops:
+            outputs = keep_stop_strings(outputs, spec.stop)
+        if spec.stream:
+            chunks = (chat_chunks if kind == "chat" else text_chunks)(
+                outputs,
+                response_id=response_id,
+                created=created,
+                model=engine.model_name,
+                canvas_length=spec.params.gen_length,
+                include_usage=spec.include_usage,
+                continuous_usage=spec.continuous_usage,
+                prompt_tokens=len(prompt_ids),
+            )
+            return EventSourceResponse(chunks, headers={REQUEST_ID_HEADER: request_id})
+        text, last = await _collect_unless_disconnected(request, outputs)
+        if last is None:  # the client went away; its request was aborted
+            return Response(status_code=499)
+        if config.log_requests:
+            logger.info("answer=%r finish_reason=%s", text, last.finish_reason)
+        if last.finish_reason not in ("stop", "length"):
+            status, message, err_type, code = failure(last)
+            raise APIError(message, status=status, type=err_type, code=code)
+        if kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+            }
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"logprobs": None, "finish_reason": last.finish_reason}
+        return {
+            "id": response_id,
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": created,
+            "model": engine.model_name,
+            "choices": [choice],
+            "usage": usage_dict(last, spec.params.gen_length),
+            "system_fingerprint": None,
+        }
+
+    def submit(
+        request_id: str,
+        spec: RequestSpec,
+        prompt_ids: list[int],
+        stop: tuple[str, ...],
+        trace: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Hand a request to the engine; a full queue is a 429 before any response starts."""
+        if lifecycle.draining:  # drain began while this request was being read
+            raise unavailable("The server is shutting down.", "server_shutting_down")
+        try:
+            return engine.generate(
+                prompt_ids,
+                spec.params,
+                request_id=lifecycle.engine_request_id(request_id),
+                stop=stop,
+                timeout=config.request_timeout,
+                trace=trace,
+            )
+        except QueueFullError as exc:
+            metrics.rejected.labels("queue_full").inc()
+            raise APIError(
+                f"The server is at capacity ({exc}); retry shortly.",
+                status=429,
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            ) from None
+
+    return chat_spec, submit, facts
+
+
+async def _collect_unless_disconnected(
+    request: Request, outputs: AsyncIterator[RequestOutput]
+) -> tuple[str, RequestOutput | None]:
+    """Collect the answer; if the client disconnects first, abort the request."""
+
+    async def collect() -> tuple[str, RequestOutput | None]:
+        parts, last = [], None
+        async for output in outputs:
+            parts.append(output.delta_text)
+            last = output
+        return "".join(parts), last
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # raises inside engine.generate(), whose finally aborts the request
+            await asyncio.gather(work, return_exceptions=True)
+    return work.result() if not work.cancelled() else ("", None)
+
+
+class _ModelFacts:
+    """What the API layer reads from the loaded model: block, vocabulary, mask id, tokenizer."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        loaded = getattr(engine, "loaded", None)
+        self.default_block_length: int | None = getattr(loaded, "default_block_length", None)
+        self.vocab_size: int = getattr(loaded, "vocab_size", 0) or 0
+        self.mask_id: int | None = getattr(loaded, "mask_id", None)
+        self.block_size: int | None = getattr(loaded, "block_size", None)
+        # The decoding_mode of requests that name none (tri-mode models: --decoding-mode).
+        self.default_mode: str | None = getattr(engine, "default_decoding_mode", None)
+
+    def check_stop_token_ids(self, spec: RequestSpec) -> None:
+        if spec.params.stop_token_ids:
+            check_token_ids(
+                spec.params.stop_token_ids, self.vocab_size, self.mask_id, "stop_token_ids"
+            )
+
+
+def _info(spec: RequestSpec) -> str:
+    """Informational fields (user, metadata, ...) for --log-requests."""
+    return "".join(f" {name}={value!r}" for name, value in spec.info.items())
+
+
+def _request_body(schema: str) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{schema}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}

@@ -1,0 +1,182 @@
+"""One training run: the checkpoint skeleton in the family's real format, the optimisation
+loop on the task mix, and the weights saved under the family's tensor names."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from dllm_serve.models.loader import load_model
+from dllm_serve.models.tiny import write_tiny
+from dllm_serve.models.tiny.files import save_weights
+from dllm_serve.train.batches import BatchStream, batch_iterator
+from dllm_serve.train.char_tokens import spell_words_and_numbers
+from dllm_serve.train.evaluation import evaluate
+from dllm_serve.train.model_card import machine
+from dllm_serve.train.objectives import loss
+from dllm_serve.train.tasks import TASKS, WEIGHTS
+
+SIZES = {
+    "llada": {"d_model": 192, "n_layers": 6, "n_heads": 6, "mlp_hidden_size": 512},
+    "idlm": {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 384},
+}
+
+
+def sizes(
+    family: str, d_model: int | None, n_layers: int | None, mlp: int | None, heads: int = 0
+) -> dict:
+    """The family's default size, with any overrides (heads of 32 dimensions unless
+    ``heads`` is given; I-DLM keeps two query heads per KV head)."""
+    out = dict(SIZES[family])
+    if d_model:
+        out |= {"d_model": d_model, "n_heads": d_model // 32}
+    if heads:
+        out["n_heads"] = heads
+    if d_model or heads:
+        if out["d_model"] % out["n_heads"]:
+            raise SystemExit(f"d_model {out['d_model']} is not divisible by {out['n_heads']} heads")
+        if "n_kv_heads" in out:
+            out["n_kv_heads"] = max(1, out["n_heads"] // 2)
+    if n_layers:
+        out["n_layers"] = n_layers
+    if mlp:
+        out["mlp_hidden_size"] = mlp
+    if family == "idlm":
+        out["head_dim"] = out["d_model"] // out["n_heads"]
+    return out
+
+
+def write_skeleton(
+    family: str, out: Path, seed: int, canvas: int, size: dict, rope_theta: float
+) -> None:
+    """A random checkpoint in the family's real format; its generation_config.json carries
+    the canvas the model was trained for as ``max_new_tokens`` (the server's default).
+
+    ``rope_theta``: the real checkpoints' 500000 / 1000000 suit head_dim 128 and long
+    contexts; with 32-dimensional heads and 60-token rows only 3 or 4 of their 16 rotary
+    frequencies turn noticeably, and a bidirectional model (no causal mask to count
+    positions with) then barely knows where a token is. 0 keeps the format's value.
+    """
+    write_tiny(family, out, seed=seed, **size)
+    if rope_theta:
+        config_path = out / "config.json"
+        config = json.loads(config_path.read_text())
+        config["rope_theta"] = rope_theta
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+    gen_path = out / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen["max_new_tokens"] = canvas
+    gen_path.write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def save(model: torch.nn.Module, loaded, out: Path) -> None:
+    state = model.state_dict()
+    tensors = {
+        theirs: state[ours].detach().to("cpu", torch.bfloat16).contiguous()
+        for theirs, ours in loaded.family.weight_map(model.config).items()
+    }
+    save_weights(out, tensors, num_shards=1)
+
+
+def _parse_weights(text: str) -> dict[str, int]:
+    """``reverse_word=4,sort=0`` → task weights (unknown tasks are an error)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in TASKS:
+            raise SystemExit(f"--weights: unknown task {name!r} (tasks: {', '.join(TASKS)})")
+        out[name] = int(value)
+    return out
+
+
+def _as_tuple(drawn):
+    return drawn if isinstance(drawn, tuple) else (drawn,)
+
+
+def train(args: argparse.Namespace) -> dict:
+    family, out, steps = args.family, args.out, args.steps
+    torch.manual_seed(args.seed)
+    size = sizes(family, args.d_model, args.n_layers, args.mlp, args.heads)
+    write_skeleton(family, out, args.seed, args.canvas, size, args.rope_theta)
+    if args.spell:
+        spell_words_and_numbers(out)
+    if args.init:  # continue from a trained checkpoint of the same shape (a second stage)
+        shutil.copyfile(args.init / "model.safetensors", out / "model.safetensors")
+    loaded = load_model(str(out), device="cpu", dtype="float32")
+    weights = WEIGHTS | {"addition": args.addition_weight} | _parse_weights(args.weights)
+    dataset = BatchStream(
+        loaded,
+        family,
+        args.seed,
+        args.batch_size,
+        weights,
+        args.canvas,
+        args.weighting,
+        args.addition_operands,
+        # The short-operand share reaches zero at 3/4 of the run: the last quarter trains on
+        # the held-out distribution only.
+        ramp_examples=int(0.75 * steps * args.batch_size),
+        causal_batches=args.causal_steps,
+        ar_fraction=args.ar_fraction,
+        tail_rows=args.tail_rows,
+    )
+    batches = batch_iterator(dataset, args.workers)  # before any CUDA use (workers fork)
+    model = loaded.model.to(args.device).train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    lr = args.lr
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then cosine decay to 0
+        opt,
+        lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, i / steps))),
+    )
+    started, history, evals = time.monotonic(), [], []
+    cpu_started = time.process_time()  # the budget is CPU time: wall time grows on a shared box
+    for step in range(1, steps + 1):
+        drawn = next(batches)
+        value = loss(model, *(b.to(args.device) for b in _as_tuple(drawn)))
+        opt.zero_grad(set_to_none=True)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps:
+            history.append((step, round(value.item(), 4)))
+            print(
+                f"step {step}/{steps} loss {value.item():.4f} {time.monotonic() - started:.0f}s",
+                flush=True,
+            )
+        if args.eval_every and step % args.eval_every == 0 and step < steps:
+            save(model, loaded, out)
+            acc = evaluate(out, family, args.device, args.canvas, 200, tasks=("addition",))
+            evals.append((step, acc["addition"]))
+            print(f"step {step} held-out addition {acc['addition']:.3f}", flush=True)
+    model.eval()
+    save(model, loaded, out)
+    report = {
+        "steps": steps,
+        "batch_size": args.batch_size,
+        "addition_weight": args.addition_weight,
+        "addition_operands": args.addition_operands,
+        "task_weights": weights,
+        "spelled": args.spell,
+        "tail_rows": args.tail_rows if family == "llada" else None,
+        "causal_steps": args.causal_steps if family == "llada" else None,
+        "ar_fraction": args.ar_fraction if family == "llada" else None,
+        "weighting": args.weighting if family == "llada" else None,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "seconds": round(time.monotonic() - started),
+        "cpu_seconds": round(time.process_time() - cpu_started),
+        "machine": machine(torch.get_num_threads(), args.device),
+        "loss": history[-5:],
+    }
+    if evals:
+        report["addition_during_training"] = evals
+    return report
