@@ -15,6 +15,7 @@ from dllm_serve.decoding.prefix_cache import after_step, prefix_spec, reset_for_
 from dllm_serve.decoding.sampling import argmax, gumbel_argmax, new_generator
 from dllm_serve.decoding.schedules import block_schedule
 from dllm_serve.decoding.state import DenoiseState
+from dllm_serve.decoding.stops import request_stop_ids
 
 __all__ = ["DenoiseState", "LLaDADenoiser"]
 
@@ -89,8 +90,7 @@ class LLaDADenoiser:
     ) -> DenoiseState:
         """The canvas ``[prompt ; mask × gen_length]`` and the request's generator."""
         prompt = [int(t) for t in prompt_ids]
-        if self.mask_id in params.stop_token_ids:
-            raise ValueError("the mask id cannot be a stop id")
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         if self.logit_shift and not prompt:
             # The first answer position is predicted from the last prompt position.
             raise ValueError("a model with shifted logits needs a non-empty prompt")
@@ -100,7 +100,7 @@ class LLaDADenoiser:
             params=params,
             generator=new_generator(params, device),
             mask_id=self.mask_id,
-            stop_ids=() if params.ignore_eos else (*self.stop_ids, *params.stop_token_ids),
+            stop_ids=stop_ids,
         )
         self._start_block(state)
         return state
