@@ -1,4 +1,4 @@
-"""Train a demo model: ``python -m dllm_serve.train --family {llada,idlm} --out DIR``.
+"""Train a demo model: ``python -m dllm_serve.train --family {llada,idlm,nemotron} --out DIR``.
 
 Writes a tiny checkpoint skeleton in the family's real format (config, tokenizer, template),
 trains its weights on the task mix from a fixed seed for a fixed number of steps (so the run
@@ -18,6 +18,7 @@ from dllm_serve.train.evaluation import N_ADDITION, N_OTHER, evaluate, server_pa
 from dllm_serve.train.loop import SIZES, train
 from dllm_serve.train.model_card import write_model_card
 from dllm_serve.train.tasks import STRATA, WEIGHTS, held_out_additions, held_out_set
+from dllm_serve.train.trimode import finish
 
 # server_params is imported from here by tests (the evaluation's decoding settings).
 __all__ = ["main", "server_params"]
@@ -110,7 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers building batches")
     p.add_argument("--name", default="", help="model name in the card (default demo-FAMILY)")
     p.add_argument("--eval-every", type=int, default=0, help="held-out addition every N steps")
+    p.add_argument("--block-size", type=int, default=0, help="nemotron: diffusion block")
+    p.add_argument("--lora-steps", type=int, default=0, help="nemotron: draft-LoRA steps")
+    p.add_argument("--lora-rank", type=int, default=8, help="nemotron: draft-LoRA rank")
+    p.add_argument("--lora-lr", type=float, default=1e-3, help="nemotron: draft-LoRA lr")
+    p.add_argument("--eval-questions", type=int, default=100, help="nemotron: held-out per set")
     args = p.parse_args(argv)
+    if args.family != "nemotron" and (args.block_size or args.lora_steps):
+        p.error("--block-size and --lora-steps are for --family nemotron")
     if args.causal_steps and args.family != "llada":
         p.error("--causal-steps is for --family llada (the I-DLM objective is always causal)")
     if args.ar_fraction and args.family != "llada":
@@ -120,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = train(args)
+    if args.family == "nemotron":  # the draft LoRA, then every decoding mode evaluated
+        print(json.dumps(finish(args, report, command_line(vars(args))), indent=2))
+        return
     canvases = tuple(int(c) for c in filter(None, args.eval_canvases.split(",")))
     trained = tuple(t for t, w in report["task_weights"].items() if w)  # untrained: not scored
     report["held_out_exact_match"] = evaluate(

@@ -11,6 +11,7 @@ import torch
 from dllm_serve.models.loader import LoadedModel
 from dllm_serve.train.objectives import TrainBatch, idlm_batch, llada_batch, llada_tail_batch
 from dllm_serve.train.tasks import examples
+from dllm_serve.train.trimode_objective import trimode_batch
 
 
 class BatchStream(torch.utils.data.IterableDataset):
@@ -42,13 +43,20 @@ class BatchStream(torch.utils.data.IterableDataset):
         self.llada = family == "llada"
         # LLaDA: rows at long canvases (llada_tail_batch), their own batch beside each one
         self.tail_rows = tail_rows
-        self.make = (
-            functools.partial(
+        if self.llada:
+            self.make = functools.partial(
                 llada_batch, canvas=canvas, weighting=weighting, ar_fraction=ar_fraction
             )
-            if self.llada
-            else idlm_batch
-        )
+        elif family == "nemotron":  # the joint AR + block-diffusion objective of the release
+            config = loaded.config
+            self.make = functools.partial(
+                trimode_batch,
+                block_size=int(config["block_size"]),
+                ar_weight=float(config.get("ar_loss_weight") or 1.0),
+                dlm_weight=float(config.get("dlm_loss_weight") or 1.0),
+            )
+        else:
+            self.make = idlm_batch
 
     def __iter__(self) -> Iterator[TrainBatch | tuple[TrainBatch, TrainBatch]]:
         info = torch.utils.data.get_worker_info()

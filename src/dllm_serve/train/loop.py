@@ -25,6 +25,13 @@ from dllm_serve.train.tasks import TASKS, WEIGHTS
 SIZES = {
     "llada": {"d_model": 192, "n_layers": 6, "n_heads": 6, "mlp_hidden_size": 512},
     "idlm": {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 384},
+    "nemotron": {
+        "d_model": 192,
+        "n_layers": 4,
+        "n_heads": 6,
+        "n_kv_heads": 2,
+        "mlp_hidden_size": 576,
+    },
 }
 
 
@@ -47,13 +54,19 @@ def sizes(
         out["n_layers"] = n_layers
     if mlp:
         out["mlp_hidden_size"] = mlp
-    if family == "idlm":
+    if family in ("idlm", "nemotron"):
         out["head_dim"] = out["d_model"] // out["n_heads"]
     return out
 
 
 def write_skeleton(
-    family: str, out: Path, seed: int, canvas: int, size: dict, rope_theta: float
+    family: str,
+    out: Path,
+    seed: int,
+    canvas: int,
+    size: dict,
+    rope_theta: float,
+    block_size: int = 0,
 ) -> None:
     """A random checkpoint in the family's real format; its generation_config.json carries
     the canvas the model was trained for as ``max_new_tokens`` (the server's default).
@@ -62,12 +75,15 @@ def write_skeleton(
     contexts; with 32-dimensional heads and 60-token rows only 3 or 4 of their 16 rotary
     frequencies turn noticeably, and a bidirectional model (no causal mask to count
     positions with) then barely knows where a token is. 0 keeps the format's value.
+    ``block_size`` (tri-mode only, 0: the writer's): the diffusion block and draft length.
     """
-    write_tiny(family, out, seed=seed, **size)
+    extra = {"block_size": block_size} if family == "nemotron" and block_size else {}
+    write_tiny(family, out, seed=seed, **size, **extra)
     if rope_theta:
         config_path = out / "config.json"
         config = json.loads(config_path.read_text())
-        config["rope_theta"] = rope_theta
+        # Nemotron keeps it under rope_parameters (YaRN), the others at the top level.
+        (config.get("rope_parameters") or config)["rope_theta"] = rope_theta
         config_path.write_text(json.dumps(config, indent=2) + "\n")
     gen_path = out / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
@@ -103,7 +119,9 @@ def train(args: argparse.Namespace) -> dict:
     family, out, steps = args.family, args.out, args.steps
     torch.manual_seed(args.seed)
     size = sizes(family, args.d_model, args.n_layers, args.mlp, args.heads)
-    write_skeleton(family, out, args.seed, args.canvas, size, args.rope_theta)
+    write_skeleton(
+        family, out, args.seed, args.canvas, size, args.rope_theta, getattr(args, "block_size", 0)
+    )
     if args.spell:
         spell_words_and_numbers(out)
     if args.init:  # continue from a trained checkpoint of the same shape (a second stage)
