@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=_DEFAULT.model.tensor_parallel_size,
+        metavar="N",
+        help="shard the model over N processes (one GPU each on CUDA; gloo on CPU): "
+        "attention heads, MLP and vocabulary split N ways; rank 0 serves the API "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--max-running-requests",
         type=int,
         default=_DEFAULT.engine.max_running_requests,
@@ -102,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="tri-mode models: a PEFT LoRA on o_proj (adapter_config.json + "
-        "adapter_model.safetensors) applied in LinearSpec's draft forwards only; verify "
+        "adapter_model.safetensors; or demo-trimode-lora, demo-trimode's own) applied in "
+        "LinearSpec's draft forwards only; verify "
         "forwards, and so the answers at temperature 0, keep the base weights (default: none)",
     )
     parser.add_argument(
@@ -189,6 +199,8 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    if args.tensor_parallel_size < 1:
+        parser.error("--tensor-parallel-size must be >= 1")
     if args.max_request_bytes < 1:
         parser.error("--max-request-bytes must be >= 1")
     if args.request_timeout is not None and args.request_timeout <= 0:
@@ -207,7 +219,11 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
         shutdown_timeout=args.shutdown_timeout,
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         model=ModelConfig(
-            model=args.model, device=args.device, dtype=args.dtype, draft_lora=args.draft_lora
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            draft_lora=args.draft_lora,
+            tensor_parallel_size=args.tensor_parallel_size,
         ),
         engine=engine,
     )
@@ -227,7 +243,12 @@ def serve(config: ServerConfig) -> None:
     log_config = configure_logging(config.log_level, config.log_format)
     mc = config.model
     try:
-        loaded = load_model(mc.model, device=mc.device, dtype=mc.dtype)
+        if mc.tensor_parallel_size > 1:
+            from dllm_serve.engine.tensor_parallel import launch
+
+            loaded = launch(mc.model, mc.device, mc.dtype, mc.tensor_parallel_size, mc.draft_lora)
+        else:
+            loaded = load_model(mc.model, device=mc.device, dtype=mc.dtype)
         if mc.draft_lora is not None:
             if not loaded.family.tri_mode:
                 raise ModelLoadError(

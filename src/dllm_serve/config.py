@@ -16,6 +16,8 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # A PEFT draft-only LoRA for a tri-mode model (LinearSpec draft forwards only).
     draft_lora: str | None = None
+    # Tensor parallelism: ranks (processes, one GPU each on CUDA) that each hold a shard.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

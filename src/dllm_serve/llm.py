@@ -46,8 +46,15 @@ class LLM:
         device: str = "auto",
         dtype: str = "auto",
         engine_config: EngineConfig | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
-        self._start(load_model(model, device=device, dtype=dtype), engine_config)
+        if tensor_parallel_size > 1:  # worker processes hold the other shards
+            from dllm_serve.engine.tensor_parallel import launch
+
+            loaded = launch(model, device, dtype, tensor_parallel_size)
+        else:
+            loaded = load_model(model, device=device, dtype=dtype)
+        self._start(loaded, engine_config)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, engine_config: EngineConfig | None = None) -> LLM:

@@ -68,7 +68,9 @@ class AsyncEngine(EngineSteps):
             )
             if kv_slots < 1:
                 raise ValueError("--kv-cache-memory leaves no room for a single KV slot")
-        self.runner = ModelRunner(loaded.model, loaded.device, kv_slots=kv_slots)
+        self.runner = ModelRunner(
+            loaded.model, loaded.device, kv_slots=kv_slots, parallel=loaded.parallel
+        )
         self.scheduler = Scheduler(self.config)
         self._cond = threading.Condition()
         self._inbox: deque[Request] = deque()
@@ -110,6 +112,8 @@ class AsyncEngine(EngineSteps):
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():  # the engine thread no longer drives the workers
+            self.runner.close()
 
     # ---- tokenizer (called from worker threads of the event loop) ----------------------------
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:

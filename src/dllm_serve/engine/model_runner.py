@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,9 +20,14 @@ from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.lora import PhaseHooks, weight_view_hooks
+from dllm_serve.models.tensor_parallel import gather_vocab
 from dllm_serve.models.transformer import DecoderTransformer
 
+if TYPE_CHECKING:
+    from dllm_serve.engine.tensor_parallel import TensorParallelGroup
+
 logger = logging.getLogger(__name__)
+INIT, RUN = "init", "run"  # control messages to tensor-parallel workers
 
 _GIB = 1 << 30
 CPU_DEFAULT_KV_GIB = 1.0  # CPU pool when --kv-cache-memory is not given (capped by need)
@@ -37,9 +43,16 @@ class ModelRunner:
         device: torch.device,
         *,
         kv_slots: int = 0,
+        parallel: TensorParallelGroup | None = None,
     ) -> None:
         self.model = model.fuse_projections()
         self.device = device
+        # Tensor parallelism: this rank's shard (model.tp); on rank 0 also the group whose
+        # workers run every forward with it (engine/tensor_parallel.py).
+        self.tp = model.tp
+        self.parallel = parallel
+        if parallel is not None:
+            parallel.send((INIT, kv_slots))
         self.pool: KVPool | None = None
         if kv_slots > 0:
             cfg, weight = model.config, model.embed_tokens.weight
@@ -207,15 +220,28 @@ class ModelRunner:
         first = torch.tensor(bases, dtype=torch.long).to(self.device)
         return AttnGroup(start, n, q_len, kv_slots=first[:, None] + keys[None, :], mask=mask)
 
-    def run(self, rows: list[RowSpec]) -> torch.Tensor:
-        """Logits ``[len(rows), M, V]`` for one step (see the module docstring)."""
+    def run(self, rows: list[RowSpec]) -> torch.Tensor | None:
+        """Logits ``[len(rows), M, V]`` for one step (see the module docstring); None on a
+        tensor-parallel worker, whose logits go to rank 0."""
         if not torch.is_inference_mode_enabled():
             # The engine thread runs in inference mode already; entering and leaving it costs
             # more than a small step's whole sampler, so only other callers pay for it here.
             with torch.inference_mode():
                 return self.run(rows)
+        if self.parallel is not None:  # the workers build and run the same batch
+            self.parallel.send((RUN, rows))
         batch, width = self.build(rows)
-        return self.forward(batch).view(len(rows), width, -1)
+        logits = self.forward(batch)
+        if self.tp is not None:
+            logits = gather_vocab(logits, self.tp)
+            if logits is None:  # a worker: rank 0 samples
+                return None
+        return logits.view(len(rows), width, -1)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (rank 0; nothing to do otherwise)."""
+        if self.parallel is not None:
+            self.parallel.stop()
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """The model and LM head on a built batch: logits ``[N, V]``."""

@@ -19,11 +19,13 @@ from dllm_serve.models.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
-# demo-llada / demo-idlm: trained on the project's task mix (their README.md is the model card);
-# tiny-llada: random weights, for tests.
+# demo-llada / demo-idlm / demo-trimode: trained on the project's task mix (their README.md is
+# the model card); tiny-llada: random weights, for tests.
 EMBEDDED_MODELS: dict[str, str] = {
-    name: str(_ASSETS / name) for name in ("demo-llada", "demo-idlm", "tiny-llada")
+    name: str(_ASSETS / name) for name in ("demo-llada", "demo-idlm", "demo-trimode", "tiny-llada")
 }
+# Draft LoRAs shipped beside an embedded model (``--draft-lora NAME``).
+EMBEDDED_ADAPTERS: dict[str, str] = {"demo-trimode-lora": str(_ASSETS / "demo-trimode/draft-lora")}
 
 # huggingface_hub's repo id rule: optional "org/", then a name of letters, digits, - _ .
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")

@@ -30,6 +30,7 @@ from dllm_serve.models.errors import InsufficientMemoryError, ModelLoadError
 from dllm_serve.models.families import Family, family_for
 from dllm_serve.models.hub import EMBEDDED_MODELS, resolve_model_path
 from dllm_serve.models.memory import check_memory
+from dllm_serve.models.tensor_parallel import TPShard, load_slice, shard_config
 from dllm_serve.models.tokenization import load_tokenizer, special_ids
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
 
@@ -80,6 +81,9 @@ class LoadedModel:
     vocab_size: int = 0  # rows of the embedding: valid token ids are 0 .. vocab_size - 1
     # Block-diffusion families: the trained block (config.json block_size), else None.
     block_size: int | None = None
+    # Tensor parallelism: rank 0's TensorParallelGroup (engine/tensor_parallel.py); None: one
+    # process holds the whole model.
+    parallel: Any = None
 
     def prompt_ids(self, text: str) -> list[int]:
         """Token ids of a raw prompt (no chat template), with the tokenizer's own specials."""
@@ -152,6 +156,7 @@ def _load_weights(
     tcfg: TransformerConfig,
     device: torch.device,
     dtype: torch.dtype,
+    tp: TPShard | None = None,
 ) -> DecoderTransformer:
     files = weight_files(path)
     tcfg = family.with_tensors(config, tcfg, set(files))
@@ -167,6 +172,8 @@ def _load_weights(
         )
     with torch.device("meta"):
         model = DecoderTransformer(tcfg)
+        # Under tensor parallelism: the checkpoint holds the full shapes, this rank a slice.
+        local = model if tp is None else DecoderTransformer(shard_config(tcfg, tp.size))
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     wrong: list[str] = []
@@ -187,7 +194,10 @@ def _load_weights(
                         continue
                     # The MoE router stays fp32 (routing is computed in fp32).
                     want = torch.float32 if model.keeps_fp32(ours) else dtype
-                    state[ours] = f.get_tensor(name).to(device=device, dtype=want)
+                    value = (
+                        f.get_tensor(name) if tp is None else load_slice(f, name, ours, tcfg, tp)
+                    )
+                    state[ours] = value.to(device=device, dtype=want)
                     bar.update(state[ours].numel() * item)
     if wrong:
         raise ModelLoadError(
@@ -196,15 +206,23 @@ def _load_weights(
     absent = sorted(n for n, ours in expected.items() if ours not in state)
     if absent:
         raise ModelLoadError(f"tensors listed in the index but absent from their shard: {absent}")
-    model.load_state_dict(state, strict=True, assign=True)
-    model.requires_grad_(False)
-    return model.eval()
+    local.load_state_dict(state, strict=True, assign=True)
+    local.requires_grad_(False)
+    if tp is not None:
+        local.set_tensor_parallel(tp)
+    return local.eval()
 
 
 def load_model(
-    name_or_path: str, device: str = "cpu", dtype: str = "auto", *, revision: str | None = None
+    name_or_path: str,
+    device: str = "cpu",
+    dtype: str = "auto",
+    *,
+    revision: str | None = None,
+    shard: TPShard | None = None,
 ) -> LoadedModel:
-    """Load a checkpoint by embedded name, directory or cached HF id onto ``device`` in ``dtype``.
+    """Load a checkpoint by embedded name, directory or cached HF id onto ``device`` in ``dtype``
+    (with ``shard``: only this tensor-parallel rank's slices, ``models/tensor_parallel.py``).
 
     Raises :class:`ModelLoadError` (bad/missing files, too little memory) or
     ``UnsupportedModelError`` (an architecture this server does not implement).
@@ -224,9 +242,11 @@ def load_model(
         ids = special_ids(config, gen, tokenizer, family, tcfg.vocab_size)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    nbytes = check_memory(tcfg, dt, dev)
+    # A tensor-parallel rank needs memory for its shard only (and an unshardable model is
+    # refused here, before any weight is read).
+    nbytes = check_memory(tcfg if shard is None else shard_config(tcfg, shard.size), dt, dev)
     logger.info("loading %s (%s, %.2f GiB) from %s", family.name, dt, nbytes / 2**30, path)
-    model = _load_weights(path, family, config, tcfg, dev, dt)
+    model = _load_weights(path, family, config, tcfg, dev, dt, shard)
     is_named = name_or_path in EMBEDDED_MODELS or not Path(name_or_path).expanduser().is_dir()
     return LoadedModel(
         # Embedded names and HF ids are what users typed; a directory is named by its last part.

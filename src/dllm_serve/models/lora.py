@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from dllm_serve.models.errors import ModelLoadError
+from dllm_serve.models.hub import EMBEDDED_ADAPTERS
 from dllm_serve.models.transformer import DecoderTransformer
 
 _KEY = re.compile(
@@ -99,9 +100,10 @@ def _adapter_config(path: Path) -> dict[str, Any]:
 def read_draft_lora(
     path: str | Path, model: DecoderTransformer
 ) -> tuple[float, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """``(scale, {layer: (A, B)})`` of a PEFT adapter for ``model``, every name and shape
+    """``(scale, {layer: (A, B)})`` of a PEFT adapter for ``model`` (a directory, or the name
+    of an adapter shipped with an embedded model: ``demo-trimode-lora``), every name and shape
     checked (a :class:`ModelLoadError` names what does not fit)."""
-    path = Path(path)
+    path = Path(EMBEDDED_ADAPTERS.get(str(path), path))
     config = _adapter_config(path)
     rank = int(config["r"])
     scale = config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
@@ -110,7 +112,8 @@ def read_draft_lora(
     except (OSError, SafetensorError) as e:
         raise ModelLoadError(f"cannot read the draft LoRA's adapter_model.safetensors: {e}") from e
     cfg = model.config
-    shapes = {"A": (rank, cfg.n_heads * cfg.head_dim), "B": (cfg.d_model, rank)}
+    ranks = model.tp.size if model.tp is not None else 1  # a shard holds 1/ranks of the heads
+    shapes = {"A": (rank, ranks * cfg.n_heads * cfg.head_dim), "B": (cfg.d_model, rank)}
     found: dict[int, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _KEY.fullmatch(name)
@@ -133,7 +136,12 @@ def attach_draft_lora(model: DecoderTransformer, path: str | Path) -> int:
     returns the number of adapted layers."""
     scale, layers = read_draft_lora(path, model)
     weight = model.embed_tokens.weight
+    width = model.config.n_heads * model.config.head_dim
     for i, (a, b) in layers.items():
+        if model.tp is not None:
+            # Tensor parallelism: A reads this rank's heads (o_proj is row-parallel, so each
+            # rank adds B·A_r·x_r to its partial sum and the all-reduce sums them: exact).
+            a = a[:, model.tp.rank * width : (model.tp.rank + 1) * width]
         attn = model.layers[i].attn
         attn.draft_lora = LoRADelta(
             a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype), scale

@@ -25,6 +25,7 @@ from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.layers import MLP, Attention, Embedding, RMSNorm
 from dllm_serve.models.moe import FP32_PARAMETERS, MoE
 from dllm_serve.models.rope import rope_frequencies, rotary_table
+from dllm_serve.models.tensor_parallel import TPShard, embed_local
 from dllm_serve.models.transformer_config import TransformerConfig
 
 __all__ = ["Block", "DecoderTransformer", "TransformerConfig"]
@@ -44,6 +45,7 @@ class Block(nn.Module):
             self.mlp = MoE(config.d_model, config.moe)
         else:
             self.mlp = MLP(config.d_model, config.mlp_hidden_size)
+        self.tp: TPShard | None = None  # tensor parallelism (set_tensor_parallel)
 
     def forward(
         self,
@@ -65,8 +67,14 @@ class Block(nn.Module):
         kv: tuple[KVPool, int] | None,
         q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn.forward_flat(self.attn_norm(x), cos, sin, batch, kv, q_scale)
-        return x + self.mlp(self.mlp_norm(x))
+        attended = self.attn.forward_flat(self.attn_norm(x), cos, sin, batch, kv, q_scale)
+        if self.tp is not None:  # row-parallel o_proj: each rank holds a partial sum
+            self.tp.all_reduce(attended)
+        x = x + attended
+        mlp = self.mlp(self.mlp_norm(x))
+        if self.tp is not None:  # row-parallel down_proj
+            self.tp.all_reduce(mlp)
+        return x + mlp
 
 
 class DecoderTransformer(nn.Module):
@@ -100,6 +108,15 @@ class DecoderTransformer(nn.Module):
             config.rotary_dim, config.rope_theta, config.rope_scaling
         )
         self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.tp: TPShard | None = None
+
+    def set_tensor_parallel(self, shard: TPShard) -> None:
+        """Make this (sharded) model one rank of a tensor-parallel group: the flat forward
+        all-reduces after each row-parallel layer and embeds vocab-parallel; the LM head then
+        gives this rank's vocabulary slice of the logits (``models/tensor_parallel.py``)."""
+        self.tp = shard
+        for layer in self.layers:
+            layer.tp = shard
 
     @staticmethod
     def keeps_fp32(name: str) -> bool:
@@ -184,7 +201,12 @@ class DecoderTransformer(nn.Module):
         """
         cos, sin = self.rope(batch.positions, batch.max_position)
         q_scale = self.query_scale(batch.positions)
-        x = self.embed_tokens(batch.input_ids)
+        ids = batch.input_ids
+        x = (
+            self.embed_tokens(ids)
+            if self.tp is None
+            else embed_local(self.embed_tokens, ids, self.tp)
+        )
         for i, layer in enumerate(self.layers):
             kv = None if pool is None else (pool, i)
             x = layer.forward_flat(x, cos, sin, batch, kv, q_scale)

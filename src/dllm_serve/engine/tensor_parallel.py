@@ -1,0 +1,196 @@
+"""Tensor-parallel serving: rank 0 runs the API, the scheduler and the samplers; ranks 1…N−1
+are worker processes that only run the forward.
+
+``launch`` starts the workers (``spawn``), joins the ``torch.distributed`` group with them
+(gloo on CPU; NCCL for the forward's collectives on CUDA, with a gloo group for control) and
+loads rank 0's shard. Each step, rank 0's :class:`~dllm_serve.engine.model_runner.ModelRunner`
+broadcasts the step's rows (``RowSpec`` objects: tokens, positions, KV spans — a few hundred
+bytes) on the control group; every rank builds the same flat batch on its own device and
+runs its shard of the forward; the vocabulary slices of the logits are gathered on rank 0.
+The KV pool's slots are chosen by rank 0's scheduler and travel in the rows, so every
+rank's pool (its own KV heads) stays in step without any other message.
+
+Failure of any rank fails the server visibly: rank 0 watches the workers' processes and
+exits with status 1 (after logging which rank died) when one ends unexpectedly; a worker
+whose rank 0 is gone sees its control channel close and exits. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dllm_serve.models.checkpoint_files import read_json
+from dllm_serve.models.families import family_for
+from dllm_serve.models.hub import resolve_model_path
+from dllm_serve.models.loader import LoadedModel, load_model
+from dllm_serve.models.lora import attach_draft_lora
+from dllm_serve.models.tensor_parallel import TPShard, shard_config
+
+logger = logging.getLogger(__name__)
+
+# The control channel idles as long as the server has no request; the forward's collectives
+# never wait long for a live peer.
+_CONTROL_TIMEOUT = datetime.timedelta(days=365)
+_COMPUTE_TIMEOUT = datetime.timedelta(minutes=10)
+STOP = "stop"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _device_for(device: str, rank: int) -> str:
+    """One GPU per rank (``cuda:rank``) on CUDA; every rank on ``cpu`` otherwise."""
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        return f"cuda:{rank}"
+    return "cpu"
+
+
+def _join(rank: int, size: int, init_method: str, device: str) -> tuple[TPShard, Any]:
+    """Join the group: the shard (collectives on the default group) and the control group."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=size, timeout=_COMPUTE_TIMEOUT
+    )
+    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    return TPShard(rank, size, group=None), control
+
+
+@dataclass
+class TensorParallelGroup:
+    """Rank 0's handle on the group: the control channel and the worker processes."""
+
+    shard: TPShard
+    control: Any
+    workers: list[Any]
+    _stopping: bool = False
+    _watcher: threading.Thread | None = field(default=None, repr=False)
+
+    def send(self, message: tuple) -> None:
+        """A control message to every worker (rank 0 only)."""
+        dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def watch(self) -> None:
+        """Exit the process (status 1) as soon as a worker dies unexpectedly."""
+
+        def run() -> None:
+            wait([p.sentinel for p in self.workers])
+            if self._stopping:
+                return
+            dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.workers)
+                    if not p.is_alive()]  # fmt: skip
+            logger.critical("tensor-parallel worker died: %s; stopping the server", dead)
+            os._exit(1)
+
+        self._watcher = threading.Thread(target=run, name="dllm-tp-watch", daemon=True)
+        self._watcher.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self.send((STOP,))
+        except Exception:  # a worker already gone: nothing to tell it
+            logger.warning("could not send stop to the tensor-parallel workers", exc_info=True)
+        for p in self.workers:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+        dist.destroy_process_group()
+
+
+def worker_main(
+    rank: int,
+    size: int,
+    init_method: str,
+    model: str,
+    device: str,
+    dtype: str,
+    draft_lora: str | None,
+    threads: int,
+) -> None:
+    """A worker rank: load this rank's shard, then run every forward rank 0 announces."""
+    from dllm_serve.engine.model_runner import INIT, RUN, ModelRunner
+
+    if threads:
+        torch.set_num_threads(threads)
+    dev = _device_for(device, rank)
+    shard, control = _join(rank, size, init_method, dev)
+    loaded = load_model(model, device=dev, dtype=dtype, shard=shard)
+    if draft_lora is not None:
+        attach_draft_lora(loaded.model, draft_lora)
+    runner = None
+    box: list[Any] = [None]
+    with torch.inference_mode():
+        while True:
+            try:
+                dist.broadcast_object_list(box, src=0, group=control)
+            except Exception:  # rank 0 is gone
+                os._exit(1)
+            message = box[0]
+            if message[0] == STOP:
+                break
+            if message[0] == INIT:
+                runner = ModelRunner(loaded.model, loaded.device, kv_slots=message[1])
+            elif message[0] == RUN:
+                assert runner is not None
+                runner.run(message[1])
+    dist.destroy_process_group()
+
+
+def launch(
+    model: str,
+    device: str,
+    dtype: str,
+    size: int,
+    draft_lora: str | None = None,
+    threads: int = 0,
+) -> LoadedModel:
+    """Start ``size − 1`` workers and load rank 0's shard; the returned model's ``parallel``
+    is the :class:`TensorParallelGroup` its ModelRunner drives. ``draft_lora`` is attached
+    by the workers; the caller attaches it to rank 0's model (after its own checks)."""
+    if size < 2:
+        raise ValueError("a tensor-parallel group needs at least 2 ranks")
+    # Refuse a model that does not shard before any process starts (a clear error, once).
+    config = read_json(resolve_model_path(model) / "config.json")
+    shard_config(family_for(config).transformer_config(config), size)
+    if _device_for(device, 0).startswith("cuda") and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"--tensor-parallel-size {size} needs {size} GPUs, {torch.cuda.device_count()} seen"
+        )
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    workers = [
+        ctx.Process(
+            target=worker_main,
+            args=(rank, size, init_method, model, device, dtype, draft_lora, threads),
+            name=f"dllm-tp-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(1, size)
+    ]
+    for p in workers:
+        p.start()
+    dev = _device_for(device, 0)
+    shard, control = _join(0, size, init_method, dev)
+    group = TensorParallelGroup(shard, control, workers)
+    group.watch()
+    loaded = load_model(model, device=dev, dtype=dtype, shard=shard)
+    loaded.parallel = group  # rank 0 attaches a draft LoRA as without parallelism
+    return loaded

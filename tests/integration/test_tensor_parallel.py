@@ -1,0 +1,138 @@
+"""Tensor parallelism on CPU with gloo, 2 processes on loopback: TP=2 gives exactly the tokens
+of TP=1 (fp32) — LLaDA, Dream (q/k/v biases), I-DLM (q/k norm; also one KV head replicated
+on both ranks), Nemotron tri-mode with a draft LoRA — greedy and seeded; models that do not
+shard are refused before any process starts; through a real server the openai SDK is served
+end to end, and a killed worker makes the server exit non-zero within seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from remote_server import RemoteServer
+
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.engine.tensor_parallel import launch
+from dllm_serve.llm import LLM
+from dllm_serve.models.errors import ModelLoadError
+from dllm_serve.models.tiny import write_tiny, write_tiny_nemotron
+
+QUESTIONS = ["What is 2 + 2?", "Reverse the word cat.", "Sort the letters of dcba."]
+
+
+def generate(model: str, size: int, params: list[DecodingParams], lora: str | None = None):
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    if size == 1:
+        llm = LLM(model, device="cpu", dtype="float32")
+        if lora:
+            from dllm_serve.models.lora import attach_draft_lora
+
+            attach_draft_lora(llm.loaded.model, lora)
+    else:
+        loaded = launch(model, "cpu", "float32", size, draft_lora=lora, threads=1)
+        if lora:
+            from dllm_serve.models.lora import attach_draft_lora
+
+            attach_draft_lora(loaded.model, lora)
+        llm = LLM.from_loaded(loaded)
+    with llm:
+        return [(c.text, c.nfe, c.accepted_drafts) for c in llm.generate(conversations, params)]
+
+
+def both(model: str, params: DecodingParams, lora: str | None = None) -> None:
+    seeded = dataclasses.replace(params, temperature=0.8, seed=7)
+    rows = [params, seeded, params]
+    one = generate(model, 1, rows, lora)
+    two = generate(model, 2, rows, lora)
+    assert two == one
+    assert any(text for text, *_ in one)
+
+
+@pytest.mark.parametrize(
+    ("family", "sizes"),
+    [
+        ("llada", {}),
+        ("dream", {}),
+        ("idlm", {}),
+        ("idlm", {"n_kv_heads": 1}),  # fewer KV heads than ranks: replicated
+    ],
+)
+def test_tp2_gives_the_tokens_of_tp1(family: str, sizes: dict, tmp_path: Path) -> None:
+    path = write_tiny(family, tmp_path / family, seed=5, **sizes)
+    both(str(path), DecodingParams(gen_length=16, steps=16))
+
+
+def test_tp2_tri_mode_with_draft_lora(tmp_path: Path) -> None:
+    path = write_tiny_nemotron(tmp_path / "nemotron", block_size=4, seed=2,
+                               draft_lora_out=tmp_path / "lora")  # fmt: skip
+    for mode in ("linear_spec", "diffusion"):
+        params = DecodingParams(gen_length=12, steps=12, decoding_mode=mode)
+        both(str(path), params, lora=str(tmp_path / "lora"))
+
+
+@pytest.mark.parametrize(
+    ("family", "sizes", "needle"),
+    [
+        ("llada2", {}, "expert parallelism"),
+        ("llada", {"n_heads": 3, "d_model": 48}, "attention heads (3)"),
+    ],
+)
+def test_models_that_do_not_shard_are_refused(
+    family: str, sizes: dict, needle: str, tmp_path: Path
+) -> None:
+    path = write_tiny(family, tmp_path / family, **sizes)
+    with pytest.raises(ModelLoadError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        launch(str(path), "cpu", "float32", 2)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def test_server_with_tp2_serves_the_sdk_and_dies_with_a_worker(tmp_path: Path) -> None:
+    server = RemoteServer.start(
+        ["--model", "demo-llada", "--tensor-parallel-size", "2", "--log-level", "warning"],
+        tmp_path / "log",
+    )
+    try:
+        client = server.client()
+        reply = client.chat.completions.create(
+            model="demo-llada",
+            messages=[{"role": "user", "content": "What is 123 + 456?"}],
+            temperature=0,
+        )
+        assert reply.choices[0].message.content == "123 + 456 = 579"
+        stream = client.chat.completions.create(
+            model="demo-llada",
+            messages=[{"role": "user", "content": "What is 2 + 2?"}],
+            temperature=0,
+            stream=True,
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == (
+            "2 + 2 = 4"
+        )
+        # The spawned ranks (multiprocessing's spawn_main), not its resource tracker.
+        workers = [p for p in _children(server.process.pid)
+                   if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while server.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.process.returncode not in (None, 0)
+        assert "tensor-parallel worker died" in (tmp_path / "log").read_text()
+    finally:
+        server.stop()
