@@ -176,3 +176,14 @@ def test_decoding_modes(tmp_path: Path) -> None:
         (m, kv) for m in bench.MODES for kv in ("none", "prefix")
     }
     assert all(r["nfe_total"] > 0 for r in report["modes"])
+
+
+def test_tensor_parallel(tmp_path: Path) -> None:
+    out = tmp_path / "tp.json"
+    load("tensor_parallel").main(
+        ["--model", "tiny-llada", "--requests", "2", "--gen-length", "8", "--repeat", "1",
+         "--out", str(out)]
+    )  # fmt: skip
+    report = read(out)
+    assert report["identical_answers"] is True  # TP is exact at T = 0
+    assert len(report["pairs"]) == 1 and report["tp2_over_tp1_step_time"] > 0

@@ -135,7 +135,8 @@ def test_missing_path_says_the_directory_does_not_exist(name: str, clean_hf_env:
     assert str(e.value) == (
         f"model {name!r}: directory {resolved} does not exist. Pass a checkpoint directory "
         "(config.json, tokenizer files, *.safetensors), a model id already in the Hugging Face "
-        "cache, or an embedded model. Embedded models: demo-idlm, demo-llada, demo-trimode, tiny-llada"
+        "cache, or an embedded model. Embedded models: demo-idlm, demo-llada, demo-trimode, "
+        "tiny-llada"
     )
 
 
