@@ -244,8 +244,13 @@ def serve(config: ServerConfig) -> None:
     mc = config.model
     try:
         if mc.tensor_parallel_size > 1:
-            from dllm_serve.engine.tensor_parallel import launch
+            from dllm_serve.engine.tensor_parallel import launch, multi_node_rank, worker_main
 
+            rank = multi_node_rank(mc.tensor_parallel_size)
+            if rank:  # a launcher started this process as a worker rank: no API here
+                size = mc.tensor_parallel_size
+                worker_main(rank, size, "env://", mc.model, mc.device, mc.dtype, mc.draft_lora, 0)
+                return
             loaded = launch(mc.model, mc.device, mc.dtype, mc.tensor_parallel_size, mc.draft_lora)
         else:
             loaded = load_model(mc.model, device=mc.device, dtype=mc.dtype)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
-from remote_server import RemoteServer
+from remote_server import RemoteServer, free_port
 
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.tensor_parallel import launch
@@ -136,3 +139,67 @@ def test_server_with_tp2_serves_the_sdk_and_dies_with_a_worker(tmp_path: Path) -
         assert "tensor-parallel worker died" in (tmp_path / "log").read_text()
     finally:
         server.stop()
+
+
+def _rank_env(rank: int, port: int) -> dict[str, str]:
+    return {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+
+
+def _start_rank1(model: str, port: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **_rank_env(1, port)}
+    cmd = [sys.executable, "-m", "dllm_serve", "--model", model, "--tensor-parallel-size", "2"]
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def test_launcher_environment_joins_ranks_started_apart(tmp_path: Path) -> None:
+    """torchrun-style: each rank is its own `dllm-serve` with WORLD_SIZE/RANK/MASTER_*; rank 0
+    serves, rank 1 only runs forwards. A dead rank 1 stops rank 0 at its next step."""
+    port = free_port()
+    rank1 = _start_rank1("tiny-llada", port, tmp_path / "rank1.log")
+    server = RemoteServer.start(
+        ["--tensor-parallel-size", "2", "--device", "cpu", "--log-level", "warning"],
+        tmp_path / "rank0.log",
+        env=_rank_env(0, port),
+    )
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "Hello"}]
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8)
+        with LLM("tiny-llada", device="cpu", dtype="float32") as llm:
+            [want] = llm.generate([messages], DecodingParams(gen_length=8, steps=8))
+        assert reply.choices[0].message.content == want.text
+        rank1.kill()
+        rank1.wait(10)
+        with pytest.raises((openai.APIError, openai.APIConnectionError)):
+            client.chat.completions.create(model="m", messages=messages, max_tokens=8)
+        server.process.wait(20)
+        assert server.process.returncode not in (None, 0)
+        assert "tensor-parallel collective failed" in (tmp_path / "rank0.log").read_text()
+    finally:
+        server.stop()
+        if rank1.poll() is None:
+            rank1.kill()
+
+
+def test_ranks_with_different_checkpoints_are_refused(tmp_path: Path) -> None:
+    port = free_port()
+    other = write_tiny("llada", tmp_path / "other", seed=9)
+    rank1 = _start_rank1(str(other), port, tmp_path / "rank1.log")
+    with pytest.raises(RuntimeError, match="server exited with 1"):
+        RemoteServer.start(
+            ["--tensor-parallel-size", "2", "--device", "cpu"],
+            tmp_path / "rank0.log",
+            env=_rank_env(0, port),
+            timeout=60,
+        )
+    assert rank1.wait(30) != 0
+    for log in ("rank0.log", "rank1.log"):
+        assert "ranks disagree on the checkpoint" in (tmp_path / log).read_text()
+
+
+def test_world_size_must_match_the_flag(tmp_path: Path) -> None:
+    env = {**_rank_env(0, free_port()), "WORLD_SIZE": "4"}
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=4 in the environment but"):
+        RemoteServer.start(["--tensor-parallel-size", "2"], tmp_path / "log", env=env)

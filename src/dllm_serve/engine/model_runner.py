@@ -10,6 +10,7 @@ their first output, which the algorithms mask out). Nothing here reads a device 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from array import array
 from typing import TYPE_CHECKING
@@ -228,14 +229,21 @@ class ModelRunner:
             # more than a small step's whole sampler, so only other callers pay for it here.
             with torch.inference_mode():
                 return self.run(rows)
-        if self.parallel is not None:  # the workers build and run the same batch
-            self.parallel.send((RUN, rows))
-        batch, width = self.build(rows)
-        logits = self.forward(batch)
-        if self.tp is not None:
-            logits = gather_vocab(logits, self.tp)
-            if logits is None:  # a worker: rank 0 samples
-                return None
+        if self.tp is None:
+            batch, width = self.build(rows)
+            return self.forward(batch).view(len(rows), width, -1)
+        try:
+            if self.parallel is not None:  # the workers build and run the same batch
+                self.parallel.send((RUN, rows))
+            batch, width = self.build(rows)
+            logits = gather_vocab(self.forward(batch), self.tp)
+        except (RuntimeError, OSError) as exc:
+            # A collective failed: a rank is gone (or the network between ranks). The group
+            # cannot recover mid-step, so the whole server stops, visibly, never hangs.
+            logger.critical("tensor-parallel collective failed: %s; exiting", exc)
+            os._exit(1)
+        if logits is None:  # a worker: rank 0 samples
+            return None
         return logits.view(len(rows), width, -1)
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ whose rank 0 is gone sees its control channel close and exits. Nothing waits for
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import os
 import socket
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dllm_serve.models.checkpoint_files import read_json
+from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.families import family_for
 from dllm_serve.models.hub import resolve_model_path
 from dllm_serve.models.loader import LoadedModel, load_model
@@ -53,10 +55,58 @@ def _free_port() -> int:
 
 
 def _device_for(device: str, rank: int) -> str:
-    """One GPU per rank (``cuda:rank``) on CUDA; every rank on ``cpu`` otherwise."""
+    """One GPU per rank on CUDA (``cuda:LOCAL_RANK`` when a launcher set it, else
+    ``cuda:rank``); every rank on ``cpu`` otherwise."""
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
-        return f"cuda:{rank}"
+        return f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
     return "cpu"
+
+
+def checkpoint_fingerprint(model: str, sample: int = 1 << 16) -> str:
+    """What every rank must agree on: config.json, and each weight file's name, size and
+    first and last ``sample`` bytes (its header and some weights: enough to tell two
+    checkpoints of one shape apart without reading gigabytes)."""
+    path = resolve_model_path(model)
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            digest.update(f.read(sample))
+            f.seek(max(0, size - sample))
+            digest.update(f.read(sample))
+    return digest.hexdigest()[:16]
+
+
+def _agree(model: str, size: int, control: Any) -> None:
+    """Every rank checks that all ranks load the same checkpoint with the same world size
+    (a clear error on every rank, instead of a forward of mismatched shards)."""
+    mine = (checkpoint_fingerprint(model), size)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=control)
+    wrong = [f"rank {r} {v}" for r, v in enumerate(everyone) if v != everyone[0]]
+    if wrong:
+        raise ModelLoadError(
+            "tensor-parallel ranks disagree on the checkpoint (fingerprint) or the world size: "
+            f"rank 0 {everyone[0]}, " + ", ".join(wrong)
+        )
+
+
+def multi_node_rank(size: int) -> int | None:
+    """This process's rank when a launcher (torchrun, a Kubernetes indexed Job) set the
+    standard ``WORLD_SIZE`` / ``RANK`` environment, else None; the world must be ``size``."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or int(world) == 1:
+        return None
+    if int(world) != size:
+        raise ModelLoadError(
+            f"WORLD_SIZE={world} in the environment but --tensor-parallel-size {size}: every "
+            "rank of the group is one process, so they must be equal"
+        )
+    for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise ModelLoadError(f"WORLD_SIZE={world} is set but {key} is not")
+    return int(os.environ["RANK"])
 
 
 def _join(rank: int, size: int, init_method: str, device: str) -> tuple[TPShard, Any]:
@@ -132,9 +182,14 @@ def worker_main(
         torch.set_num_threads(threads)
     dev = _device_for(device, rank)
     shard, control = _join(rank, size, init_method, dev)
-    loaded = load_model(model, device=dev, dtype=dtype, shard=shard)
-    if draft_lora is not None:
-        attach_draft_lora(loaded.model, draft_lora)
+    try:
+        _agree(model, size, control)
+        loaded = load_model(model, device=dev, dtype=dtype, shard=shard)
+        if draft_lora is not None:
+            attach_draft_lora(loaded.model, draft_lora)
+    except Exception as exc:
+        dist.destroy_process_group()  # else gloo's threads abort the process at exit
+        raise SystemExit(f"dllm-serve (tensor-parallel rank {rank}): {exc}") from None
     runner = None
     box: list[Any] = [None]
     with torch.inference_mode():
@@ -174,23 +229,33 @@ def launch(
         raise ValueError(
             f"--tensor-parallel-size {size} needs {size} GPUs, {torch.cuda.device_count()} seen"
         )
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    ctx = mp.get_context("spawn")
-    workers = [
-        ctx.Process(
-            target=worker_main,
-            args=(rank, size, init_method, model, device, dtype, draft_lora, threads),
-            name=f"dllm-tp-rank{rank}",
-            daemon=True,
-        )
-        for rank in range(1, size)
-    ]
-    for p in workers:
-        p.start()
+    if multi_node_rank(size) is not None:
+        # Every rank was started by a launcher (this is rank 0): join through the environment.
+        init_method, workers = "env://", []
+    else:
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        workers = [
+            ctx.Process(
+                target=worker_main,
+                args=(rank, size, init_method, model, device, dtype, draft_lora, threads),
+                name=f"dllm-tp-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for p in workers:
+            p.start()
     dev = _device_for(device, 0)
     shard, control = _join(0, size, init_method, dev)
     group = TensorParallelGroup(shard, control, workers)
-    group.watch()
-    loaded = load_model(model, device=dev, dtype=dtype, shard=shard)
+    if workers:
+        group.watch()
+    try:
+        _agree(model, size, control)
+        loaded = load_model(model, device=dev, dtype=dtype, shard=shard)
+    except BaseException:
+        group.stop(timeout=5)  # the workers, then the process group: a clean exit status
+        raise
     loaded.parallel = group  # rank 0 attaches a draft LoRA as without parallelism
     return loaded

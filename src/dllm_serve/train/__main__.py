@@ -83,6 +83,12 @@ def main(argv: list[str] | None = None) -> None:
         "not depend on max_tokens",
     )
     p.add_argument(
+        "--tail-min-canvas",
+        type=int,
+        default=0,
+        help="LLaDA: the shortest canvas of the --tail-rows rows (default: their block)",
+    )
+    p.add_argument(
         "--eval-canvases",
         default="",
         help="comma-separated canvas lengths for the final evaluation, e.g. 32,256,1024",
@@ -138,8 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.init and (args.init / "training_report.json").is_file():
         first = json.loads((args.init / "training_report.json").read_text())
-        report["init_from"] = {
-            k: first[k] for k in ("command", "steps", "seconds", "cpu_seconds") if k in first
+        report["init_from"] = {  # the whole chain of earlier stages
+            k: first[k]
+            for k in ("command", "steps", "seconds", "cpu_seconds", "init_from")
+            if k in first
         }
     report["held_out_counts"] = {
         **{f"addition_{n}": len(held_out_additions(n, N_ADDITION // len(STRATA))) for n in STRATA},

@@ -36,13 +36,14 @@ class BatchStream(torch.utils.data.IterableDataset):
         causal_batches: int = 0,
         ar_fraction: float = 0.0,
         tail_rows: int = 0,
+        tail_min_canvas: int = 0,
     ) -> None:
         self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
         self.addition_operands, self.ramp_examples = addition_operands, ramp_examples
         self.causal_batches = causal_batches  # LLaDA: the first batches with a causal mask
         self.llada = family == "llada"
         # LLaDA: rows at long canvases (llada_tail_batch), their own batch beside each one
-        self.tail_rows = tail_rows
+        self.tail_rows, self.tail_min_canvas = tail_rows, tail_min_canvas
         if self.llada:
             self.make = functools.partial(
                 llada_batch, canvas=canvas, weighting=weighting, ar_fraction=ar_fraction
@@ -79,7 +80,7 @@ class BatchStream(torch.utils.data.IterableDataset):
                 tail = [next(stream) for _ in range(self.tail_rows)]
                 yield (
                     self.make(self.loaded, batch, rng, causal=made < causal),
-                    llada_tail_batch(self.loaded, tail, rng),
+                    llada_tail_batch(self.loaded, tail, rng, min_canvas=self.tail_min_canvas),
                 )
             elif self.llada:
                 yield self.make(self.loaded, batch, rng, causal=made < causal)

@@ -143,6 +143,7 @@ def train(args: argparse.Namespace) -> dict:
         causal_batches=args.causal_steps,
         ar_fraction=args.ar_fraction,
         tail_rows=args.tail_rows,
+        tail_min_canvas=getattr(args, "tail_min_canvas", 0),
     )
     batches = batch_iterator(dataset, args.workers)  # before any CUDA use (workers fork)
     model = loaded.model.to(args.device).train()
@@ -186,6 +187,7 @@ def train(args: argparse.Namespace) -> dict:
         "task_weights": weights,
         "spelled": args.spell,
         "tail_rows": args.tail_rows if family == "llada" else None,
+        "tail_min_canvas": getattr(args, "tail_min_canvas", 0) if family == "llada" else None,
         "causal_steps": args.causal_steps if family == "llada" else None,
         "ar_fraction": args.ar_fraction if family == "llada" else None,
         "weighting": args.weighting if family == "llada" else None,

@@ -207,8 +207,14 @@ def _recipe(report: dict[str, Any]) -> str:
     return text
 
 
+def _stages(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's stages, first to last (each ``init_from`` is the stage it continued)."""
+    earlier = _stages(report["init_from"]) if "init_from" in report else []
+    return [*earlier, report]
+
+
 def _training(report: dict[str, Any]) -> str:
-    stages = [*([report["init_from"]] if "init_from" in report else []), report]
+    stages = _stages(report)
     total = sum(s["seconds"] for s in stages) / 60
     spent = f"{total:.0f} minutes in all"
     if all("cpu_seconds" in s for s in stages):  # CPU time: the wall clock of a shared box lies
@@ -221,8 +227,8 @@ def _training(report: dict[str, Any]) -> str:
     if len(stages) == 1:
         return f"{text}:\n\n      {report['command']}"
     return (
-        f"{text}, in two stages: the second continues from the first's weights at a lower "
-        f"learning rate on a fresh example stream (another seed):\n\n"
+        f"{text}, in {len(stages)} stages: each continues from the previous one's weights at "
+        f"a lower learning rate on a fresh example stream (another seed):\n\n"
         + "\n".join(f"      {s['command']}" for s in stages)
     )
 

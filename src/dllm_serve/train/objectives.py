@@ -133,6 +133,7 @@ def llada_tail_batch(
     rng: random.Random,
     max_canvas: int = 1024,
     block_range: tuple[int, int] = (16, 32),
+    min_canvas: int = 0,
 ) -> TrainBatch:
     """Rows in the state of a long canvas's first block: what makes the answer canvas-free.
 
@@ -145,9 +146,11 @@ def llada_tail_batch(
     ``b`` are all MASK (no loss, as at inference they are decoded later); the block is masked
     either at a random ratio or as a suffix after a clean prefix (the left-to-right state
     confidence decoding reaches). Cross-entropy on the block's masked positions.
+    ``min_canvas`` raises the lower end of ``L``'s range (long canvases only).
     """
     b = rng.randint(*block_range)
-    drawn = int(math.exp(rng.uniform(math.log(b), math.log(max_canvas))))
+    low = max(b, min(min_canvas, max_canvas))
+    drawn = int(math.exp(rng.uniform(math.log(low), math.log(max_canvas))))
     encoded = [encode(loaded, ex) for ex in examples]
     length = max(drawn, *(len(answer) for _, answer in encoded))
     rows, targets, weights = [], [], []
