@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=_DEFAULT.model.expert_parallel_size,
+        metavar="N",
+        help="mixture-of-experts models: 1 slices every expert over the tensor-parallel ranks; "
+        "N = --tensor-parallel-size gives each rank E/N whole experts (default: %(default)s)",
+    )
+    parser.add_argument(
         "--max-running-requests",
         type=int,
         default=_DEFAULT.engine.max_running_requests,
@@ -201,6 +209,11 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
         parser.error(str(exc))
     if args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size must be >= 1")
+    if args.expert_parallel_size not in (1, args.tensor_parallel_size):
+        parser.error(
+            "--expert-parallel-size must be 1 or equal to --tensor-parallel-size (experts are "
+            "split over the tensor-parallel ranks)"
+        )
     if args.max_request_bytes < 1:
         parser.error("--max-request-bytes must be >= 1")
     if args.request_timeout is not None and args.request_timeout <= 0:
@@ -224,6 +237,7 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
             dtype=args.dtype,
             draft_lora=args.draft_lora,
             tensor_parallel_size=args.tensor_parallel_size,
+            expert_parallel_size=args.expert_parallel_size,
         ),
         engine=engine,
     )
@@ -246,12 +260,14 @@ def serve(config: ServerConfig) -> None:
         if mc.tensor_parallel_size > 1:
             from dllm_serve.engine.tensor_parallel import launch, multi_node_rank, worker_main
 
-            rank = multi_node_rank(mc.tensor_parallel_size)
+            size, ep = mc.tensor_parallel_size, mc.expert_parallel_size > 1
+            rank = multi_node_rank(size)
             if rank:  # a launcher started this process as a worker rank: no API here
-                size = mc.tensor_parallel_size
-                worker_main(rank, size, "env://", mc.model, mc.device, mc.dtype, mc.draft_lora, 0)
+                worker_main(
+                    rank, size, "env://", mc.model, mc.device, mc.dtype, mc.draft_lora, 0, ep
+                )
                 return
-            loaded = launch(mc.model, mc.device, mc.dtype, mc.tensor_parallel_size, mc.draft_lora)
+            loaded = launch(mc.model, mc.device, mc.dtype, size, mc.draft_lora, expert_parallel=ep)
         else:
             loaded = load_model(mc.model, device=mc.device, dtype=mc.dtype)
         if mc.draft_lora is not None:

@@ -18,6 +18,9 @@ class ModelConfig:
     draft_lora: str | None = None
     # Tensor parallelism: ranks (processes, one GPU each on CUDA) that each hold a shard.
     tensor_parallel_size: int = 1
+    # MoE models under tensor parallelism: 1 slices every expert over the ranks; equal to
+    # tensor_parallel_size splits the experts themselves (expert parallelism).
+    expert_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

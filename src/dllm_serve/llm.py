@@ -47,11 +47,14 @@ class LLM:
         dtype: str = "auto",
         engine_config: EngineConfig | None = None,
         tensor_parallel_size: int = 1,
+        expert_parallel: bool = False,
     ) -> None:
         if tensor_parallel_size > 1:  # worker processes hold the other shards
             from dllm_serve.engine.tensor_parallel import launch
 
-            loaded = launch(model, device, dtype, tensor_parallel_size)
+            loaded = launch(
+                model, device, dtype, tensor_parallel_size, expert_parallel=expert_parallel
+            )
         else:
             loaded = load_model(model, device=device, dtype=dtype)
         self._start(loaded, engine_config)

@@ -27,7 +27,9 @@ from dllm_serve.models.tiny import write_tiny, write_tiny_nemotron
 QUESTIONS = ["What is 2 + 2?", "Reverse the word cat.", "Sort the letters of dcba."]
 
 
-def generate(model: str, size: int, params: list[DecodingParams], lora: str | None = None):
+def generate(
+    model: str, size: int, params: list[DecodingParams], lora: str | None = None, ep: bool = False
+):
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     if size == 1:
         llm = LLM(model, device="cpu", dtype="float32")
@@ -36,7 +38,9 @@ def generate(model: str, size: int, params: list[DecodingParams], lora: str | No
 
             attach_draft_lora(llm.loaded.model, lora)
     else:
-        loaded = launch(model, "cpu", "float32", size, draft_lora=lora, threads=1)
+        loaded = launch(
+            model, "cpu", "float32", size, draft_lora=lora, threads=1, expert_parallel=ep
+        )
         if lora:
             from dllm_serve.models.lora import attach_draft_lora
 
@@ -46,11 +50,11 @@ def generate(model: str, size: int, params: list[DecodingParams], lora: str | No
         return [(c.text, c.nfe, c.accepted_drafts) for c in llm.generate(conversations, params)]
 
 
-def both(model: str, params: DecodingParams, lora: str | None = None) -> None:
+def both(model: str, params: DecodingParams, lora: str | None = None, ep: bool = False) -> None:
     seeded = dataclasses.replace(params, temperature=0.8, seed=7)
     rows = [params, seeded, params]
     one = generate(model, 1, rows, lora)
-    two = generate(model, 2, rows, lora)
+    two = generate(model, 2, rows, lora, ep)
     assert two == one
     assert any(text for text, *_ in one)
 
@@ -77,19 +81,28 @@ def test_tp2_tri_mode_with_draft_lora(tmp_path: Path) -> None:
         both(str(path), params, lora=str(tmp_path / "lora"))
 
 
+@pytest.mark.parametrize("family", ["llada2", "lladamoe"])
+@pytest.mark.parametrize("ep", [False, True], ids=["experts-sliced", "expert-parallel"])
+def test_tp2_mixture_of_experts(family: str, ep: bool, tmp_path: Path) -> None:
+    """LLaDA2 (fused q/k/v, sigmoid group-limited routing, shared expert) and LLaDA-MoE
+    (softmax routing): experts sliced over both ranks, or split between them (EP=2)."""
+    path = write_tiny(family, tmp_path / family, seed=4)
+    both(str(path), DecodingParams(gen_length=8, steps=8), ep=ep)
+
+
 @pytest.mark.parametrize(
-    ("family", "sizes", "needle"),
+    ("family", "sizes", "ep", "needle"),
     [
-        ("llada2", {}, "expert parallelism"),
-        ("llada", {"n_heads": 3, "d_model": 48}, "attention heads (3)"),
+        ("llada", {"n_heads": 3, "d_model": 48}, False, "attention heads (3)"),
+        ("llada", {}, True, "applies to mixture-of-experts models only"),
     ],
 )
 def test_models_that_do_not_shard_are_refused(
-    family: str, sizes: dict, needle: str, tmp_path: Path
+    family: str, sizes: dict, ep: bool, needle: str, tmp_path: Path
 ) -> None:
     path = write_tiny(family, tmp_path / family, **sizes)
     with pytest.raises(ModelLoadError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        launch(str(path), "cpu", "float32", 2)
+        launch(str(path), "cpu", "float32", 2, expert_parallel=ep)
 
 
 def _children(pid: int) -> list[int]:

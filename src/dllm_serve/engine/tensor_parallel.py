@@ -109,7 +109,9 @@ def multi_node_rank(size: int) -> int | None:
     return int(os.environ["RANK"])
 
 
-def _join(rank: int, size: int, init_method: str, device: str) -> tuple[TPShard, Any]:
+def _join(
+    rank: int, size: int, init_method: str, device: str, expert_parallel: bool
+) -> tuple[TPShard, Any]:
     """Join the group: the shard (collectives on the default group) and the control group."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
@@ -118,7 +120,7 @@ def _join(rank: int, size: int, init_method: str, device: str) -> tuple[TPShard,
         backend, init_method=init_method, rank=rank, world_size=size, timeout=_COMPUTE_TIMEOUT
     )
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    return TPShard(rank, size, group=None), control
+    return TPShard(rank, size, group=None, expert_parallel=expert_parallel), control
 
 
 @dataclass
@@ -174,6 +176,7 @@ def worker_main(
     dtype: str,
     draft_lora: str | None,
     threads: int,
+    expert_parallel: bool = False,
 ) -> None:
     """A worker rank: load this rank's shard, then run every forward rank 0 announces."""
     from dllm_serve.engine.model_runner import INIT, RUN, ModelRunner
@@ -181,7 +184,7 @@ def worker_main(
     if threads:
         torch.set_num_threads(threads)
     dev = _device_for(device, rank)
-    shard, control = _join(rank, size, init_method, dev)
+    shard, control = _join(rank, size, init_method, dev, expert_parallel)
     try:
         _agree(model, size, control)
         loaded = load_model(model, device=dev, dtype=dtype, shard=shard)
@@ -216,6 +219,7 @@ def launch(
     size: int,
     draft_lora: str | None = None,
     threads: int = 0,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Start ``size − 1`` workers and load rank 0's shard; the returned model's ``parallel``
     is the :class:`TensorParallelGroup` its ModelRunner drives. ``draft_lora`` is attached
@@ -224,7 +228,7 @@ def launch(
         raise ValueError("a tensor-parallel group needs at least 2 ranks")
     # Refuse a model that does not shard before any process starts (a clear error, once).
     config = read_json(resolve_model_path(model) / "config.json")
-    shard_config(family_for(config).transformer_config(config), size)
+    shard_config(family_for(config).transformer_config(config), size, 0, expert_parallel)
     if _device_for(device, 0).startswith("cuda") and torch.cuda.device_count() < size:
         raise ValueError(
             f"--tensor-parallel-size {size} needs {size} GPUs, {torch.cuda.device_count()} seen"
@@ -238,7 +242,17 @@ def launch(
         workers = [
             ctx.Process(
                 target=worker_main,
-                args=(rank, size, init_method, model, device, dtype, draft_lora, threads),
+                args=(
+                    rank,
+                    size,
+                    init_method,
+                    model,
+                    device,
+                    dtype,
+                    draft_lora,
+                    threads,
+                    expert_parallel,
+                ),
                 name=f"dllm-tp-rank{rank}",
                 daemon=True,
             )
@@ -247,7 +261,7 @@ def launch(
         for p in workers:
             p.start()
     dev = _device_for(device, 0)
-    shard, control = _join(0, size, init_method, dev)
+    shard, control = _join(0, size, init_method, dev, expert_parallel)
     group = TensorParallelGroup(shard, control, workers)
     if workers:
         group.watch()

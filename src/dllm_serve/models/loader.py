@@ -30,7 +30,7 @@ from dllm_serve.models.errors import InsufficientMemoryError, ModelLoadError
 from dllm_serve.models.families import Family, family_for
 from dllm_serve.models.hub import EMBEDDED_MODELS, resolve_model_path
 from dllm_serve.models.memory import check_memory
-from dllm_serve.models.tensor_parallel import TPShard, load_slice, shard_config
+from dllm_serve.models.tensor_parallel import TPShard, load_slice, local_name, shard_config
 from dllm_serve.models.tokenization import load_tokenizer, special_ids
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
 
@@ -173,12 +173,18 @@ def _load_weights(
     with torch.device("meta"):
         model = DecoderTransformer(tcfg)
         # Under tensor parallelism: the checkpoint holds the full shapes, this rank a slice.
-        local = model if tp is None else DecoderTransformer(shard_config(tcfg, tp.size))
+        local = (
+            model
+            if tp is None
+            else DecoderTransformer(shard_config(tcfg, tp.size, tp.rank, tp.expert_parallel))
+        )
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    # Our name of each checkpoint tensor on this rank (None: another rank's expert).
+    mine = {n: ours if tp is None else local_name(ours, tcfg, tp) for n, ours in expected.items()}
     state: dict[str, torch.Tensor] = {}
     wrong: list[str] = []
     item = torch.empty((), dtype=dtype).element_size()
-    total = sum(torch.Size(s).numel() for s in shapes.values()) * item
+    total = sum(v.numel() for v in local.state_dict().values()) * item
     with _progress(total, f"Loading {path.name}") as bar:
         for shard in sorted(set(files.values())):
             with open_safetensors(shard) as f:
@@ -192,18 +198,20 @@ def _load_weights(
                             f"{name}: checkpoint {list(shape)}, config implies {list(shapes[ours])}"
                         )
                         continue
+                    if mine[name] is None:
+                        continue  # an expert another rank holds (expert parallelism)
                     # The MoE router stays fp32 (routing is computed in fp32).
                     want = torch.float32 if model.keeps_fp32(ours) else dtype
                     value = (
                         f.get_tensor(name) if tp is None else load_slice(f, name, ours, tcfg, tp)
                     )
-                    state[ours] = value.to(device=device, dtype=want)
-                    bar.update(state[ours].numel() * item)
+                    state[mine[name]] = value.to(device=device, dtype=want)
+                    bar.update(value.numel() * item)
     if wrong:
         raise ModelLoadError(
             f"tensor shapes in {path} do not match config.json: " + "; ".join(wrong)
         )
-    absent = sorted(n for n, ours in expected.items() if ours not in state)
+    absent = sorted(n for n, ours in mine.items() if ours is not None and ours not in state)
     if absent:
         raise ModelLoadError(f"tensors listed in the index but absent from their shard: {absent}")
     local.load_state_dict(state, strict=True, assign=True)
@@ -244,7 +252,8 @@ def load_model(
         raise ModelLoadError(f"{path}: {e}") from None
     # A tensor-parallel rank needs memory for its shard only (and an unshardable model is
     # refused here, before any weight is read).
-    nbytes = check_memory(tcfg if shard is None else shard_config(tcfg, shard.size), dt, dev)
+    local = tcfg if shard is None else shard_config(tcfg, shard.size, 0, shard.expert_parallel)
+    nbytes = check_memory(local, dt, dev)
     logger.info("loading %s (%s, %.2f GiB) from %s", family.name, dt, nbytes / 2**30, path)
     model = _load_weights(path, family, config, tcfg, dev, dt, shard)
     is_named = name_or_path in EMBEDDED_MODELS or not Path(name_or_path).expanduser().is_dir()

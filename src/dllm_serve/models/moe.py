@@ -58,8 +58,9 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = Router(d_model, cfg)
+        # Under expert parallelism only this rank's experts (cfg.local_experts), indexed from 0.
         self.experts = nn.ModuleList(
-            MLP(d_model, cfg.expert_hidden_size) for _ in range(cfg.num_experts)
+            MLP(d_model, cfg.expert_hidden_size) for _ in cfg.local_experts
         )
         self.shared = MLP(d_model, cfg.shared_hidden_size) if cfg.shared_hidden_size else None
 
@@ -79,9 +80,14 @@ class MoE(nn.Module):
         picks = ids.flatten()
         order = picks.argsort(stable=True)
         counts = torch.bincount(picks, minlength=self.cfg.num_experts).tolist()  # one sync
-        out = flat.new_empty(picks.shape[0], shape[-1])
-        start = 0
-        for expert, count in zip(self.experts, counts, strict=True):
+        local = self.cfg.local_experts
+        # Under expert parallelism the picks of other ranks' experts stay zero here: each rank
+        # returns a partial sum, which the tensor-parallel all-reduce completes.
+        out = (flat.new_zeros if len(local) < len(counts) else flat.new_empty)(
+            picks.shape[0], shape[-1]
+        )
+        start = sum(counts[: local.start])
+        for expert, count in zip(self.experts, counts[local.start : local.stop], strict=True):
             if count:
                 rows = order[start : start + count]
                 out[rows] = expert(flat[rows // k])

@@ -37,6 +37,16 @@ class MoEConfig:
     first_dense_layers: int = 0
     renormalize: bool = True  # divide the chosen experts' scores by their sum
     moe_layers: tuple[bool, ...] | None = None
+    # Expert parallelism (rank, ranks): this module holds experts rank·E/ranks … (rank+1)·E/ranks
+    # − 1 only (models/tensor_parallel.py); (0, 1) holds them all.
+    expert_ranks: tuple[int, int] = (0, 1)
+
+    @property
+    def local_experts(self) -> range:
+        """The ids of the experts this module holds."""
+        rank, ranks = self.expert_ranks
+        per = self.num_experts // ranks
+        return range(rank * per, (rank + 1) * per)
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
