@@ -24,10 +24,16 @@ from dllm_serve.train.trimode import finish
 __all__ = ["main", "server_params"]
 
 
+# Flags that only a tri-mode run reads: left out of other families' commands.
+_TRI_MODE_ONLY = ("block_size", "lora_steps", "lora_rank", "lora_lr", "eval_questions")
+
+
 def command_line(args: dict) -> str:
     """The command that repeats this run (flags set to True are bare; False/None/"" left out)."""
     parts = ["python -m dllm_serve.train"]
     for key, value in args.items():
+        if key in _TRI_MODE_ONLY and args.get("family") != "nemotron":
+            continue
         flag = "--" + key.replace("_", "-")
         if value is True:
             parts.append(flag)
