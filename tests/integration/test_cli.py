@@ -33,7 +33,7 @@ def test_unknown_model_fails_fast_with_message(tmp_path: Path) -> None:
         f"dllm-serve: model {str(missing)!r}: directory {missing} does not exist. Pass a "
         "checkpoint directory (config.json, tokenizer files, *.safetensors), a model id already "
         "in the Hugging Face cache, or an embedded model. Embedded models: demo-idlm, "
-        "demo-llada, tiny-llada"
+        "demo-llada, demo-trimode, tiny-llada"
     )
 
 

@@ -1,5 +1,6 @@
 """The trained demo models through a real server and the openai SDK: `dllm-serve` with no
-arguments serves demo-llada, `--model demo-idlm` the I-DLM demo, and both answer."""
+arguments serves demo-llada, `--model demo-idlm` the I-DLM demo, `--model demo-trimode` the
+tri-mode demo, and all of them answer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from remote_server import RemoteServer
 from dllm_serve.models.families.llada import LLADA
 from dllm_serve.models.hub import EMBEDDED_MODELS
 from dllm_serve.models.tokenization import load_tokenizer
+from dllm_serve.train.tasks import STRATA, held_out_additions, held_out_set
 
 QUESTION = [{"role": "user", "content": "What is 123 + 456?"}]
 
@@ -57,5 +59,42 @@ def test_demo_idlm_answers_with_accepted_drafts(tmp_path: Path) -> None:
         assert diffusion["drafted_tokens"] > 0
         assert diffusion["accepted_drafts"] / diffusion["drafted_tokens"] > 0.5
         assert diffusion["nfe"] < reply.usage.completion_tokens
+    finally:
+        server.stop()
+
+
+def test_demo_trimode_linear_spec_answers_what_ar_answers_in_fewer_forwards(
+    tmp_path: Path,
+) -> None:
+    """demo-trimode with its draft LoRA, held-out questions: `linear_spec` (the default mode)
+    gives exactly `ar`'s answers at T = 0, with fewer forwards; `diffusion` answers too."""
+    server = RemoteServer.start(
+        ["--model", "demo-trimode", "--draft-lora", "demo-trimode-lora", "--log-level",
+         "warning"],
+        tmp_path / "log",
+    )  # fmt: skip
+    questions = [e.question for s in STRATA for e in held_out_additions(s, 3)]
+    questions += [e.question for e in held_out_set(3, task="reverse_word")]
+    try:
+        client = server.client()
+        forwards = {"ar": 0, "linear_spec": 0}
+        for question in questions:
+            messages = [{"role": "user", "content": question}]
+            ar = client.chat.completions.create(
+                model="m", messages=messages, extra_body={"decoding_mode": "ar"}
+            )
+            spec = client.chat.completions.create(model="m", messages=messages)
+            assert spec.choices[0].message.content == ar.choices[0].message.content, question
+            forwards["ar"] += ar.usage.model_extra["diffusion"]["nfe"]
+            forwards["linear_spec"] += spec.usage.model_extra["diffusion"]["nfe"]
+        assert forwards["linear_spec"] < forwards["ar"]
+        two = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "What is 2 + 2?"}]
+        )
+        assert two.choices[0].message.content == "2 + 2 = 4"
+        diffusion = client.chat.completions.create(
+            model="m", messages=QUESTION, extra_body={"decoding_mode": "diffusion"}
+        )
+        assert diffusion.choices[0].finish_reason == "stop"
     finally:
         server.stop()

@@ -74,3 +74,23 @@ def test_demo_answers_do_not_depend_on_max_tokens(name: str) -> None:
     assert answers[32] == ["2 + 2 = 4", "15 + 27 = 42", "123 + 456 = 579"]
     assert answers[16] == answers[256] == answers[1024] == answers[32]
     assert server_params(1024) == DecodingParams(gen_length=1024, steps=1024, block_length=32)
+
+
+def test_demo_trimode_checkpoint_adapter_card_and_exactness() -> None:
+    """The tri-mode demo: Nemotron format, its PEFT draft LoRA loads by name, the card shows
+    every mode's measured row, and LinearSpec answered every held-out question as ar did."""
+    from dllm_serve.models.lora import attach_draft_lora
+    from dllm_serve.train.trimode_card import mode_table
+
+    path = Path(EMBEDDED_MODELS["demo-trimode"])
+    assert (path / "model.safetensors").stat().st_size <= 20_000_000
+    loaded = load_model("demo-trimode", device="cpu", dtype="float32")
+    assert loaded.family.name == "nemotron" and loaded.family.tri_mode
+    assert attach_draft_lora(loaded.model, "demo-trimode-lora") == loaded.model.config.n_layers
+    report = json.loads((path / "training_report.json").read_text())
+    by_mode = report["held_out_by_mode"]
+    card = (path / "README.md").read_text()
+    assert card.startswith("# demo-trimode\n") and report["command"] in card
+    assert mode_table(by_mode) in card
+    for mode in ("linear_spec", "linear_spec+lora"):
+        assert by_mode[mode]["same_answers_as_ar"] == by_mode["questions"]
