@@ -187,3 +187,16 @@ def test_tensor_parallel(tmp_path: Path) -> None:
     report = read(out)
     assert report["identical_answers"] is True  # TP is exact at T = 0
     assert len(report["pairs"]) == 1 and report["tp2_over_tp1_step_time"] > 0
+
+
+def test_trimode_modes(tmp_path: Path) -> None:
+    out = tmp_path / "trimode.json"
+    load("trimode_modes").main(["--n", "1", "--n-other", "1", "--workers", "2", "--out", str(out)])
+    report = read(out)
+    assert set(report["modes"]) == {"ar", "diffusion", "linear_spec", "ar+lora", "linear_spec+lora"}
+    questions = report["questions"]
+    # LinearSpec is exact at T = 0, with or without the draft-only LoRA; so is ar with it loaded.
+    for mode in ("linear_spec", "ar+lora", "linear_spec+lora"):
+        assert report["modes"][mode]["same_as_ar"] == questions
+    assert report["modes"]["ar"]["drafted"] == 0 and report["modes"]["linear_spec"]["drafted"] > 0
+    assert report["ar_over_linear_spec_lora"] > 0
