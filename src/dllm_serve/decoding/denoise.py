@@ -49,6 +49,12 @@ class LLaDADenoiser:
     Family rules: with ``logit_shift`` (Dream, I-DLM) the logits that predict position ``j``
     come from position ``j − 1``; with ``bidirectional=False`` the forward is causal.
 
+    Mask lookahead (``mask_lookahead``, None by default = the reference): a forward includes
+    the prompt, the committed blocks, the active block and at most that many masks after it.
+    Positions after the active block are all masks, so this only drops MASK keys; a model
+    trained on canvases of one block (the demos) then reads a 1024-token canvas block by
+    block exactly as it reads a one-block canvas, and a forward costs a block, not a canvas.
+
     Prefix KV cache (``prefix_cache``; ``decoding/prefix_cache.py``): the first step of each
     block is the full forward and keeps the committed prefix's keys and values; the block's
     other steps forward only the canvas from the block on. Commit rules, schedules and the
@@ -74,6 +80,7 @@ class LLaDADenoiser:
         logit_shift: bool = False,
         bidirectional: bool = True,
         prefix_cache: bool = False,
+        mask_lookahead: int | None = None,
     ) -> None:
         if mask_id in stop_ids:
             raise ValueError("the mask id cannot be a stop id")
@@ -82,6 +89,9 @@ class LLaDADenoiser:
         self.logit_shift = logit_shift
         self.attention = AttentionKind.BIDIRECTIONAL if bidirectional else AttentionKind.CAUSAL
         self.prefix_cache = prefix_cache
+        if mask_lookahead is not None and mask_lookahead < 0:
+            raise ValueError("mask_lookahead must be >= 0 (None: the whole canvas)")
+        self.mask_lookahead = mask_lookahead
         self._shift = 1 if logit_shift else 0
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -101,6 +111,7 @@ class LLaDADenoiser:
             generator=new_generator(params, device),
             mask_id=self.mask_id,
             stop_ids=stop_ids,
+            mask_lookahead=self.mask_lookahead,
         )
         self._start_block(state)
         return state
@@ -117,8 +128,9 @@ class LLaDADenoiser:
             raise RuntimeError("prepare() called on a finished request")
         if state.kv is not None:
             return prefix_spec(state, self._shift, self.attention)
+        window = state.mask_lookahead is not None
         return RowSpec(
-            tokens=state.tokens,
+            tokens=state.tokens[: state.visible_end] if window else state.tokens,
             start=0,
             # Shifted families predict position j at j − 1; j − 1 ≥ prompt_len − 1 ≥ 0.
             logits_at=[p - self._shift for p in state.masked],

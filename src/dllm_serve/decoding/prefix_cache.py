@@ -12,7 +12,8 @@ little within one block. So, per block:
    with ``c = lo − shift`` (below). Nothing from an older block survives: the whole prefix is
    recomputed with the current canvas.
 2. **Cached steps** (the rest of the block): forward only ``x[c:]`` (the current block and the
-   later, still-masked blocks) at positions ``c, c+1, …``, attending to the cached prefix. Their
+   later, still-masked blocks — up to ``state.visible_end`` with a mask lookahead) at
+   positions ``c, c+1, …``, attending to the cached prefix. Their
    K/V are written past the prefix and never kept. The prefix K/V are stale w.r.t. the commits
    made since the refresh — that is the approximation, and it is reset at every block boundary.
 
@@ -55,7 +56,7 @@ def prefix_spec(state: DenoiseState, shift: int, attention: AttentionKind) -> Ro
         raise RuntimeError(f"prefix cache holds {span.length} positions, expected {c}")
     start = span.length
     return RowSpec(
-        tokens=state.tokens[start:],
+        tokens=state.tokens[start : state.visible_end],
         start=start,
         logits_at=[p - shift - start for p in state.masked],
         attention=attention,

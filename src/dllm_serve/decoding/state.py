@@ -51,6 +51,10 @@ class DenoiseState:
     kv: KVSpan | None = None
     drafted: int | None = None  # self-speculation counters (not used by diffusion decoding)
     accepted_drafts: int | None = None
+    # Masked positions past the active block that a forward includes (None: the whole canvas,
+    # the reference loop). A model trained on short canvases sets it (generation_config.json
+    # ``mask_lookahead``) so that a long canvas is seen block by block as a short one is.
+    mask_lookahead: int | None = None
 
     @property
     def canvas(self) -> torch.Tensor:
@@ -63,11 +67,21 @@ class DenoiseState:
         return False
 
     @property
+    def visible_end(self) -> int:
+        """End of the canvas the next forward includes: everything, or with a mask lookahead
+        the active block and at most ``mask_lookahead`` masks after it. Later positions are
+        all still masked (blocks commit left to right), so leaving them out only removes MASK
+        keys that the active block would otherwise attend to."""
+        if self.mask_lookahead is None:
+            return len(self.tokens)
+        return min(len(self.tokens), self.active_block[1] + self.mask_lookahead)
+
+    @property
     def row_length(self) -> int:
         """Tokens this request puts in its next forward (the scheduler's token budget)."""
         if self.kv is not None and self.kv.length:
-            return len(self.tokens) - self.kv.length
-        return len(self.tokens)
+            return self.visible_end - self.kv.length
+        return self.visible_end
 
     @property
     def tokens_per_forward(self) -> float:

@@ -102,6 +102,7 @@ def _one_mode(
         logit_shift=loaded.family.logit_shift,
         bidirectional=loaded.family.bidirectional,
         prefix_cache=config.kv_cache == "prefix",
+        mask_lookahead=loaded.mask_lookahead,
     )
 
 

@@ -105,3 +105,13 @@ def positive_int(gen: dict[str, Any], key: str, gen_path: Path) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ModelLoadError(f"{gen_path}: {key} must be a positive integer: {value!r}")
     return value
+
+
+def non_negative_int(gen: dict[str, Any], key: str, gen_path: Path) -> int | None:
+    """``gen[key]`` when it is an integer ≥ 0, None when absent; anything else is refused."""
+    value = gen.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ModelLoadError(f"{gen_path}: {key} must be a non-negative integer: {value!r}")
+    return value

@@ -21,6 +21,7 @@ import torch
 
 from dllm_serve.models.checkpoint_files import (
     default_gen_length,
+    non_negative_int,
     open_safetensors,
     positive_int,
     read_json,
@@ -78,6 +79,9 @@ class LoadedModel:
     # The block a long canvas is decoded in when a request names none: generation_config.json's
     # block_length, else its max_new_tokens (the canvas our demo models were trained on).
     default_block_length: int | None = None
+    # generation_config.json's mask_lookahead: how many masks past the active block a
+    # diffusion forward includes (None: the whole canvas, the reference; decoding/denoise.py).
+    mask_lookahead: int | None = None
     vocab_size: int = 0  # rows of the embedding: valid token ids are 0 .. vocab_size - 1
     # Block-diffusion families: the trained block (config.json block_size), else None.
     block_size: int | None = None
@@ -271,6 +275,7 @@ def load_model(
         default_gen_length=default_gen_length(gen, gen_path),
         default_block_length=positive_int(gen, "block_length", gen_path)
         or default_gen_length(gen, gen_path),
+        mask_lookahead=non_negative_int(gen, "mask_lookahead", gen_path),
         vocab_size=tcfg.vocab_size,
         block_size=family.block_size(config, positive_int(gen, "block_length", gen_path)),
         **ids,

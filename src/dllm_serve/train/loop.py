@@ -88,6 +88,10 @@ def write_skeleton(
     gen_path = out / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
     gen["max_new_tokens"] = canvas
+    if family == "llada":
+        # Served block by block with no masks past the active block, so a long canvas is read
+        # as the trained one is and answers do not depend on max_tokens (docs/decoding.md).
+        gen["mask_lookahead"] = 0
     gen_path.write_text(json.dumps(gen, indent=2) + "\n")
 
 

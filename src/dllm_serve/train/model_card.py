@@ -69,7 +69,7 @@ model: it answers the kinds of question below, and little else.
 - Shape: d_model {d}, {layers} layers, {report["parameters"]:,} parameters, stored in bf16
   ({size_mb:.1f} MB). Real chat template, tokenizer and special tokens of the format (see
   `docs/models.md`){_spelled(report)}; `generation_config.json` sets `max_new_tokens` 32, the
-  server's default canvas for this model.
+  server's default canvas for this model{_lookahead(family)}.
 - Training: {_training(report)}
 """
     (out / "README.md").write_text(text)
@@ -237,3 +237,12 @@ def machine(threads: int, device: str) -> str:
     if device != "cpu":
         return f"{device} ({platform.machine()})"
     return f"{threads} CPU thread(s), {platform.processor() or platform.machine()}"
+
+
+def _lookahead(family: str) -> str:
+    if family != "llada":
+        return ""
+    return (
+        ", and `mask_lookahead` 0: a forward holds the active block and no masks after it, so "
+        "a long canvas is read block by block as the 32-token one is"
+    )
