@@ -6,10 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from dllm_serve.decoding.commit import threshold_commit_rows, topk_commit_rows
+from dllm_serve.decoding.commit_rows import commit_by_row_rule
 from dllm_serve.decoding.confidence import entropy_inverse_of
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
-from dllm_serve.decoding.local_leap import local_leap_commit_rows
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.prefix_cache import after_step, prefix_spec, reset_for_block
 from dllm_serve.decoding.sampling import argmax, gumbel_argmax, new_generator
@@ -185,59 +184,10 @@ class LLaDADenoiser:
         if valid is not None:
             score = score.masked_fill(~valid, float("-inf"))
 
-        commit = self._commit_rule(states, score, k, device)
+        commit = commit_by_row_rule(states, score, k, device)
         if valid is not None:
             commit &= valid
         return torch.where(commit, x0, self.mask_id)
-
-    def _commit_rule(
-        self,
-        states: Sequence[DenoiseState],
-        score: torch.Tensor,
-        k: torch.Tensor,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """Which proposals each row commits, under each row's own rule (``[R, M]`` bool)."""
-        modes = [s.params.mode for s in states]
-        commit = topk_commit_rows(score, k) if "topk" in modes else None
-        if modes.count("topk") == len(modes):
-            assert commit is not None
-            return commit
-        params = [s.params for s in states]
-        floats = torch.tensor(
-            [p.confidence_threshold or p.local_leap_anchor_threshold for p in params]
-            + [p.local_leap_neighbor_threshold for p in params],
-            dtype=score.dtype,
-        ).to(device, non_blocking=True)
-        kappa, tau = floats[: len(params)], floats[len(params) :]
-        rule = threshold_commit_rows(score, kappa) if "threshold" in modes else None
-        if "local_leap" in modes:
-            span = max(s.params.block_length or 1 for s in states)
-            offsets, radius = self._offsets(states, score.shape[1], device)
-            leap = local_leap_commit_rows(score, offsets, kappa, tau, radius, span)
-            is_leap = torch.tensor([m == "local_leap" for m in modes]).to(device)
-            rule = leap if rule is None else torch.where(is_leap[:, None], leap, rule)
-        assert rule is not None
-        if commit is None:
-            return rule
-        is_topk = torch.tensor([m == "topk" for m in modes]).to(device)
-        return torch.where(is_topk[:, None], commit, rule)
-
-    @staticmethod
-    def _offsets(
-        states: Sequence[DenoiseState], width: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block offsets ``[R, M]`` of each row's masked positions (padding repeats the last)
-        and each row's LocalLeap radius ``[R]``."""
-        flat: list[int] = []
-        for s in states:
-            lo, _ = s.active_block
-            offs = [p - lo for p in s.masked] or [0]
-            flat.extend(offs + [offs[-1]] * (width - len(offs)))
-        flat.extend(s.params.local_leap_radius for s in states)
-        packed = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
-        rows = len(states)
-        return packed[: rows * width].view(rows, width), packed[rows * width :]
 
     def commit(
         self, states: Sequence[DenoiseState], committed: Sequence[Sequence[int]]

@@ -99,19 +99,20 @@ def default_gen_length(gen: dict[str, Any], gen_path: Path) -> int | None:
 
 
 def positive_int(gen: dict[str, Any], key: str, gen_path: Path) -> int | None:
-    value = gen.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ModelLoadError(f"{gen_path}: {key} must be a positive integer: {value!r}")
-    return value
+    return _int_at_least(gen, key, gen_path, 1, "a positive integer")
 
 
 def non_negative_int(gen: dict[str, Any], key: str, gen_path: Path) -> int | None:
-    """``gen[key]`` when it is an integer ≥ 0, None when absent; anything else is refused."""
+    return _int_at_least(gen, key, gen_path, 0, "a non-negative integer")
+
+
+def _int_at_least(
+    gen: dict[str, Any], key: str, gen_path: Path, minimum: int, what: str
+) -> int | None:
+    """``gen[key]`` when it is an integer ≥ ``minimum``, None when absent; else refused."""
     value = gen.get(key)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ModelLoadError(f"{gen_path}: {key} must be a non-negative integer: {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ModelLoadError(f"{gen_path}: {key} must be {what}: {value!r}")
     return value
