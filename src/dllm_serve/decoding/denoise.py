@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+from itertools import compress
 
 import torch
 
@@ -147,7 +149,8 @@ class LLaDADenoiser:
         device = logits.device
         counts = [len(s.masked) for s in states]
         topk = [s.schedule[s.step] if s.params.mode == "topk" else -1 for s in states]
-        ints = torch.tensor(counts + topk, dtype=torch.long).to(device, non_blocking=True)
+        ints = torch.frombuffer(array("q", counts + topk), dtype=torch.long)
+        ints = ints.to(device, non_blocking=True)
         count, k = ints[:rows], ints[rows:]
         # Padding entries (rows with fewer masks than the widest) must never commit; when
         # every row is as wide as the batch there is none, and no mask is needed.
@@ -158,10 +161,7 @@ class LLaDADenoiser:
         # the count (dInfer guards the same way). Excluding it here also removes it from the
         # distribution the confidence is computed under. In place: the logits are this step's.
         z = _writable(logits.float())
-        z[..., self.mask_id] = float("-inf")
-        # One fused softmax serves both metrics: top1_prob is p[x0] (LLaDA's low_confidence,
-        # the untempered probability of the proposal), entropy_inverse is exp(−H(p)).
-        probs = torch.softmax(z, dim=-1)
+        z.select(-1, self.mask_id).fill_(float("-inf"))
         sampled = {}
         for r, state in enumerate(states):
             # A zero-commit step draws no noise, so the generator stays in step.
@@ -171,6 +171,11 @@ class LLaDADenoiser:
         x0 = argmax(z)  # greedy proposals (the first maximum, as torch.argmax)
         for r, tokens in sampled.items():
             x0[r, : tokens.shape[0]] = tokens
+        # One fused softmax serves both metrics: top1_prob is p[x0] (LLaDA's low_confidence,
+        # the untempered probability of the proposal), entropy_inverse is exp(−H(p)). The
+        # proposals are drawn, so on CPU it overwrites the logits (no fresh [R, M, V] buffer
+        # to fault in every step); the CUDA caching allocator makes a new one free there.
+        probs = torch.softmax(z, dim=-1, out=z) if device.type == "cpu" else torch.softmax(z, -1)
         metrics = {s.params.confidence_metric for s in states}
         if metrics == {"entropy_inverse"}:
             score = entropy_inverse_of(probs)
@@ -198,14 +203,13 @@ class LLaDADenoiser:
     def _commit_row(self, state: DenoiseState, row: Sequence[int]) -> StepResult:
         if state.finished:
             raise RuntimeError("commit() called on a finished request")
-        mask_id, tokens = self.mask_id, state.tokens
-        still: list[int] = []
-        for pos, token in zip(state.masked, row, strict=False):
-            if token == mask_id:
-                still.append(pos)
-            else:
-                tokens[pos] = token
-        committed = len(state.masked) - len(still)
+        mask_id, tokens, masked = self.mask_id, state.tokens, state.masked
+        row = row[: len(masked)]  # the padding entries after them are always mask_id
+        # ``compress`` walks the row in C; the Python loop only runs over this step's commits.
+        still = list(compress(masked, map(mask_id.__eq__, row)))
+        for pos, token in compress(zip(masked, row), map(mask_id.__ne__, row)):
+            tokens[pos] = token
+        committed = len(masked) - len(still)
         params = state.params
         if params.mode == "topk":
             # The schedule sums to the block's mask count and each step commits exactly its

@@ -62,6 +62,7 @@ class ModelRunner:
                 dtype=weight.dtype, device=device,
             )  # fmt: skip
         self.last_batch: FlatBatch | None = None  # for benchmarks replaying forwards
+        self._arange = array("q", range(4096))  # positions 0.. as int64, sliced per row
         # The weight view per phase (a tri-mode model's draft-only LoRA; models/lora.py).
         # Eager forwards apply it per token from RowSpec.draft; graph capture, when it comes,
         # must call before_draft / before_verify before capturing or replaying a phase's
@@ -91,68 +92,73 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     def build(self, rows: list[RowSpec]) -> tuple[FlatBatch, int]:
-        """The flat batch of ``rows`` and ``M`` (logits per row after padding)."""
+        """The flat batch of ``rows`` and ``M`` (logits per row after padding).
+
+        Host cost per row is a few C-level list/array extends (no Python loop per token): this
+        runs once per step on the engine thread, between two forwards.
+        """
+        # Lists grow in C (``list.extend``), positions are slices of a cached int64 range; one
+        # conversion to int64 at the end (``array.extend`` from a list costs twice as much).
         ids: list[int] = []
-        positions: list[int] = []
+        positions = array("q")
         slots: list[int] = []
         logits_at: list[int] = []
         draft: list[int] = []  # flat tokens in the draft weight view (draft-only LoRA)
+        arange = self._arange
         width = max(len(r.logits_at) for r in rows)
-        any_kv = any(r.kv is not None for r in rows)
+        any_kv = rows[0].kv is not None or any(r.kv is not None for r in rows)
         # Group consecutive rows of one shape; the rows arrive sorted by the scheduler.
-        groups: list[tuple[int, int, int, bool, bool]] = []  # start, rows, q_len, causal, kv
-        bases: list[list[int]] = []  # per group: each row's span start (kv groups)
+        groups: list[list] = []  # [start, rows, q_len, causal, cached, bases, prefixes]
         block_rows: dict[int, RowSpec] = {}  # group index → its block-causal row
         last_key: tuple[int, AttentionKind, bool] | None = None
-        prefixes: list[list[int]] = []  # per group: each row's cached prefix length
-        offset = 0
+        offset = top = 0
         for row in rows:
             n = len(row.tokens)
-            if n == 0 or not row.logits_at:
+            wanted = row.logits_at
+            if n == 0 or not wanted:
                 raise ValueError("a row needs tokens and at least one requested output")
             ids.extend(row.tokens)
-            positions.extend(range(row.start, row.start + n))
+            end = row.start + n
+            if end > len(arange):
+                arange = self._arange = array("q", range(2 * end))
+            positions.extend(arange[row.start : end])
+            top = max(top, end)
+            kv = row.kv
             if any_kv:
-                if row.kv is None:
+                if kv is None:
                     raise ValueError("rows with and without a KV span cannot share a forward")
-                if row.start + n > row.kv.capacity:
-                    raise ValueError(f"a row of {row.start + n} tokens overflows its KV span")
-                base = row.kv.start + row.start
-                slots.extend(range(base, base + n))
+                if end > kv.capacity:
+                    raise ValueError(f"a row of {end} tokens overflows its KV span")
+                slots.extend(range(kv.start + row.start, kv.start + end))
             if row.draft:
                 draft.extend(range(offset, offset + n))
-            first = row.logits_at[0]
-            logits_at.extend(offset + i for i in row.logits_at)
-            logits_at.extend([offset + first] * (width - len(row.logits_at)))
-            cached = row.kv is not None and row.start > 0
+            # ``map`` over a bound add runs in C: no Python frame per requested position.
+            logits_at.extend(map(offset.__add__, wanted))
+            if len(wanted) < width:
+                logits_at.extend([offset + wanted[0]] * (width - len(wanted)))
+            cached = kv is not None and row.start > 0
             # Rows of one shape and kind share an attention call; a block-causal row is a group
             # of its own (its mask depends on where its blocks fall).
-            key = (
-                None if row.attention is AttentionKind.BLOCK_CAUSAL else (n, row.attention, cached)
-            )
-            if key is not None and groups and key == last_key:
-                begin, count, *_ = groups[-1]
-                groups[-1] = (begin, count + 1, n, row.causal, cached)
+            attention = row.attention
+            key = None if attention is AttentionKind.BLOCK_CAUSAL else (n, attention, cached)
+            if key is not None and key == last_key:
+                groups[-1][1] += 1
             else:
-                groups.append((offset, 1, n, row.causal, cached))
-                bases.append([])
-                prefixes.append([])
+                groups.append([offset, 1, n, attention is AttentionKind.CAUSAL, cached, [], []])
                 if key is None:
                     block_rows[len(groups) - 1] = row
             last_key = key
             if cached:
-                assert row.kv is not None
-                bases[-1].append(row.kv.start)
-                prefixes[-1].append(row.start)
+                assert kv is not None
+                groups[-1][5].append(kv.start)
+                groups[-1][6].append(row.start)
             offset += n
         t = len(ids)
-        # One host buffer for every index of the step, one copy to the device. ``array`` turns
-        # Python ints into int64 in C, about 3x faster than ``torch.tensor`` on a list.
+        # One host buffer for every index of the step, one copy to the device. ``array`` holds
+        # int64 in C, about 3x faster to fill than ``torch.tensor`` on a list.
         host = array("q", ids)
         host.extend(positions)
-        host.extend(slots)
-        host.extend(logits_at)
-        host.extend(draft)
+        host.extend(array("q", slots + logits_at + draft))
         packed = torch.frombuffer(host, dtype=torch.long)
         if self.device.type != "cpu":
             # The previous step ended with its device→host copy, so the device is idle here
@@ -164,19 +170,16 @@ class ModelRunner:
         index = packed[index_start : index_start + len(logits_at)]
         draft_index = packed[index_start + len(logits_at) :] if draft else None
         attn = [
-            self._block_causal(g, b, block_rows[i]) if i in block_rows else self._group(g, b, p)
-            for i, (g, b, p) in enumerate(zip(groups, bases, prefixes, strict=True))
+            self._block_causal(g, block_rows[i]) if i in block_rows else self._group(g)
+            for i, g in enumerate(groups)
         ]
-        top = max(r.start + len(r.tokens) for r in rows) - 1
         batch = FlatBatch(
-            input_ids, pos, attn, index, slot_mapping, max_position=top, draft_index=draft_index
+            input_ids, pos, attn, index, slot_mapping, max_position=top - 1, draft_index=draft_index
         )
         return batch, width
 
-    def _group(
-        self, group: tuple[int, int, int, bool, bool], bases: list[int], prefixes: list[int]
-    ) -> AttnGroup:
-        start, n, q_len, causal, cached = group
+    def _group(self, group: list) -> AttnGroup:
+        start, n, q_len, causal, cached, bases, prefixes = group
         if not cached:
             return AttnGroup(start, n, q_len, is_causal=causal)
         # Keys: each row's prefix then its current tokens, gathered from the pool (the masks
@@ -204,15 +207,13 @@ class ModelRunner:
         mask = (cols[None, None, :] <= limit[:, :, None])[:, None]
         return AttnGroup(start, n, q_len, kv_slots=kv_slots, mask=mask)
 
-    def _block_causal(
-        self, group: tuple[int, int, int, bool, bool], bases: list[int], row: RowSpec
-    ) -> AttnGroup:
+    def _block_causal(self, group: list, row: RowSpec) -> AttnGroup:
         """One block-causal row: query at position p sees key q iff block(q) <= block(p).
 
         A ``[q_len, start + q_len]`` mask, built once per forward: this is the prefill of a
         block-diffusion prompt (its whole blocks), never a decode step.
         """
-        start, n, q_len, _causal, cached = group
+        start, n, q_len, _causal, cached, bases, _prefixes = group
         keys = torch.arange(row.start + q_len, device=self.device)
         queries = keys[row.start :]
         mask = (keys[None, :] // row.block) <= (queries[:, None] // row.block)
