@@ -2,7 +2,8 @@
 of TP=1 (fp32) — LLaDA, Dream (q/k/v biases), I-DLM (q/k norm; also one KV head replicated
 on both ranks), Nemotron tri-mode with a draft LoRA — greedy and seeded; models that do not
 shard are refused before any process starts; through a real server the openai SDK is served
-end to end, and a killed worker makes the server exit non-zero within seconds."""
+end to end, and a killed worker makes the server answer 503 (/health and new requests), then
+exit with status 1 within seconds."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from remote_server import RemoteServer, free_port
 
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.engine.tensor_parallel import launch
+from dllm_serve.engine.tensor_parallel import FAILURE_GRACE_S, launch
 from dllm_serve.llm import LLM
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.tiny import write_tiny, write_tiny_nemotron
@@ -145,13 +148,41 @@ def test_server_with_tp2_serves_the_sdk_and_dies_with_a_worker(tmp_path: Path) -
                    if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while server.process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert server.process.returncode not in (None, 0)
-        assert "tensor-parallel worker died" in (tmp_path / "log").read_text()
+        killed = time.monotonic()
+        health, chat = _watch_the_failure(server, "demo-llada")
+        exited = time.monotonic()
+        # The first answer after the kill that is not 200 is a 503 (not a closed port), new
+        # requests get 503 too, and then the process exits 1 within the grace and a margin.
+        assert [s for s in health if s != 200][:1] == [503], health
+        assert chat == 503
+        assert server.process.returncode == 1
+        assert exited - killed < FAILURE_GRACE_S + 8
+        log = (tmp_path / "log").read_text()
+        assert "tensor-parallel worker died: rank 1 (exit code -9)" in log
     finally:
         server.stop()
+
+
+def _watch_the_failure(
+    server: RemoteServer, model: str, bound_s: float = 20
+) -> tuple[list[int | str], int | None]:
+    """/health every 20 ms until the server exits: the statuses seen ("closed" once the
+    port is gone), and the status of a chat request sent at the first 503 (None: none seen)."""
+    health: list[int | str] = []
+    chat = None
+    deadline = time.monotonic() + bound_s
+    with server.http() as http:
+        while server.process.poll() is None and time.monotonic() < deadline:
+            try:
+                health.append(http.get("/health", timeout=2).status_code)
+            except httpx.TransportError:
+                health.append("closed")
+            if health[-1] == 503 and chat is None:
+                body = {"model": model, "messages": [{"role": "user", "content": "Hi"}]}
+                chat = http.post("/v1/chat/completions", json=body, timeout=2).status_code
+            time.sleep(0.02)
+    server.process.wait(5)
+    return health, chat
 
 
 def _rank_env(rank: int, port: int) -> dict[str, str]:
@@ -168,7 +199,8 @@ def _start_rank1(model: str, port: int, log: Path) -> subprocess.Popen:
 
 def test_launcher_environment_joins_ranks_started_apart(tmp_path: Path) -> None:
     """torchrun-style: each rank is its own `dllm-serve` with WORLD_SIZE/RANK/MASTER_*; rank 0
-    serves, rank 1 only runs forwards. A dead rank 1 stops rank 0 at its next step."""
+    serves, rank 1 only runs forwards. A dead rank 1 fails rank 0 at its next step: 503,
+    then exit status 1."""
     port = free_port()
     rank1 = _start_rank1("tiny-llada", port, tmp_path / "rank1.log")
     server = RemoteServer.start(
@@ -185,10 +217,16 @@ def test_launcher_environment_joins_ranks_started_apart(tmp_path: Path) -> None:
         assert reply.choices[0].message.content == want.text
         rank1.kill()
         rank1.wait(10)
-        with pytest.raises((openai.APIError, openai.APIConnectionError)):
-            client.chat.completions.create(model="m", messages=messages, max_tokens=8)
-        server.process.wait(20)
-        assert server.process.returncode not in (None, 0)
+        with ThreadPoolExecutor(1) as pool:  # the request that meets the dead rank
+            pending = pool.submit(
+                client.chat.completions.create, model="m", messages=messages, max_tokens=8
+            )
+            health, chat = _watch_the_failure(server, "m")
+            with pytest.raises((openai.APIError, openai.APIConnectionError)):
+                pending.result(timeout=30)
+        assert [s for s in health if s != 200][:1] == [503], health
+        assert chat == 503
+        assert server.process.returncode == 1
         assert "tensor-parallel collective failed" in (tmp_path / "rank0.log").read_text()
     finally:
         server.stop()

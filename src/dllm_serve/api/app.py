@@ -64,6 +64,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     config = config or ServerConfig()
     lifecycle = Lifecycle()
 
+    def rank_failed() -> bool:
+        # Tensor parallelism: a rank died and the process exits in a moment (status 1,
+        # engine/tensor_parallel.py); until then /health and new requests answer 503.
+        group = engine.loaded.parallel
+        return group is not None and group.failure is not None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not engine.is_alive:
@@ -104,7 +110,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
             expose_headers=["X-Request-ID"],
         )
-    app.add_middleware(DrainGate, is_draining=lambda: lifecycle.draining)
+    app.add_middleware(DrainGate, is_draining=lambda: lifecycle.draining or rank_failed())
     app.add_middleware(
         RequestIdMiddleware, on_reject=lambda error, path: record_rejection(app, error, path)
     )

@@ -10,9 +10,12 @@ runs its shard of the forward; the vocabulary slices of the logits are gathered 
 The KV pool's slots are chosen by rank 0's scheduler and travel in the rows, so every
 rank's pool (its own KV heads) stays in step without any other message.
 
-Failure of any rank fails the server visibly: rank 0 watches the workers' processes and
-exits with status 1 (after logging which rank died) when one ends unexpectedly; a worker
-whose rank 0 is gone sees its control channel close and exits. Nothing waits forever.
+Failure of any rank fails the server visibly: rank 0 watches the workers' processes, and
+when one ends unexpectedly (or a control message cannot be sent) it logs which rank died,
+marks the group failed — the API then answers 503 to /health and to new requests — and
+exits with status 1 after :data:`FAILURE_GRACE_S`, so that a load balancer's probe sees the
+503 rather than only a closed port. A worker whose rank 0 is gone sees its control channel
+close and exits. Nothing waits forever.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -46,6 +50,9 @@ logger = logging.getLogger(__name__)
 _CONTROL_TIMEOUT = datetime.timedelta(days=365)
 _COMPUTE_TIMEOUT = datetime.timedelta(minutes=10)
 STOP = "stop"
+# How long a failed server keeps answering 503 before it exits: long enough for a probe or a
+# retrying client to see it, short enough that the orchestrator restarts the pod promptly.
+FAILURE_GRACE_S = 2.0
 
 
 def _free_port() -> int:
@@ -130,15 +137,40 @@ class TensorParallelGroup:
     shard: TPShard
     control: Any
     workers: list[Any]
+    # Why the group failed (set once by :meth:`fail`); the API answers 503 while it is set.
+    failure: str | None = None
+    grace_s: float = FAILURE_GRACE_S
     _stopping: bool = False
     _watcher: threading.Thread | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _exit_at: float = 0.0
 
     def send(self, message: tuple) -> None:
-        """A control message to every worker (rank 0 only)."""
-        dist.broadcast_object_list([message], src=0, group=self.control)
+        """A control message to every worker (rank 0 only); on a failed group, or when the
+        message cannot be sent (a rank is gone), the server fails (:meth:`fail`)."""
+        if self.failure is not None:  # no new step on a group that lost a rank
+            self.fail(self.failure)
+        try:
+            dist.broadcast_object_list([message], src=0, group=self.control)
+        except (RuntimeError, OSError) as exc:
+            self.fail(f"tensor-parallel collective failed: {exc}")
+
+    def fail(self, reason: str) -> NoReturn:
+        """Mark the group failed, log ``reason`` once, and exit the process with status 1
+        after :attr:`grace_s` (counted from the first call; later callers, e.g. the engine
+        thread after the watcher, wait only what is left of it)."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = reason
+                self._exit_at = time.monotonic() + self.grace_s
+                logger.critical(
+                    "%s; answering 503 and exiting with status 1 in %.1f s", reason, self.grace_s
+                )
+        time.sleep(max(0.0, self._exit_at - time.monotonic()))
+        os._exit(1)
 
     def watch(self) -> None:
-        """Exit the process (status 1) as soon as a worker dies unexpectedly."""
+        """Fail the server (:meth:`fail`) as soon as a worker dies unexpectedly."""
 
         def run() -> None:
             wait([p.sentinel for p in self.workers])
@@ -146,8 +178,7 @@ class TensorParallelGroup:
                 return
             dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.workers)
                     if not p.is_alive()]  # fmt: skip
-            logger.critical("tensor-parallel worker died: %s; stopping the server", dead)
-            os._exit(1)
+            self.fail("tensor-parallel worker died: " + ", ".join(dead))
 
         self._watcher = threading.Thread(target=run, name="dllm-tp-watch", daemon=True)
         self._watcher.start()
@@ -156,8 +187,8 @@ class TensorParallelGroup:
         if self._stopping:
             return
         self._stopping = True
-        try:
-            self.send((STOP,))
+        try:  # not self.send: a worker gone at shutdown must not turn a clean exit into 1
+            dist.broadcast_object_list([(STOP,)], src=0, group=self.control)
         except Exception:  # a worker already gone: nothing to tell it
             logger.warning("could not send stop to the tensor-parallel workers", exc_info=True)
         for p in self.workers:

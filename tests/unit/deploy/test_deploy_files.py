@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dllm_serve.cli import parse_config
+from dllm_serve.cli import build_parser, parse_config
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCKER = ROOT / "docker"
@@ -387,6 +387,7 @@ def test_every_yaml_file_parses() -> None:
         "hpa.yaml",
         "pvc.yaml",
         "secret.yaml.example",
+        "llada2-flash-tp8.yaml",  # docker/k8s-multi-gpu/ (test_deploy_multi_gpu.py)
     }
     for path in paths:
         for doc in yaml_docs(path):
@@ -400,8 +401,17 @@ def test_deployment_runs_at_least_two_replicas_with_one_gpu_each() -> None:
     assert server_container()["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
+def assert_flags_spelt_as_the_cli_defines_them(args: list[str]) -> None:
+    """Every ``--flag`` exactly as the parser names it (argparse would also accept an
+    unambiguous abbreviation, which a later flag could make ambiguous)."""
+    options = {s for action in build_parser()._actions for s in action.option_strings}
+    flags = {a for a in args if a.startswith("--")}
+    assert flags <= options, flags - options
+
+
 def test_deployment_args_are_accepted_by_the_server() -> None:
     args = server_container()["args"]
+    assert_flags_spelt_as_the_cli_defines_them(args)
     config = parse_config(args)
     assert config.model.model.startswith("/models/")
     mounts = {m["mountPath"]: m for m in server_container()["volumeMounts"]}
@@ -521,6 +531,8 @@ def test_pvc_is_read_write_many_and_shows_where_its_storage_class_goes() -> None
 def test_service_is_cluster_ip_on_8000_and_selects_the_pods() -> None:
     service = k8s_objects()["Service"]["spec"]
     assert service["type"] == "ClusterIP"
+    # Session-free routing: no request depends on an earlier one (docs/deployment.md).
+    assert service.get("sessionAffinity", "None") == "None"
     (port,) = service["ports"]
     assert port["port"] == PORT
     container_ports = {p["name"]: p["containerPort"] for p in server_container()["ports"]}
@@ -581,6 +593,7 @@ def test_compose_ports_volumes_and_healthcheck(compose_service, instructions) ->
 
 def test_compose_args_are_accepted_and_grace_outlasts_the_drain(compose_service) -> None:
     args = compose_service["command"]
+    assert_flags_spelt_as_the_cli_defines_them(args)
     parse_config(args)
     shutdown = float(flag_value(args, "--shutdown-timeout"))
     assert compose_service["stop_signal"] == "SIGTERM"
