@@ -240,7 +240,10 @@ class ModelRunner:
             logits = gather_vocab(self.forward(batch), self.tp)
         except (RuntimeError, OSError) as exc:
             # A collective failed: a rank is gone (or the network between ranks). The group
-            # cannot recover mid-step, so the whole server stops, visibly, never hangs.
+            # cannot recover mid-step, so the whole server stops, visibly, never hangs: rank 0
+            # answers 503 for the group's grace period first; a worker exits at once.
+            if self.parallel is not None:
+                self.parallel.fail(f"tensor-parallel collective failed: {exc}")
             logger.critical("tensor-parallel collective failed: %s; exiting", exc)
             os._exit(1)
         if logits is None:  # a worker: rank 0 samples
