@@ -56,6 +56,7 @@ from gpu_llada8b import DEFAULT_CONFIG, build_model, tiny_config
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.engine.cuda_graphs import StaticForward
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.llm import LLM
 from dllm_serve.models.families.llada import LLADA
@@ -69,19 +70,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# One recorded forward: an eager batch, or a graph replay (static forward, rows, width).
+Recorded = FlatBatch | tuple[StaticForward, int, int]
+
+
 def engine_run(
     llm: LLM, conversations: list[list[dict[str, str]]], params: DecodingParams
-) -> tuple[float, list[FlatBatch], int]:
-    """Generate all conversations at once; returns (seconds, recorded batches, answer tokens)."""
-    recorded: list[FlatBatch] = []
+) -> tuple[float, list[Recorded], int]:
+    """Generate all conversations at once; returns (seconds, recorded forwards, answer tokens)."""
+    recorded: list[Recorded] = []
     runner = llm.engine.runner
-    original = runner.forward
+    original, original_graph = runner.forward, runner.forward_graph
 
     def recording_forward(batch: FlatBatch) -> torch.Tensor:
         recorded.append(batch)  # a list append: negligible next to a forward
         return original(batch)
 
+    def recording_graph(static: StaticForward, rows: int, width: int) -> torch.Tensor:
+        recorded.append((static, rows, width))
+        return original_graph(static, rows, width)
+
     runner.forward = recording_forward  # type: ignore[method-assign]
+    runner.forward_graph = recording_graph  # type: ignore[method-assign]
     # Chat templating is API work (the server does it in worker threads, off the engine):
     # prompts are tokenised before the timer, so the ratio is the engine's alone.
     prompts = [llm.engine.chat_prompt_ids(c) for c in conversations]
@@ -92,19 +102,31 @@ def engine_run(
         sync(llm.loaded.device)
         seconds = time.perf_counter() - start
     finally:
-        del runner.forward  # back to the class's method
+        del runner.forward, runner.forward_graph  # back to the class's methods
     return seconds, recorded, sum(o.completion_tokens for o in outs)
 
 
-def bare_run(runner: ModelRunner, batches: list[FlatBatch], device: torch.device) -> float:
-    """The same forwards in a plain loop (logits at the requested positions, as the engine)."""
+def bare_run(runner: ModelRunner, batches: list[Recorded], device: torch.device) -> float:
+    """The same forwards in a plain loop (logits at the requested positions, as the engine;
+    a graphed step replays its graph over the static inputs its last step left)."""
     sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
-            runner.forward(batch)
+            if isinstance(batch, FlatBatch):
+                runner.forward(batch)
+            else:
+                runner.forward_graph(*batch)
     sync(device)
     return time.perf_counter() - start
+
+
+def real_tokens(batch: Recorded) -> tuple[int, int]:
+    """(rows, real tokens) of one recorded forward."""
+    if isinstance(batch, FlatBatch):
+        return sum(g.rows for g in batch.groups), batch.num_tokens
+    static, rows, _width = batch
+    return rows, rows * static.key.q_len
 
 
 def open_llm(args: argparse.Namespace, config: EngineConfig) -> LLM:
@@ -148,6 +170,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-running-requests", type=int, default=32)
     parser.add_argument("--kv-cache", default="none", choices=["none", "prefix"])
     parser.add_argument(
+        "--no-cuda-graph", action="store_true", help="on CUDA: every step eager (no graphs)"
+    )
+    parser.add_argument(
         "--random-8b", action="store_true", help="random bf16 weights of LLaDA-8B's shape"
     )
     parser.add_argument("--tiny", action="store_true", help="with --random-8b: toy size")
@@ -161,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_running_requests=args.max_running_requests,
         max_waiting_requests=1 << 30,
         kv_cache=args.kv_cache,
+        cuda_graph=not args.no_cuda_graph,
     )
     params = DecodingParams(
         gen_length=args.gen_length, steps=args.steps, block_length=args.block_length
@@ -180,8 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "engine_s": seconds,
                     "bare_s": bare,
                     "forwards": len(batches),
-                    "rows": sum(sum(g.rows for g in b.groups) for b in batches),
-                    "tokens": sum(b.num_tokens for b in batches),
+                    "rows": sum(real_tokens(b)[0] for b in batches),
+                    "tokens": sum(real_tokens(b)[1] for b in batches),
+                    "graph_replays": sum(not isinstance(b, FlatBatch) for b in batches),
                     "answer_tokens": answer,
                     "ratio": bare / seconds,
                 }
@@ -215,8 +242,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": args.steps,
         "block_length": args.block_length,
         "kv_cache": args.kv_cache,
+        "cuda_graph": config.cuda_graph and str(device).startswith("cuda"),
         "repeat": args.repeat,
         "forwards": mid["forwards"],
+        "graph_replays": mid["graph_replays"],
         "mean_rows_per_forward": round(mid["rows"] / mid["forwards"], 3),
         "engine": rates(mid["engine_s"], mid),
         "bare_loop": rates(mid["bare_s"], mid),

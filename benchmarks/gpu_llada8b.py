@@ -21,10 +21,11 @@ of prefix + block slots per row) packs them into a flat batch. For each batch si
   rewritten with the same values at every call, so every call is the same forward).
 
 The headline ``latency_ms_*`` time ``ModelRunner.forward`` on a prebuilt :class:`FlatBatch`
-(the model and LM head, CUDA synchronised before and after each call); ``run_ms_median``
+(the eager model and LM head, CUDA synchronised before and after each call); ``run_ms_median``
 times ``ModelRunner.run`` on the rows (host packing + host→device copy + forward), what an
-engine step pays before sampling; ``runner_forward_ms_median`` is the runner's own
-``forward_seconds()`` (CUDA events around the kernels, what the server's
+engine step pays before sampling — for ``prefix_cache`` rows that is a CUDA graph replay
+(``run_replayed_graph``; ``--no-cuda-graph`` keeps it eager); ``runner_forward_ms_median`` is
+the runner's own ``forward_seconds()`` (CUDA events around the kernels, what the server's
 ``dllm:forward_duration_seconds`` reports). It reports median and best of ``--iters`` after warm-up,
 block positions per second (``batch × block / latency``: multiply by TPF / block for answer
 tokens/s) and the floor from ``../shared/reference/algorithms.md`` §6: weight bytes / HBM
@@ -186,8 +187,10 @@ def measure(
                 times, kernels = time_it(
                     lambda flat=flat: runner.forward(flat), runner, device, warmup, iters
                 )
+                graphs = runner.graphs
+                replays = graphs.replays if graphs is not None else 0
                 run_times, _ = time_it(
-                    lambda mode=mode: runner.run(rows[mode]), runner, device, 0, iters
+                    lambda mode=mode: runner.run(rows[mode]), runner, device, 1, iters
                 )
                 med = statistics.median(times)
                 out[mode] = {
@@ -197,6 +200,9 @@ def measure(
                     "latency_ms_best": ms(min(times)),
                     "runner_forward_ms_median": ms(statistics.median(kernels)),
                     "run_ms_median": ms(statistics.median(run_times)),
+                    # Whether ``run`` replayed a captured graph (cached steps with graphs on):
+                    # then run_ms_median is the graph's time, latency_ms_* the eager forward's.
+                    "run_replayed_graph": graphs is not None and graphs.replays > replays,
                     "block_positions_per_s": round(batch * block / med, 1),
                     "forwards_per_s": round(1 / med, 2),
                 }
@@ -254,6 +260,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--bandwidth-tbps", type=float, default=None, help="override (TB/s)")
     parser.add_argument("--max-seconds", type=float, default=240.0, help="stop measuring after")
     parser.add_argument("--allow-cpu", action="store_true", help="with --tiny: CPU smoke run")
+    parser.add_argument(
+        "--no-cuda-graph", action="store_true", help="run() eagerly for cached steps too"
+    )
     parser.add_argument("--tiny", action="store_true", help="toy size, same architecture")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu_llada8b.json")
     add_threads_option(parser)
@@ -289,7 +298,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
           f"{ms(floor_s)} ms/forward at {bw and bw / 1e12} TB/s")  # fmt: skip
     # One KV span of prefix + block slots per row of the largest batch, as the engine sizes a
     # request's span for its whole canvas.
-    runner = ModelRunner(model, device, kv_slots=max(args.batches) * (args.prefix + args.block))
+    runner = ModelRunner(
+        model,
+        device,
+        kv_slots=max(args.batches) * (args.prefix + args.block),
+        # Cached steps replay a CUDA graph in ``run`` (on CPU the same static forward,
+        # uncaptured); ``forward`` on a built batch stays eager: both are reported.
+        cuda_graph=not args.no_cuda_graph,
+        graph_max_rows=max(args.batches),
+    )
     assert runner.pool is not None
 
     results = []
@@ -332,6 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "block": args.block,
         "warmup": args.warmup,
         "iters": args.iters,
+        "cuda_graph": runner.graphs is not None and runner.graphs.capture,
         "kv_pool_slots": runner.pool.slots,
         "kv_pool_bytes": runner.pool.nbytes,
         "results": results,

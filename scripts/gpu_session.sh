@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Every runtime check this project makes on a lent GPU, in one run of about 6 minutes
+# Every runtime check this project makes on a lent GPU, in one run of at most 7.5 minutes
 # (docs/benchmarks.md, "Still to do"):
 #   1. benchmarks/gpu_llada8b.py: LLaDA-8B-shaped forward latency vs the weight-read floor
 #      (targets: batch-1 cached block step <= 5 ms, batch 16 <= 15 ms);
 #   2. benchmarks/engine_overhead.py on the 8B-shaped random model (target ratio >= 0.9),
-#      without and with the prefix KV cache;
-#   3. the CUDA tests (tests/gpu).
+#      without and with the prefix KV cache (with CUDA graphs, and eager beside it);
+#   3. the CUDA tests (tests/gpu: CUDA paths, graph replay == eager tokens).
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash scripts/gpu_session.sh
 set -u
 # The lent machine has torch/transformers/safetensors but not uuid6: carry its wheel in .whl/.
@@ -15,11 +15,15 @@ fi
 export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
 export OUT="${OUT:-/tmp/gpu-out}"; mkdir -p "$OUT"
 nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-timeout 150 python3 benchmarks/gpu_llada8b.py --max-seconds 100 2>&1 | tee "$OUT/gpu_llada8b.log"
+timeout 120 python3 benchmarks/gpu_llada8b.py --max-seconds 90 2>&1 | tee "$OUT/gpu_llada8b.log"
 cp benchmarks/results/gpu_llada8b.json benchmarks/results/gpu_llada8b.png "$OUT/" 2>/dev/null
-timeout 100 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
+timeout 70 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
   --out "$OUT/engine_overhead_8b.json" 2>&1 | tee "$OUT/engine_overhead_8b.log"
-timeout 100 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
-  --kv-cache prefix --gen-length 64 --steps 64 --block-length 32 \
-  --out "$OUT/engine_overhead_8b_prefix.json" 2>&1 | tee "$OUT/engine_overhead_8b_prefix.log"
+# The prefix cache's cached steps replay CUDA graphs; the same run eager beside it.
+for graphs in "" "--no-cuda-graph"; do
+  timeout 70 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
+    --kv-cache prefix --gen-length 64 --steps 64 --block-length 32 $graphs \
+    --out "$OUT/engine_overhead_8b_prefix${graphs:+_eager}.json" 2>&1 \
+    | tee "$OUT/engine_overhead_8b_prefix${graphs:+_eager}.log"
+done
 timeout 120 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"

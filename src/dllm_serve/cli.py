@@ -187,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
         "memory left after the weights; 1 GiB on CPU; never more than --max-running-requests "
         "full contexts)",
     )
+    parser.add_argument(
+        "--no-cuda-graph",
+        dest="cuda_graph",
+        action="store_false",
+        help="on CUDA, run every step eagerly instead of replaying a captured graph for "
+        "fixed-shape decode steps (cached block steps, I-DLM rounds, block-diffusion steps); "
+        "graphs are never used on CPU",
+    )
     parser.add_argument("--version", action="version", version=f"dllm-serve {__version__}")
     return parser
 
@@ -204,6 +212,7 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
             kv_cache=args.kv_cache,
             kv_cache_memory=args.kv_cache_memory,
             decoding_mode=args.decoding_mode,
+            cuda_graph=args.cuda_graph,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -39,6 +39,8 @@ class EngineConfig:
     # The decoding mode of requests that name none (decoding/modes.py): a tri-mode model's
     # default (None: linear_spec); any other model accepts only its own mode here.
     decoding_mode: str | None = None
+    # CUDA graphs for the fixed-shape decode steps (engine/cuda_graphs.py); CUDA only.
+    cuda_graph: bool = True
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_tokens_per_forward < 1:

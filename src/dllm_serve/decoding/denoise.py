@@ -207,7 +207,7 @@ class LLaDADenoiser:
         row = row[: len(masked)]  # the padding entries after them are always mask_id
         # ``compress`` walks the row in C; the Python loop only runs over this step's commits.
         still = list(compress(masked, map(mask_id.__eq__, row)))
-        for pos, token in compress(zip(masked, row), map(mask_id.__ne__, row)):
+        for pos, token in compress(zip(masked, row, strict=True), map(mask_id.__ne__, row)):
             tokens[pos] = token
         committed = len(masked) - len(still)
         params = state.params

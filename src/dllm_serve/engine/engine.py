@@ -69,7 +69,12 @@ class AsyncEngine(EngineSteps):
             if kv_slots < 1:
                 raise ValueError("--kv-cache-memory leaves no room for a single KV slot")
         self.runner = ModelRunner(
-            loaded.model, loaded.device, kv_slots=kv_slots, parallel=loaded.parallel
+            loaded.model,
+            loaded.device,
+            kv_slots=kv_slots,
+            parallel=loaded.parallel,
+            cuda_graph=self.config.cuda_graph and loaded.device.type == "cuda",
+            graph_max_rows=self.config.max_running_requests,
         )
         self.scheduler = Scheduler(self.config)
         self._cond = threading.Condition()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.engine.cuda_graphs import MAX_Q, GraphRunner, StaticForward
 from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.lora import PhaseHooks, weight_view_hooks
@@ -45,6 +46,9 @@ class ModelRunner:
         *,
         kv_slots: int = 0,
         parallel: TensorParallelGroup | None = None,
+        cuda_graph: bool = False,
+        graph_max_rows: int = 32,
+        capture: bool | None = None,
     ) -> None:
         self.model = model.fuse_projections()
         self.device = device
@@ -55,11 +59,16 @@ class ModelRunner:
         if parallel is not None:
             parallel.send((INIT, kv_slots))
         self.pool: KVPool | None = None
+        # Fixed-shape decode steps replay static forwards (engine/cuda_graphs.py): CUDA graphs
+        # on CUDA (``capture``, default there), the same padded forward uncaptured elsewhere.
+        # Not for MoE layers (their expert counts are read on the host mid-forward) nor under
+        # tensor parallelism, and only for algorithms that keep K/V.
+        graphs = cuda_graph and kv_slots > 0 and model.config.moe is None and self.tp is None
         if kv_slots > 0:
             cfg, weight = model.config, model.embed_tokens.weight
             self.pool = KVPool(
                 cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_slots,
-                dtype=weight.dtype, device=device,
+                dtype=weight.dtype, device=device, scratch_slots=MAX_Q if graphs else 0,
             )  # fmt: skip
         self.last_batch: FlatBatch | None = None  # for benchmarks replaying forwards
         self._arange = array("q", range(4096))  # positions 0.. as int64, sliced per row
@@ -68,6 +77,13 @@ class ModelRunner:
         # must call before_draft / before_verify before capturing or replaying a phase's
         # graph and after_capture afterwards. No-ops without a draft LoRA.
         self.phase_hooks: PhaseHooks = weight_view_hooks(self.model)
+        self.graphs: GraphRunner | None = None
+        if graphs:
+            assert self.pool is not None
+            self.graphs = GraphRunner(
+                self.model, self.pool, device, self.phase_hooks, max_rows=graph_max_rows,
+                capture=device.type == "cuda" if capture is None else capture,
+            )  # fmt: skip
         self._cpu_seconds = 0.0
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
@@ -231,6 +247,12 @@ class ModelRunner:
             with torch.inference_mode():
                 return self.run(rows)
         if self.tp is None:
+            graphs = self.graphs
+            if graphs is not None and (key := graphs.key_for(rows)) is not None:
+                static = graphs.static_for(key, rows)
+                if static is not None:
+                    width = max(len(r.logits_at) for r in rows)
+                    return self.forward_graph(static, len(rows), width)
             batch, width = self.build(rows)
             return self.forward(batch).view(len(rows), width, -1)
         try:
@@ -258,6 +280,20 @@ class ModelRunner:
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """The model and LM head on a built batch: logits ``[N, V]``."""
         self.last_batch = batch
+        started = self._timer_start()
+        logits = self.model.lm_head(self.model.forward_flat(batch, self.pool))
+        self._timer_stop(started)
+        return logits
+
+    def forward_graph(self, static: StaticForward, rows: int, width: int) -> torch.Tensor:
+        """A filled static forward (a graph replay on CUDA): logits ``[rows, width, V]``."""
+        assert self.graphs is not None
+        started = self._timer_start()
+        logits = self.graphs.run(static, rows, width)
+        self._timer_stop(started)
+        return logits
+
+    def _timer_start(self) -> float:
         if self.device.type == "cuda":
             # CUDA events time the kernels themselves without a host sync; they are read in
             # :meth:`forward_seconds` after the step's one device→host copy.
@@ -266,14 +302,14 @@ class ModelRunner:
                 torch.cuda.Event(enable_timing=True),
             )
             self._events[0].record()
-        else:
-            started = time.perf_counter()
-        logits = self.model.lm_head(self.model.forward_flat(batch, self.pool))
+        return time.perf_counter()
+
+    def _timer_stop(self, started: float) -> None:
         if self.device.type == "cuda":
+            assert self._events is not None
             self._events[1].record()
         else:
             self._cpu_seconds = time.perf_counter() - started
-        return logits
 
     def forward_seconds(self) -> float:
         """Duration of the last forward; on CUDA call it after that step's results were read."""

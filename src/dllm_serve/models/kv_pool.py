@@ -44,17 +44,22 @@ class KVPool:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        scratch_slots: int = 0,
     ) -> None:
         if slots < 1:
             raise ValueError("the KV pool needs at least one slot")
         # One extra slot past the allocatable ones stays zero forever: masked key positions of
         # ragged rows point there, so a non-finite K/V elsewhere in the pool (another request's,
         # or a stale one) can never reach a row through its masked keys (0 · NaN = NaN).
-        shape = (n_layers, slots + 1, n_kv_heads, head_dim)
+        # ``scratch_slots`` after it belong to no request: the padding rows of a captured
+        # graph (engine/cuda_graphs.py) write and read their K/V there.
+        shape = (n_layers, slots + 1 + scratch_slots, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.slots = slots
         self.zero_slot = slots
+        self.scratch_start = slots + 1
+        self.scratch_slots = scratch_slots
         self._free: list[tuple[int, int]] = [(0, slots)]  # (start, size), sorted by start
         self.used = 0
 
