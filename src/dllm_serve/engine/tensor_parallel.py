@@ -173,11 +173,15 @@ class TensorParallelGroup:
         """Fail the server (:meth:`fail`) as soon as a worker dies unexpectedly."""
 
         def run() -> None:
-            wait([p.sentinel for p in self.workers])
+            ready = wait([p.sentinel for p in self.workers])
             if self._stopping:
                 return
-            dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.workers)
-                    if not p.is_alive()]  # fmt: skip
+            # A sentinel closes while the process exits, a moment before waitpid can report
+            # it: join the ended ones briefly so their exit codes are known.
+            ended = [(i, p) for i, p in enumerate(self.workers) if p.sentinel in ready]
+            for _, process in ended:
+                process.join(timeout=1.0)
+            dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in ended]
             self.fail("tensor-parallel worker died: " + ", ".join(dead))
 
         self._watcher = threading.Thread(target=run, name="dllm-tp-watch", daemon=True)
