@@ -5,7 +5,8 @@
 #      (targets: batch-1 cached block step <= 5 ms, batch 16 <= 15 ms);
 #   2. benchmarks/engine_overhead.py on the 8B-shaped random model (target ratio >= 0.9),
 #      without and with the prefix KV cache (with CUDA graphs, and eager beside it);
-#   3. the CUDA tests (tests/gpu: CUDA paths, graph replay == eager tokens).
+#   3. the GPU-marked tests (tests/gpu: CUDA paths; tests/unit/engine/test_engine_cuda_graphs.py:
+#      captured graph replay == eager tokens).
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash scripts/gpu_session.sh
 set -u
 # The lent machine has torch/transformers/safetensors but not uuid6: carry its wheel in .whl/.
@@ -26,4 +27,4 @@ for graphs in "" "--no-cuda-graph"; do
     --out "$OUT/engine_overhead_8b_prefix${graphs:+_eager}.json" 2>&1 \
     | tee "$OUT/engine_overhead_8b_prefix${graphs:+_eager}.log"
 done
-timeout 120 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+timeout 120 python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"

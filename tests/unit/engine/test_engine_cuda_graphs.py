@@ -1,6 +1,8 @@
 """The static forwards a CUDA graph captures, run uncaptured on CPU: which steps take them,
 that padding rows never touch a request's K/V, and that every decoding mode gives exactly the
-tokens of the eager runner through them (the GPU test replays real graphs: tests/gpu)."""
+tokens of the eager runner through them. The same cases with real captured graphs on CUDA
+against ``--no-cuda-graph`` are GPU-marked (``python -m pytest tests -m gpu``; fp32, TF32 off).
+"""
 
 from __future__ import annotations
 
@@ -117,34 +119,46 @@ class StaticRunner(ModelRunner):
 def generate(
     loaded: LoadedModel, params: DecodingParams, static: bool, **engine: object
 ) -> tuple[list[tuple[str, int]], int]:
-    """(text, nfe) of every prompt, all at once; and how many steps took a static forward."""
+    """(text, nfe) of every prompt, all at once; and how many steps took a static forward
+    (captured graphs on CUDA, where the engine turns them on itself)."""
     mp = pytest.MonkeyPatch()
-    if static:
+    if static and loaded.device.type == "cpu":
         mp.setattr(engine_module, "ModelRunner", StaticRunner)
     try:
-        config = EngineConfig(max_waiting_requests=64, **engine)  # type: ignore[arg-type]
+        config = EngineConfig(max_waiting_requests=64, cuda_graph=static, **engine)  # type: ignore[arg-type]
         with LLM.from_loaded(loaded, config) as llm:
             out = [(c.text, c.nfe) for c in llm.generate(PROMPTS, params)]
             graphs = llm.engine.runner.graphs
             assert (graphs is not None) == static
             assert llm.engine.kv_cache_bytes == 0  # every span went back to the pool
+            if graphs is not None and loaded.device.type == "cuda":
+                assert all(s.graph is not None for s in graphs.graphs.values())  # captured
             return out, graphs.replays if graphs is not None else 0
     finally:
         mp.undo()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
-    root = Path(tmp_path_factory.mktemp("graphs"))
-    models = {"llada": load_model("tiny-llada", device="cpu", dtype="float32")}
+def tiny_models(root: Path, device: str) -> dict[str, LoadedModel]:
+    models = {"llada": load_model("tiny-llada", device=device, dtype="float32")}
     for family in ("idlm", "sdar"):
-        models[family] = load_model(str(write_tiny(family, root / family)), dtype="float32")
+        path = write_tiny(family, root / family)
+        models[family] = load_model(str(path), device=device, dtype="float32")
     path = write_tiny("nemotron", root / "nemotron", block_size=8, seed=1,
                       draft_lora_out=root / "lora")  # fmt: skip
-    nemotron = load_model(str(path), device="cpu", dtype="float32")
+    nemotron = load_model(str(path), device=device, dtype="float32")
     assert attach_draft_lora(nemotron.model, root / "lora") == 2
     models["nemotron"] = nemotron
     return models
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
+    return tiny_models(Path(tmp_path_factory.mktemp("graphs")), "cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
+    return tiny_models(Path(tmp_path_factory.mktemp("graphs-cuda")), "cuda")
 
 
 CASES = {
@@ -166,4 +180,25 @@ def test_static_forwards_give_the_eager_tokens(tiny: dict[str, LoadedModel], cas
     want, none = generate(tiny[family], params, static=False, **engine)
     got, replays = generate(tiny[family], params, static=True, **engine)
     assert none == 0 and replays > 0, "no step took a static forward: the test would be vacuous"
+    assert got == want
+
+
+@pytest.fixture
+def no_tf32() -> Iterator[None]:
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", list(CASES))
+def test_captured_graphs_give_the_eager_tokens_on_cuda(
+    tiny_cuda: dict[str, LoadedModel], case: str, no_tf32: None
+) -> None:
+    family, params, engine = CASES[case]
+    want, none = generate(tiny_cuda[family], params, static=False, **engine)
+    got, replays = generate(tiny_cuda[family], params, static=True, **engine)
+    assert none == 0 and replays > 0, "no graph was replayed: the test would be vacuous"
     assert got == want
