@@ -222,10 +222,12 @@ class GraphRunner:
         self.hooks = hooks
         self.max_rows = max_rows
         self.capture = capture
-        # Keys never reach past the rope table built here, so no replay reads a table that a
-        # later, longer forward replaced.
+        # Keys never reach past the rope table built here; a graph reads that table's memory,
+        # which the graph itself does not keep alive, so a reference is held here in case a
+        # later, longer eager forward replaces the model's table with a bigger one.
         self.max_context = (model.config.max_sequence_length // CONTEXT_QUANTUM) * CONTEXT_QUANTUM
         model.rope(torch.zeros(1, dtype=torch.long, device=device), self.max_context)
+        self._rope_tables = list(model._rope_tables.values())
         self.graphs: dict[GraphKey, StaticForward] = {}
         self._pool_handle = torch.cuda.graph_pool_handle() if capture else None
         self._full_logged = False
