@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.engine.batch_packing import prefix_keys
 from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
 
 if TYPE_CHECKING:
@@ -154,14 +155,10 @@ class StaticForward:
     def forward(self) -> torch.Tensor:
         """The padded forward over the static inputs: logits ``[rows·width, V]``."""
         key = self.key
-        b, q = key.rows, key.q_len
-        prefix = self.prefix[:, None]
-        own = self.cols[None, :] < prefix + q  # a row's keys: its prefix, then its tokens
-        kv_slots = torch.where(own, self.base[:, None] + self.cols[None, :], self.pool.zero_slot)
-        # Causal: key j is visible to query i iff j <= prefix + i; else every key of the row.
-        limit = prefix + self.query[None, :] if key.causal else (prefix + q - 1).expand(b, q)
-        mask = (self.cols[None, None, :] <= limit[:, :, None])[:, None]
-        group = AttnGroup(0, b, q, kv_slots=kv_slots, mask=mask)
+        kv_slots, mask = prefix_keys(
+            self.base, self.prefix, self.cols, self.query, key.causal, self.pool.zero_slot
+        )
+        group = AttnGroup(0, key.rows, key.q_len, kv_slots=kv_slots, mask=mask)
         batch = FlatBatch(
             self.input_ids,
             self.positions,

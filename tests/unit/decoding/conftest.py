@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.tiny import write_tiny_idlm
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Tests of thousands of tiny ops: intra-op threads only add overhead (and stall on a
-    loaded CI machine). Opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

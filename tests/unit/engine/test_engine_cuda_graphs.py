@@ -31,12 +31,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cached_row(start: int, q: int = 8, *, kv_start: int = 0, **kw: object) -> RowSpec:
