@@ -22,6 +22,7 @@ import pytest
 from remote_server import RemoteServer, free_port
 
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.engine.heartbeat import STALE_S, STORE_TIMEOUT_S
 from dllm_serve.engine.tensor_parallel import FAILURE_GRACE_S, launch
 from dllm_serve.llm import LLM
 from dllm_serve.models.errors import ModelLoadError
@@ -229,6 +230,56 @@ def test_launcher_environment_joins_ranks_started_apart(tmp_path: Path) -> None:
         assert server.process.returncode == 1
         assert "tensor-parallel collective failed" in (tmp_path / "rank0.log").read_text()
     finally:
+        server.stop()
+        if rank1.poll() is None:
+            rank1.kill()
+
+
+def test_an_idle_server_notices_a_launched_rank_that_died(tmp_path: Path) -> None:
+    """No request is sent: the heartbeat alone (engine/heartbeat.py) finds the dead rank 1,
+    which rank 0 cannot watch as a child, and fails rank 0 visibly: 503, then status 1."""
+    port = free_port()
+    rank1 = _start_rank1("tiny-llada", port, tmp_path / "rank1.log")
+    server = RemoteServer.start(
+        ["--tensor-parallel-size", "2", "--device", "cpu", "--log-level", "warning"],
+        tmp_path / "rank0.log",
+        env=_rank_env(0, port),
+    )
+    try:
+        rank1.kill()
+        rank1.wait(10)
+        killed = time.monotonic()
+        health, chat = _watch_the_failure(server, "m", bound_s=STALE_S + FAILURE_GRACE_S + 15)
+        assert [s for s in health if s != 200][:1] == [503], health
+        assert chat == 503
+        assert server.process.returncode == 1
+        assert time.monotonic() - killed < STALE_S + FAILURE_GRACE_S + 10
+        log = (tmp_path / "rank0.log").read_text()
+        assert f"tensor-parallel heartbeat lost: rank 1 sent no heartbeat for {STALE_S:g} s" in log
+    finally:
+        server.stop()
+        if rank1.poll() is None:
+            rank1.kill()
+
+
+def test_a_launched_rank_exits_when_rank_0_freezes(tmp_path: Path) -> None:
+    """Rank 0 stopped (SIGSTOP: alive, silent, its sockets open): rank 1 would wait on its
+    control channel forever; the heartbeat store stops answering and rank 1 exits with 1."""
+    port = free_port()
+    rank1 = _start_rank1("tiny-llada", port, tmp_path / "rank1.log")
+    server = RemoteServer.start(
+        ["--tensor-parallel-size", "2", "--device", "cpu", "--log-level", "warning"],
+        tmp_path / "rank0.log",
+        env=_rank_env(0, port),
+    )
+    try:
+        os.kill(server.process.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        assert rank1.wait(STORE_TIMEOUT_S + STALE_S + 15) == 1
+        assert time.monotonic() - frozen < STORE_TIMEOUT_S + STALE_S + 10
+        assert "tensor-parallel heartbeat lost:" in (tmp_path / "rank1.log").read_text()
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
         server.stop()
         if rank1.poll() is None:
             rank1.kill()

@@ -15,7 +15,10 @@ when one ends unexpectedly (or a control message cannot be sent) it logs which r
 marks the group failed — the API then answers 503 to /health and to new requests — and
 exits with status 1 after :data:`FAILURE_GRACE_S`, so that a load balancer's probe sees the
 503 rather than only a closed port. A worker whose rank 0 is gone sees its control channel
-close and exits. Nothing waits forever.
+close and exits. Every rank also beats and watches in the group's store
+(``engine/heartbeat.py``), so that a rank that died, froze or dropped off the network while
+the server was idle, including one a launcher started on another node, fails the group within
+seconds as well. Nothing waits forever.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dllm_serve.engine.heartbeat import Heartbeat, store_address
 from dllm_serve.models.checkpoint_files import read_json
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.families import family_for
@@ -140,6 +144,7 @@ class TensorParallelGroup:
     # Why the group failed (set once by :meth:`fail`); the API answers 503 while it is set.
     failure: str | None = None
     grace_s: float = FAILURE_GRACE_S
+    heartbeat: Heartbeat | None = None
     _stopping: bool = False
     _watcher: threading.Thread | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -187,10 +192,17 @@ class TensorParallelGroup:
         self._watcher = threading.Thread(target=run, name="dllm-tp-watch", daemon=True)
         self._watcher.start()
 
+    def lost(self, reason: str) -> None:
+        """A rank stopped beating (engine/heartbeat.py): fail, unless shutting down."""
+        if not self._stopping:
+            self.fail(reason)
+
     def stop(self, timeout: float = 10.0) -> None:
         if self._stopping:
             return
         self._stopping = True
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         try:  # not self.send: a worker gone at shutdown must not turn a clean exit into 1
             dist.broadcast_object_list([(STOP,)], src=0, group=self.control)
         except Exception:  # a worker already gone: nothing to tell it
@@ -220,6 +232,7 @@ def worker_main(
         torch.set_num_threads(threads)
     dev = _device_for(device, rank)
     shard, control = _join(rank, size, init_method, dev, expert_parallel)
+    heartbeat = Heartbeat(rank, [0], store_address(init_method), _worker_lost).start()
     try:
         _agree(model, size, control)
         loaded = load_model(model, device=dev, dtype=dtype, shard=shard)
@@ -238,6 +251,7 @@ def worker_main(
                 os._exit(1)
             message = box[0]
             if message[0] == STOP:
+                heartbeat.stop()
                 break
             if message[0] == INIT:
                 runner = ModelRunner(loaded.model, loaded.device, kv_slots=message[1])
@@ -245,6 +259,12 @@ def worker_main(
                 assert runner is not None
                 runner.run(message[1])
     dist.destroy_process_group()
+
+
+def _worker_lost(reason: str) -> NoReturn:
+    """A worker whose rank 0 is gone (frozen, or its node unreachable) exits at once."""
+    logger.critical("%s; exiting with status 1", reason)
+    os._exit(1)
 
 
 def launch(
@@ -300,6 +320,8 @@ def launch(
     group = TensorParallelGroup(shard, control, workers)
     if workers:
         group.watch()
+    address = store_address(init_method)
+    group.heartbeat = Heartbeat(0, range(1, size), address, group.lost).start()
     try:
         _agree(model, size, control)
         loaded = load_model(model, device=dev, dtype=dtype, shard=shard)
