@@ -198,10 +198,8 @@ def _start_rank1(model: str, port: int, log: Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-def test_launcher_environment_joins_ranks_started_apart(tmp_path: Path) -> None:
-    """torchrun-style: each rank is its own `dllm-serve` with WORLD_SIZE/RANK/MASTER_*; rank 0
-    serves, rank 1 only runs forwards. A dead rank 1 fails rank 0 at its next step: 503,
-    then exit status 1."""
+def _start_ranks_apart(tmp_path: Path) -> tuple[subprocess.Popen, RemoteServer]:
+    """Rank 1 and then rank 0 (the server) of tiny-llada, each its own `dllm-serve`."""
     port = free_port()
     rank1 = _start_rank1("tiny-llada", port, tmp_path / "rank1.log")
     server = RemoteServer.start(
@@ -209,6 +207,14 @@ def test_launcher_environment_joins_ranks_started_apart(tmp_path: Path) -> None:
         tmp_path / "rank0.log",
         env=_rank_env(0, port),
     )
+    return rank1, server
+
+
+def test_launcher_environment_joins_ranks_started_apart(tmp_path: Path) -> None:
+    """torchrun-style: each rank is its own `dllm-serve` with WORLD_SIZE/RANK/MASTER_*; rank 0
+    serves, rank 1 only runs forwards. A dead rank 1 fails rank 0 at its next step: 503,
+    then exit status 1."""
+    rank1, server = _start_ranks_apart(tmp_path)
     try:
         client = server.client()
         messages = [{"role": "user", "content": "Hello"}]
@@ -238,13 +244,7 @@ def test_launcher_environment_joins_ranks_started_apart(tmp_path: Path) -> None:
 def test_an_idle_server_notices_a_launched_rank_that_died(tmp_path: Path) -> None:
     """No request is sent: the heartbeat alone (engine/heartbeat.py) finds the dead rank 1,
     which rank 0 cannot watch as a child, and fails rank 0 visibly: 503, then status 1."""
-    port = free_port()
-    rank1 = _start_rank1("tiny-llada", port, tmp_path / "rank1.log")
-    server = RemoteServer.start(
-        ["--tensor-parallel-size", "2", "--device", "cpu", "--log-level", "warning"],
-        tmp_path / "rank0.log",
-        env=_rank_env(0, port),
-    )
+    rank1, server = _start_ranks_apart(tmp_path)
     try:
         rank1.kill()
         rank1.wait(10)
@@ -265,13 +265,7 @@ def test_an_idle_server_notices_a_launched_rank_that_died(tmp_path: Path) -> Non
 def test_a_launched_rank_exits_when_rank_0_freezes(tmp_path: Path) -> None:
     """Rank 0 stopped (SIGSTOP: alive, silent, its sockets open): rank 1 would wait on its
     control channel forever; the heartbeat store stops answering and rank 1 exits with 1."""
-    port = free_port()
-    rank1 = _start_rank1("tiny-llada", port, tmp_path / "rank1.log")
-    server = RemoteServer.start(
-        ["--tensor-parallel-size", "2", "--device", "cpu", "--log-level", "warning"],
-        tmp_path / "rank0.log",
-        env=_rank_env(0, port),
-    )
+    rank1, server = _start_ranks_apart(tmp_path)
     try:
         os.kill(server.process.pid, signal.SIGSTOP)
         frozen = time.monotonic()
