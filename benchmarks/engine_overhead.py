@@ -76,19 +76,27 @@ Recorded = FlatBatch | tuple[StaticForward, int, int]
 
 def engine_run(
     llm: LLM, conversations: list[list[dict[str, str]]], params: DecodingParams
-) -> tuple[float, list[Recorded], int]:
-    """Generate all conversations at once; returns (seconds, recorded forwards, answer tokens)."""
+) -> tuple[float, list[Recorded], int, float]:
+    """Generate all conversations at once; returns (seconds, recorded forwards, answer tokens,
+    seconds spent inside those forwards — on CPU, where a forward is synchronous)."""
     recorded: list[Recorded] = []
+    inside = [0.0]
     runner = llm.engine.runner
     original, original_graph = runner.forward, runner.forward_graph
 
     def recording_forward(batch: FlatBatch) -> torch.Tensor:
         recorded.append(batch)  # a list append: negligible next to a forward
-        return original(batch)
+        started = time.perf_counter()
+        logits = original(batch)
+        inside[0] += time.perf_counter() - started
+        return logits
 
     def recording_graph(static: StaticForward, rows: int, width: int) -> torch.Tensor:
         recorded.append((static, rows, width))
-        return original_graph(static, rows, width)
+        started = time.perf_counter()
+        logits = original_graph(static, rows, width)
+        inside[0] += time.perf_counter() - started
+        return logits
 
     runner.forward = recording_forward  # type: ignore[method-assign]
     runner.forward_graph = recording_graph  # type: ignore[method-assign]
@@ -103,7 +111,7 @@ def engine_run(
         seconds = time.perf_counter() - start
     finally:
         del runner.forward, runner.forward_graph  # back to the class's methods
-    return seconds, recorded, sum(o.completion_tokens for o in outs)
+    return seconds, recorded, sum(o.completion_tokens for o in outs), inside[0]
 
 
 def bare_run(runner: ModelRunner, batches: list[Recorded], device: torch.device) -> float:
@@ -127,6 +135,11 @@ def real_tokens(batch: Recorded) -> tuple[int, int]:
         return sum(g.rows for g in batch.groups), batch.num_tokens
     static, rows, _width = batch
     return rows, rows * static.key.q_len
+
+
+def _median_share(pairs: list[dict[str, Any]]) -> float | None:
+    shares = sorted(p["model_share"] for p in pairs if p["model_share"] is not None)
+    return round(shares[(len(shares) - 1) // 2], 4) if shares else None
 
 
 def open_llm(args: argparse.Namespace, config: EngineConfig) -> LLM:
@@ -199,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         device = llm.loaded.device
         llm.generate(conversations[:1], DecodingParams(gen_length=8, steps=8))  # warm-up
         for _ in range(args.repeat):
-            seconds, batches, answer = engine_run(llm, conversations, params)
+            seconds, batches, answer, inside = engine_run(llm, conversations, params)
             bare = bare_run(llm.engine.runner, batches, device)
             pairs.append(
                 {
@@ -211,6 +224,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "graph_replays": sum(not isinstance(b, FlatBatch) for b in batches),
                     "answer_tokens": answer,
                     "ratio": bare / seconds,
+                    # The forwards' share of the engine's own wall time: the same window, so
+                    # unlike the ratio it does not move with the load between the two runs
+                    # (but it hides any slowdown the engine's host work causes the forward).
+                    "model_share": inside / seconds if device.type == "cpu" else None,
                 }
             )
             del batches
@@ -251,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bare_loop": rates(mid["bare_s"], mid),
         "ratio": round(mid["ratio"], 4),
         "ratio_min_max": [round(pairs[0]["ratio"], 4), round(pairs[-1]["ratio"], 4)],
+        # CPU only (a CUDA forward returns before its kernels finish): median over the pairs.
+        "model_share_median": _median_share(pairs),
         "pairs": [
             {k: round(v, 4) if isinstance(v, float) else v for k, v in p.items()} for p in pairs
         ],
@@ -260,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{report['forwards']} forwards, {report['mean_rows_per_forward']} rows/forward: engine "
         f"{report['engine']['forwards_per_s']} fwd/s ({report['engine']['answer_tokens_per_s']} "
         f"answer tok/s), bare {report['bare_loop']['forwards_per_s']} fwd/s → ratio "
-        f"{report['ratio']} (pairs: {report['ratio_min_max']})"
+        f"{report['ratio']} (pairs: {report['ratio_min_max']}); model share of engine time "
+        f"{report['model_share_median']}"
     )
     write_json(args.out, report)
     plot_if_available(args.out.with_suffix(".png"), draw(report))

@@ -76,6 +76,9 @@ def test_engine_overhead(tmp_path: Path) -> None:
             assert key in report[side]
     assert report["ratio"] > 0 and len(report["pairs"]) == 2
     assert all(p["forwards"] > 0 and p["bare_s"] > 0 for p in report["pairs"])
+    # The forwards run inside the engine's window: a share, strictly between 0 and 1.
+    assert all(0 < p["model_share"] < 1 for p in report["pairs"])
+    assert report["model_share_median"] in [p["model_share"] for p in report["pairs"]]
 
 
 def test_engine_overhead_random_8b_shape_tiny(tmp_path: Path) -> None:
