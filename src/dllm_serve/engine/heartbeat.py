@@ -20,15 +20,12 @@ keep the main thread busy, never delay a beat.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
 
 BEAT_S = 0.5  # how often each rank bumps its counter
 STALE_S = 5.0  # a watched counter that has not moved for this long: that rank is gone

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
+from manifests import flag_value, objects_by_kind, yaml_docs
 
 from dllm_serve.cli import build_parser, parse_config
 
@@ -338,21 +339,10 @@ def test_every_copied_path_exists_and_reaches_the_build_context(instructions) ->
 # --- YAML: compose and Kubernetes -------------------------------------------------------------
 
 
-def yaml_docs(path: Path) -> list[dict[str, Any]]:
-    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    assert docs, f"{path} holds no YAML document"
-    return docs
-
-
 def k8s_objects() -> dict[str, dict[str, Any]]:
     """kind -> object over every manifest `kubectl apply -f docker/k8s/` applies (one object
     of each kind)."""
-    objects: dict[str, dict[str, Any]] = {}
-    for path in kubectl_directory_files():
-        for doc in yaml_docs(path):
-            assert doc["kind"] not in objects, f"second {doc['kind']} in {path.name}"
-            objects[doc["kind"]] = doc
-    return objects
+    return objects_by_kind(kubectl_directory_files())
 
 
 def deployment_pod_spec() -> dict[str, Any]:
@@ -362,10 +352,6 @@ def deployment_pod_spec() -> dict[str, Any]:
 def server_container() -> dict[str, Any]:
     (container,) = deployment_pod_spec()["containers"]
     return container
-
-
-def flag_value(args: list[str], flag: str) -> str:
-    return args[len(args) - 1 - args[::-1].index(flag) + 1]
 
 
 def seconds(duration: str | int) -> float:

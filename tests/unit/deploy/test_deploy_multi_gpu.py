@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from manifests import flag_value, objects_by_kind
 
 from dllm_serve.cli import build_parser, parse_config
 
@@ -33,12 +33,7 @@ LAUNCHER_ENV = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 
 def objects(path: Path = MANIFEST) -> dict[str, dict[str, Any]]:
     """kind -> object; one object of each kind."""
-    out: dict[str, dict[str, Any]] = {}
-    for doc in yaml.safe_load_all(path.read_text()):
-        if doc is not None:
-            assert doc["kind"] not in out, f"second {doc['kind']} in {path.name}"
-            out[doc["kind"]] = doc
-    return out
+    return objects_by_kind([path])
 
 
 def pod_spec() -> dict[str, Any]:
@@ -52,10 +47,6 @@ def container() -> dict[str, Any]:
 
 def args() -> list[str]:
     return container()["args"]
-
-
-def flag_value(argv: list[str], flag: str) -> str:
-    return argv[argv.index(flag) + 1]
 
 
 def gibibytes(quantity: str) -> float:
