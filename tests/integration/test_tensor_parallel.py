@@ -22,9 +22,12 @@ import pytest
 from remote_server import RemoteServer, free_port
 
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.sharded_vocab import STATISTICS
 from dllm_serve.engine.heartbeat import STALE_S, STORE_TIMEOUT_S
 from dllm_serve.engine.tensor_parallel import FAILURE_GRACE_S, launch
+from dllm_serve.engine.vocab_parallel import VocabTraffic
 from dllm_serve.llm import LLM
+from dllm_serve.models.checkpoint_files import read_json
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.tiny import write_tiny, write_tiny_nemotron
 
@@ -33,8 +36,11 @@ QUESTIONS = ["What is 2 + 2?", "Reverse the word cat.", "Sort the letters of dcb
 
 def generate(
     model: str, size: int, params: list[DecodingParams], lora: str | None = None, ep: bool = False
-):
+) -> tuple[list, VocabTraffic | None]:
+    """Each conversation's (text, NFE, accepted drafts), and at TP > 1 what the vocab-parallel
+    sampler brought to rank 0."""
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    traffic = None
     if size == 1:
         llm = LLM(model, device="cpu", dtype="float32")
         if lora:
@@ -49,18 +55,44 @@ def generate(
             from dllm_serve.models.lora import attach_draft_lora
 
             attach_draft_lora(loaded.model, lora)
+        traffic = loaded.parallel.traffic
         llm = LLM.from_loaded(loaded)
     with llm:
-        return [(c.text, c.nfe, c.accepted_drafts) for c in llm.generate(conversations, params)]
+        outs = llm.generate(conversations, params)
+        return [(c.text, c.nfe, c.accepted_drafts) for c in outs], traffic
 
 
-def both(model: str, params: DecodingParams, lora: str | None = None, ep: bool = False) -> None:
+def both(
+    model: str, params: DecodingParams, lora: str | None = None, ep: bool = False
+) -> tuple[list, VocabTraffic]:
+    """TP=2 gives TP=1's tokens for a greedy, a seeded and a greedy row (returned, with the
+    sampler's traffic); the logits are never gathered whole except for the rows a rule needs
+    them for, so everything else reached rank 0 as 6 float64 statistics per position."""
     seeded = dataclasses.replace(params, temperature=0.8, seed=7)
     rows = [params, seeded, params]
-    one = generate(model, 1, rows, lora)
-    two = generate(model, 2, rows, lora, ep)
+    one, _ = generate(model, 1, rows, lora)
+    two, traffic = generate(model, 2, rows, lora, ep)
     assert two == one
     assert any(text for text, *_ in one)
+    assert traffic is not None and traffic.reduced_positions > 0
+    vocab = read_json(Path(model) / "config.json")["vocab_size"]
+    whole_rows = traffic.bytes - traffic.reduced_positions * STATISTICS * 8
+    assert whole_rows % (vocab // 2 * 4) == 0  # float32 halves of the vocabulary, per position
+    return one, traffic
+
+
+def test_the_denoising_sampler_never_gathers_the_vocabulary(tmp_path: Path) -> None:
+    """LLaDA (greedy and Gumbel-sampled rows): only statistics cross, 6 float64 per position
+    and step; I-DLM: only the seeded row's rounds are gathered whole (its speculative
+    verification needs p and q), one row per round."""
+    llada = write_tiny("llada", tmp_path / "llada", seed=5)
+    _, traffic = both(str(llada), DecodingParams(gen_length=16, steps=16))
+    assert traffic.dense_rows == 0
+    assert traffic.bytes == traffic.reduced_positions * STATISTICS * 8
+    idlm = write_tiny("idlm", tmp_path / "idlm", seed=5)
+    outs, traffic = both(str(idlm), DecodingParams(gen_length=16, steps=16))
+    seeded_rounds = outs[1][1]
+    assert traffic.dense_rows == seeded_rounds > 0
 
 
 @pytest.mark.parametrize(

@@ -34,10 +34,11 @@ import torch
 from dllm_serve.decoding.block_steps import commit_masked, finish_or_continue, schedule_block
 from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
-from dllm_serve.decoding.isd_verify import greedy_tokens, target_probs
+from dllm_serve.decoding.isd_verify import target_probs
 from dllm_serve.decoding.linear_spec import sample_inverse_cdf
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
+from dllm_serve.decoding.sharded_vocab import ShardedLogits, dense_rows, seed_tokens
 from dllm_serve.decoding.state import DenoiseState
 from dllm_serve.decoding.stops import request_stop_ids
 
@@ -119,20 +120,20 @@ class CausalBlockDiffusionDecoder:
         offsets = [p - lo for p in state.masked]  # the diffusion view: no logit shift
         return RowSpec(block, lo, offsets, AttentionKind.BIDIRECTIONAL, kv)
 
-    def sample(self, states: Sequence[CausalBlockState], logits: torch.Tensor) -> torch.Tensor:
+    def sample(
+        self, states: Sequence[CausalBlockState], logits: torch.Tensor | ShardedLogits
+    ) -> torch.Tensor:
         """``[R, M]``: the denoising rows' commits (LLaDA's sampler, ``mask_id`` where nothing
         is committed); the prefill and refresh rows carry their seed in column 0 (argmax, or an
         exact sample at T > 0, of the causal logits; mask id excluded)."""
         seed_rows = [r for r, s in enumerate(states) if s.phase != DENOISE]
         seeds = None
         if seed_rows:  # one argmax for every row (mask id excluded); only seed rows use it
-            seeds = greedy_tokens(logits[:, 0].clone(), self.mask_id)
-            for r in seed_rows:
-                state = states[r]
-                if state.params.temperature > 0:
-                    t = state.params.temperature
-                    probs = target_probs(logits[r, :1], t, self.mask_id)
-                    seeds[r] = sample_inverse_cdf(probs, state.generator)[0]
+            seeds = seed_tokens(logits, self.mask_id)
+            hot = [r for r in seed_rows if states[r].params.temperature > 0]
+            for r, z in dense_rows(logits, hot).items():
+                probs = target_probs(z[:1], states[r].params.temperature, self.mask_id)
+                seeds[r] = sample_inverse_cdf(probs, states[r].generator)[0]
         out = self._sampler.sample(states, logits)  # type: ignore[arg-type]
         if seeds is not None:
             if len(seed_rows) == len(states):

@@ -46,7 +46,8 @@ from dllm_serve.decoding.block_diffusion import (
 from dllm_serve.decoding.block_steps import commit_masked, finish_or_continue, schedule_block
 from dllm_serve.decoding.forward_spec import RowSpec, StepResult
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.sampling import argmax, new_generator
+from dllm_serve.decoding.sampling import new_generator
+from dllm_serve.decoding.sharded_vocab import ShardedLogits, seed_tokens
 from dllm_serve.decoding.stops import request_stop_ids
 
 
@@ -137,15 +138,15 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
         offsets = [p - 1 - lo for p in state.masked]
         return RowSpec(tokens=state.tokens[lo:hi], start=lo, logits_at=offsets, kv=state.kv)
 
-    def sample(self, states: Sequence[BlockState], logits: torch.Tensor) -> torch.Tensor:
+    def sample(
+        self, states: Sequence[BlockState], logits: torch.Tensor | ShardedLogits
+    ) -> torch.Tensor:
         """The shared sampler's commits, plus each seeding row's next-block token in column 0:
         the argmax of its one logit with the mask id excluded (greedy, as the official loop)."""
         seeding = [isinstance(s, SubBlockState) and s.seeds for s in states]
         if not any(seeding):
             return self._sampler.sample(states, logits)  # type: ignore[arg-type]
-        first = logits[:, 0].float().clone()  # before the sampler consumes the logits
-        first[:, self.mask_id] = float("-inf")
-        seeds = argmax(first).to(logits.device)
+        seeds = seed_tokens(logits, self.mask_id)  # before the sampler consumes the logits
         out = self._sampler.sample(states, logits)  # type: ignore[arg-type]
         rows = torch.tensor(seeding).to(logits.device, non_blocking=True)
         out[:, 0] = torch.where(rows, seeds, out[:, 0])

@@ -41,6 +41,7 @@ from dllm_serve.decoding.isd_state import ISDState
 from dllm_serve.decoding.isd_verify import greedy_tokens, sample, target_probs, verify_row
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
+from dllm_serve.decoding.sharded_vocab import ShardedLogits, dense_rows, writable
 from dllm_serve.decoding.stops import request_stop_ids
 
 __all__ = ["DraftHook", "ISDState", "ISDecoder"]
@@ -137,24 +138,25 @@ class ISDecoder:
             kv=state.kv,
         )
 
-    def sample(self, states: Sequence[ISDState], logits: torch.Tensor) -> torch.Tensor:
+    def sample(
+        self, states: Sequence[ISDState], logits: torch.Tensor | ShardedLogits
+    ) -> torch.Tensor:
         """Every row's verdict material ``[R, 1 + M]`` (see the class docstring); ``logits``
         are consumed (the mask id's entries are overwritten in place)."""
         rows = logits.shape[0]
-        if logits.is_inference() and not torch.is_inference_mode_enabled():
-            logits = logits.clone()  # greedy_tokens writes in place
+        logits = writable(logits)  # greedy_tokens writes in place
+        # The rows that sample need the whole distribution (gathered when sharded).
+        full = dense_rows(logits, [r for r, s in enumerate(states) if s.params.temperature > 0])
         best = greedy_tokens(logits, self.mask_id)  # [R, M]: one argmax for every row
         out = torch.cat([best.new_full((rows, 1), -1), best], dim=1)
-        for r, state in enumerate(states):
-            temperature = state.params.temperature
-            if temperature == 0:
-                continue
+        for r, z in full.items():
+            state = states[r]
             k, n = state.round_shape
-            probs = target_probs(logits[r, : k + n], temperature, self.mask_id)
+            probs = target_probs(z[: k + n], state.params.temperature, self.mask_id)
             drawn = sample(probs[k:], state.generator)  # the clean token and the new drafts
             if k:
                 assert state.draft_q is not None, "sampled specs without their draft distribution"
-                specs = torch.tensor(state.specs, device=logits.device)
+                specs = torch.tensor(state.specs, device=best.device)
                 accepted, corrections = verify_row(probs[:k], state.draft_q, specs, state.generator)
             else:
                 accepted, corrections = best.new_zeros(()), best.new_zeros(0)

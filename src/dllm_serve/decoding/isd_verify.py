@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from dllm_serve.decoding.sampling import argmax
+from dllm_serve.decoding.sharded_vocab import ShardedLogits, is_sharded
 
 
 def target_probs(logits: torch.Tensor, temperature: float, mask_id: int) -> torch.Tensor:
@@ -35,12 +36,15 @@ def target_probs(logits: torch.Tensor, temperature: float, mask_id: int) -> torc
     return torch.softmax(z / temperature, dim=-1)
 
 
-def greedy_tokens(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor | ShardedLogits, mask_id: int) -> torch.Tensor:
     """``argmax`` per row with the mask id excluded (the T = 0 limit of :func:`target_probs`).
 
     In the logits' own precision (widening to float64 is exact, so it cannot change an argmax)
-    and in place: the mask id's logits are set to −inf.
+    and in place: the mask id's logits are set to −inf. Sharded logits (tensor parallelism)
+    are reduced per rank instead, untouched.
     """
+    if is_sharded(logits):
+        return logits.greedy(mask_id)
     logits[..., mask_id] = float("-inf")
     return argmax(logits)
 

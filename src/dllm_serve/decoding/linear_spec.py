@@ -45,6 +45,7 @@ from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.isd_verify import greedy_tokens, target_probs
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
+from dllm_serve.decoding.sharded_vocab import ShardedLogits, dense_rows, writable
 from dllm_serve.decoding.spec_state import SelfSpecState
 from dllm_serve.decoding.stops import request_stop_ids
 
@@ -165,19 +166,22 @@ class LinearSpecDecoder:
         tokens = [state.seed, *state.specs]
         return RowSpec(tokens, kv.length, list(range(len(tokens))), AttentionKind.CAUSAL, kv)
 
-    def sample(self, states: Sequence[LinearSpecState], logits: torch.Tensor) -> torch.Tensor:
+    def sample(
+        self, states: Sequence[LinearSpecState], logits: torch.Tensor | ShardedLogits
+    ) -> torch.Tensor:
         """Tokens ``[R, M]``: argmaxes (mask id excluded) of every requested position; the
         causal positions of rows at T > 0 are exact samples instead. ``logits`` are consumed
         (the mask id's entries are overwritten in place)."""
-        if logits.is_inference() and not torch.is_inference_mode_enabled():
-            logits = logits.clone()  # greedy_tokens writes in place
+        logits = writable(logits)  # greedy_tokens writes in place
+        sampling = [
+            r for r, s in enumerate(states) if s.params.temperature > 0 and s.phase != DRAFT
+        ]
+        full = dense_rows(logits, sampling)  # the whole distribution (gathered when sharded)
         best = greedy_tokens(logits, self.mask_id)
-        for r, state in enumerate(states):
-            temperature = state.params.temperature
-            if temperature == 0 or state.phase == DRAFT:
-                continue
+        for r, z in full.items():
+            state = states[r]
             n = 1 if state.phase == PREFILL else len(state.specs) + 1
-            probs = target_probs(logits[r, :n], temperature, self.mask_id)
+            probs = target_probs(z[:n], state.params.temperature, self.mask_id)
             best[r, :n] = sample_inverse_cdf(probs, state.generator)
         return best
 

@@ -21,6 +21,7 @@ from dllm_serve.decoding.algorithm import DecodeState, DecodingAlgorithm
 from dllm_serve.decoding.forward_spec import RowSpec, StepResult
 from dllm_serve.decoding.modes import TRI_MODE, TRI_MODES
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.sharded_vocab import ShardedLogits, select_rows
 
 
 class TriModeDecoder:
@@ -60,7 +61,9 @@ class TriModeDecoder:
     def prepare(self, state: DecodeState) -> RowSpec:
         return self._algorithm(state).prepare(state)
 
-    def sample(self, states: Sequence[DecodeState], logits: torch.Tensor) -> torch.Tensor:
+    def sample(
+        self, states: Sequence[DecodeState], logits: torch.Tensor | ShardedLogits
+    ) -> torch.Tensor:
         """Each mode's sampler on its own rows; their outputs side by side, ``[R, W]`` (rows
         narrower than ``W`` are padded with zeros, which no commit reads)."""
         groups: dict[str, list[int]] = {}
@@ -71,7 +74,7 @@ class TriModeDecoder:
         parts = []
         for mode, rows in groups.items():
             index = torch.tensor(rows, device=logits.device)
-            sub = self.modes[mode].sample([states[r] for r in rows], logits.index_select(0, index))
+            sub = self.modes[mode].sample([states[r] for r in rows], select_rows(logits, rows))
             parts.append((index, sub))
         width = max(sub.shape[1] for _, sub in parts)
         out = torch.zeros(len(states), width, dtype=torch.long, device=logits.device)

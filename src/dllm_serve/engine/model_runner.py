@@ -13,17 +13,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
 from dllm_serve.decoding.forward_spec import RowSpec
 from dllm_serve.engine.batch_packing import BatchPacker
 from dllm_serve.engine.cuda_graphs import MAX_Q, GraphRunner, StaticForward
+from dllm_serve.engine.vocab_parallel import (
+    VocabOp,
+    VocabShardedLogits,
+    VocabTraffic,
+    apply,
+    gather_parts,
+)
 from dllm_serve.models.flat_batch import FlatBatch
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.lora import PhaseHooks, weight_view_hooks
-from dllm_serve.models.tensor_parallel import gather_vocab
 from dllm_serve.models.transformer import DecoderTransformer
 
 if TYPE_CHECKING:
@@ -112,9 +118,10 @@ class ModelRunner:
         """The flat batch of ``rows`` and ``M`` (logits per row after padding)."""
         return self.packer.build(rows)
 
-    def run(self, rows: list[RowSpec]) -> torch.Tensor | None:
-        """Logits ``[len(rows), M, V]`` for one step (see the module docstring); None on a
-        tensor-parallel worker, whose logits go to rank 0."""
+    def run(self, rows: list[RowSpec]) -> torch.Tensor | VocabShardedLogits:
+        """Logits ``[len(rows), M, V]`` for one step (see the module docstring). Under tensor
+        parallelism each rank's vocabulary slice: rank 0 gets it wrapped as sharded logits
+        (its sampler's reductions reach the other ranks), a worker the bare slice."""
         if not torch.is_inference_mode_enabled():
             # The engine thread runs in inference mode already; entering and leaving it costs
             # more than a small step's whole sampler, so only other callers pay for it here.
@@ -133,18 +140,30 @@ class ModelRunner:
             if self.parallel is not None:  # the workers build and run the same batch
                 self.parallel.send((RUN, rows))
             batch, width = self.build(rows)
-            logits = gather_vocab(self.forward(batch), self.tp)
+            local = self.forward(batch).view(len(rows), width, -1)
         except (RuntimeError, OSError) as exc:
-            # A collective failed: a rank is gone (or the network between ranks). The group
-            # cannot recover mid-step, so the whole server stops, visibly, never hangs: rank 0
-            # answers 503 for the group's grace period first; a worker exits at once.
-            if self.parallel is not None:
-                self.parallel.fail(f"tensor-parallel collective failed: {exc}")
-            logger.critical("tensor-parallel collective failed: %s; exiting", exc)
-            os._exit(1)
-        if logits is None:  # a worker: rank 0 samples
-            return None
-        return logits.view(len(rows), width, -1)
+            self._collective_failed(exc)
+        if self.tp.rank != 0:  # a worker keeps its slice for the sampler's reductions
+            return local
+        # Rank 0 samples the sharded logits without gathering them (engine/vocab_parallel.py).
+        traffic = self.parallel.traffic if self.parallel is not None else VocabTraffic()
+        return VocabShardedLogits(local, self.tp, self.parallel, traffic=traffic)
+
+    def reduce(self, op: VocabOp, local: torch.Tensor) -> None:
+        """A worker's part of one of rank 0's sampler reductions of the step's logits."""
+        try:
+            gather_parts(apply(op, local, self.tp), self.tp)
+        except (RuntimeError, OSError) as exc:
+            self._collective_failed(exc)
+
+    def _collective_failed(self, exc: BaseException) -> NoReturn:
+        # A collective failed: a rank is gone (or the network between ranks). The group
+        # cannot recover mid-step, so the whole server stops, visibly, never hangs: rank 0
+        # answers 503 for the group's grace period first; a worker exits at once.
+        if self.parallel is not None:
+            self.parallel.fail(f"tensor-parallel collective failed: {exc}")
+        logger.critical("tensor-parallel collective failed: %s; exiting", exc)
+        os._exit(1)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (rank 0; nothing to do otherwise)."""

@@ -6,7 +6,9 @@ are worker processes that only run the forward.
 loads rank 0's shard. Each step, rank 0's :class:`~dllm_serve.engine.model_runner.ModelRunner`
 broadcasts the step's rows (``RowSpec`` objects: tokens, positions, KV spans — a few hundred
 bytes) on the control group; every rank builds the same flat batch on its own device and
-runs its shard of the forward; the vocabulary slices of the logits are gathered on rank 0.
+runs its shard of the forward. The logits stay sharded by vocabulary: rank 0's sampler asks
+the workers for per-position reductions of their slices (``engine/vocab_parallel.py``), and
+gathers whole rows only where a rule needs the whole distribution.
 The KV pool's slots are chosen by rank 0's scheduler and travel in the rows, so every
 rank's pool (its own KV heads) stays in step without any other message.
 
@@ -39,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dllm_serve.engine.heartbeat import Heartbeat, store_address
+from dllm_serve.engine.vocab_parallel import REDUCE, VocabTraffic
 from dllm_serve.models.checkpoint_files import read_json
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.families import family_for
@@ -145,6 +148,8 @@ class TensorParallelGroup:
     failure: str | None = None
     grace_s: float = FAILURE_GRACE_S
     heartbeat: Heartbeat | None = None
+    # What the vocab-parallel sampler brought to rank 0, all steps together.
+    traffic: VocabTraffic = field(default_factory=VocabTraffic)
     _stopping: bool = False
     _watcher: threading.Thread | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -242,6 +247,7 @@ def worker_main(
         dist.destroy_process_group()  # else gloo's threads abort the process at exit
         raise SystemExit(f"dllm-serve (tensor-parallel rank {rank}): {exc}") from None
     runner = None
+    logits = None  # this rank's slice of the last step's logits, for the sampler's reductions
     box: list[Any] = [None]
     with torch.inference_mode():
         while True:
@@ -257,7 +263,10 @@ def worker_main(
                 runner = ModelRunner(loaded.model, loaded.device, kv_slots=message[1])
             elif message[0] == RUN:
                 assert runner is not None
-                runner.run(message[1])
+                logits = runner.run(message[1])
+            elif message[0] == REDUCE:
+                assert runner is not None and logits is not None
+                runner.reduce(message[1], logits)
     dist.destroy_process_group()
 
 

@@ -9,7 +9,8 @@ Each of ``size`` ranks holds one shard of every layer and they run every forward
   sum, **all-reduced** (its bias, if any, is added on rank 0 only);
 - **MLP**: gate/up column-parallel, down row-parallel, all-reduced;
 - **embedding**: vocab-parallel rows; ids outside a rank's rows embed to zero, all-reduced;
-- **LM head**: vocab-parallel rows, so each rank computes the logits of its vocabulary slice.
+- **LM head**: vocab-parallel rows, so each rank computes the logits of its vocabulary slice
+  (which stay there: the sampler reduces them per rank, ``engine/vocab_parallel.py``).
 
 - **mixture of experts**: the router is replicated (every rank routes every token the same
   way); the shared expert is sliced like the dense MLP; the routed experts are either split
@@ -185,11 +186,3 @@ def embed_local(embedding: torch.nn.Embedding, ids: torch.Tensor, shard: TPShard
     inside = (local >= 0) & (local < rows)
     x = embedding(local.clamp(0, rows - 1)) * inside.unsqueeze(-1).to(embedding.weight.dtype)
     return shard.all_reduce(x)
-
-
-def gather_vocab(local: torch.Tensor, shard: TPShard) -> torch.Tensor | None:
-    """Every rank's vocabulary slice of the logits ``[..., V / N]``, concatenated on rank 0
-    (``[..., V]``); None on the other ranks."""
-    parts = [torch.empty_like(local) for _ in range(shard.size)] if shard.rank == 0 else None
-    dist.gather(local.contiguous(), parts, dst=0, group=shard.group)
-    return torch.cat(parts, dim=-1) if parts is not None else None

@@ -190,6 +190,10 @@ def test_tensor_parallel(tmp_path: Path) -> None:
     report = read(out)
     assert report["identical_answers"] is True  # TP is exact at T = 0
     assert len(report["pairs"]) == 1 and report["tp2_over_tp1_step_time"] > 0
+    # Greedy denoising: 48 bytes of statistics per position, against 2,048 for the other
+    # rank's half of tiny-llada's 1,024-entry logits row.
+    sampler, gather = report["sampler_bytes_per_step"], report["gather_bytes_per_step"]
+    assert sampler > 0 and 40 * sampler < gather
 
 
 def test_trimode_modes(tmp_path: Path) -> None:

@@ -1,0 +1,176 @@
+"""The vocab-parallel sampler in one process: the statistics combine to the dense answer, and
+every decoding algorithm, served on logits split into vocabulary shards (each shard reduced
+by the same code a rank runs), gives exactly the tokens it gives on the whole logits.
+
+The real collectives (gloo, 2 processes) are in tests/integration/test_tensor_parallel.py;
+here the other ranks' parts are computed locally, so every mode and metric is cheap to cover.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import dllm_serve
+from dllm_serve.decoding.confidence import entropy_inverse
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.sampling import gumbel_argmax
+from dllm_serve.decoding.sharded_vocab import combine_statistics, shard_statistics
+from dllm_serve.engine.model_runner import ModelRunner
+from dllm_serve.engine.vocab_parallel import VocabOp, VocabShardedLogits, VocabTraffic, apply
+from dllm_serve.llm import LLM
+from dllm_serve.models.tensor_parallel import TPShard
+from dllm_serve.models.tiny import write_tiny
+
+DEMO_LORA = Path(dllm_serve.__file__).parent / "assets" / "demo-trimode" / "draft-lora"
+
+
+class InProcessShards(VocabShardedLogits):
+    """Sharded logits whose other ranks are slices of the same tensor in this process; each
+    slice runs :func:`apply` exactly as a worker rank does (from the op alone)."""
+
+    def __init__(self, full: torch.Tensor, size: int, traffic: VocabTraffic) -> None:
+        self.slices = full.chunk(size, dim=-1)
+        super().__init__(self.slices[0], TPShard(0, size), None, traffic=traffic)
+
+    def select_rows(self, rows):
+        view = super().select_rows(rows)
+        view.__class__, view.slices = InProcessShards, self.slices
+        return view
+
+    def _collect(self, op: VocabOp, mine: torch.Tensor) -> list[torch.Tensor]:
+        size = self.shard.size
+        others = [apply(op, self.slices[r], TPShard(r, size)) for r in range(1, size)]
+        self.traffic.collectives += 1
+        return [mine, *others]
+
+
+def test_statistics_combine_to_the_dense_proposals_and_confidences() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 48) * 4
+    mask_id = 17
+    z = logits.clone()
+    z[..., mask_id] = float("-inf")
+    for size in (1, 2, 4, 48):  # 48: one entry per shard, one shard holding only the mask
+        parts = []
+        for r, piece in enumerate(z.chunk(size, dim=-1)):
+            parts.append(shard_statistics(piece.reshape(-1, piece.shape[-1]), r * 48 // size))
+        tokens, top1, inverse = combine_statistics(torch.stack(parts))
+        assert torch.equal(tokens.view(3, 5), z.argmax(-1))
+        p = torch.softmax(z.double(), -1)
+        want = p.gather(-1, z.argmax(-1, keepdim=True)).squeeze(-1)
+        torch.testing.assert_close(top1.view(3, 5), want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            inverse.view(3, 5), entropy_inverse(z.double(), z.argmax(-1)), rtol=1e-6, atol=0
+        )
+
+
+def test_a_tie_across_shards_goes_to_the_first_maximum() -> None:
+    z = torch.zeros(1, 8)
+    z[0, 2] = z[0, 6] = 5.0  # shard 0 and shard 1 both hold the maximum
+    parts = [shard_statistics(piece, r * 4) for r, piece in enumerate(z.chunk(2, -1))]
+    assert combine_statistics(torch.stack(parts)).tokens.tolist() == [2] == z.argmax(-1).tolist()
+
+
+def test_gumbel_draws_per_shard_equal_the_draw_over_the_whole_vocabulary() -> None:
+    """The same seeded sample as TP = 1, and rank 0's generator left where TP = 1 leaves it
+    (the next draw matches too); the workers draw from the state the op carries."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 6, 40)
+    mask_id = 3
+    dense = logits.clone()
+    dense[..., mask_id] = float("-inf")
+    for step in range(2):
+        want_gen, got_gen = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+        for _ in range(step):  # a later step: both generators already advanced alike
+            gumbel_argmax(dense[1, :4], 0.7, want_gen)
+            InProcessShards(logits, 4, VocabTraffic()).propose(mask_id, [6, 4], {1: (0.7, got_gen)})
+        want = gumbel_argmax(dense[1, :4], 0.7, want_gen)
+        got = InProcessShards(logits, 4, VocabTraffic()).propose(
+            mask_id, [6, 4], {1: (0.7, got_gen)}
+        )
+        assert torch.equal(got.tokens[1, :4], want)
+        assert torch.equal(got.tokens[0], dense[0].argmax(-1))  # the greedy row
+        assert torch.equal(want_gen.get_state(), got_gen.get_state())
+
+
+@pytest.fixture
+def sharded_runs(monkeypatch: pytest.MonkeyPatch):
+    """Make every ModelRunner.run return its logits split into 2 vocabulary shards."""
+    traffic = VocabTraffic()
+    run = ModelRunner.run
+
+    def sharded(self, rows):
+        return InProcessShards(run(self, rows), 2, traffic)
+
+    def start() -> VocabTraffic:
+        monkeypatch.setattr(ModelRunner, "run", sharded)
+        return traffic
+
+    return start
+
+
+QUESTIONS = ["What is 2 + 2?", "Reverse the word cat.", "Sort the letters of dcba."]
+
+
+def _generate(model: str, params: list[DecodingParams], lora: str | None = None) -> list:
+    with LLM(model, device="cpu", dtype="float32") as llm:
+        if lora:
+            from dllm_serve.models.lora import attach_draft_lora
+
+            attach_draft_lora(llm.loaded.model, lora)
+        conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+        outs = llm.generate(conversations, params)
+        return [(o.text, o.completion_tokens, o.nfe, o.committed, o.accepted_drafts) for o in outs]
+
+
+def _same_on_shards(sharded_runs, model: str, params: DecodingParams, lora=None):
+    seeded = dataclasses.replace(params, temperature=0.9, seed=11)
+    rows = [params, seeded, dataclasses.replace(seeded, seed=12)]
+    dense = _generate(model, rows, lora)
+    traffic = sharded_runs()
+    assert _generate(model, rows, lora) == dense
+    assert traffic.reduced_positions > 0 or traffic.dense_rows > 0
+    return traffic
+
+
+DENOISING = [
+    DecodingParams(gen_length=16, steps=8, block_length=8),
+    DecodingParams(gen_length=16, steps=16, confidence_metric="entropy_inverse"),
+    DecodingParams(gen_length=16, steps=16, confidence_threshold=0.3),
+    DecodingParams(
+        gen_length=16,
+        steps=16,
+        use_local_leap=True,
+        local_leap_anchor_threshold=0.3,
+        local_leap_neighbor_threshold=0.2,
+    ),
+]
+
+
+@pytest.mark.parametrize("params", DENOISING, ids=["topk", "entropy", "threshold", "leap"])
+def test_denoising_on_vocabulary_shards(sharded_runs, params) -> None:
+    """The trained demo, whose confidences are far apart: a random tiny model's are nearly
+    uniform (entropy_inverse ≈ 1/V to 9 digits), so float rounding alone reorders them."""
+    traffic = _same_on_shards(sharded_runs, "demo-llada", params)
+    assert traffic.dense_rows == 0  # greedy and Gumbel rows alike: statistics only
+
+
+def test_self_speculation_on_vocabulary_shards(sharded_runs) -> None:
+    traffic = _same_on_shards(sharded_runs, "demo-idlm", DecodingParams(gen_length=16, steps=16))
+    assert traffic.dense_rows > 0  # the seeded rows' verification reads p and q whole
+
+
+@pytest.mark.parametrize("family", ["dream", "sdar", "llada2", "fastdllm"])
+def test_other_families_on_vocabulary_shards(sharded_runs, family, tmp_path: Path) -> None:
+    path = write_tiny(family, tmp_path / family, seed=3)
+    _same_on_shards(sharded_runs, str(path), DecodingParams(gen_length=16, steps=16))
+
+
+@pytest.mark.parametrize("mode", ["linear_spec", "diffusion", "ar"])
+def test_tri_mode_on_vocabulary_shards(sharded_runs, mode) -> None:
+    params = DecodingParams(gen_length=16, steps=16, decoding_mode=mode)
+    _same_on_shards(sharded_runs, "demo-trimode", params, lora=str(DEMO_LORA))
