@@ -5,7 +5,8 @@
 #      (targets: batch-1 cached block step <= 5 ms, batch 16 <= 15 ms);
 #   2. benchmarks/engine_overhead.py on the 8B-shaped random model (target ratio >= 0.9),
 #      without and with the prefix KV cache (with CUDA graphs, and eager beside it);
-#   3. the GPU-marked tests (tests/gpu: CUDA paths; tests/unit/engine/test_engine_cuda_graphs.py:
+#   3. the GPU-marked tests (tests/gpu: CUDA paths, a one-rank NCCL group and the vocab-parallel
+#      sampler on CUDA; tests/unit/engine/test_engine_cuda_graphs.py:
 #      captured graph replay == eager tokens).
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash scripts/gpu_session.sh
 set -u

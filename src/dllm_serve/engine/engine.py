@@ -75,6 +75,7 @@ class AsyncEngine(EngineSteps):
             parallel=loaded.parallel,
             cuda_graph=self.config.cuda_graph and loaded.device.type == "cuda",
             graph_max_rows=self.config.max_running_requests,
+            mask_id=loaded.mask_id,
         )
         self.scheduler = Scheduler(self.config)
         self._cond = threading.Condition()

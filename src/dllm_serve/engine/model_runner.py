@@ -26,6 +26,7 @@ from dllm_serve.engine.vocab_parallel import (
     VocabTraffic,
     apply,
     gather_parts,
+    reduce_greedy,
 )
 from dllm_serve.models.flat_batch import FlatBatch
 from dllm_serve.models.kv_pool import KVPool
@@ -56,6 +57,7 @@ class ModelRunner:
         cuda_graph: bool = False,
         graph_max_rows: int = 32,
         capture: bool | None = None,
+        mask_id: int | None = None,
     ) -> None:
         self.model = model.fuse_projections()
         self.device = device
@@ -63,8 +65,11 @@ class ModelRunner:
         # workers run every forward with it (engine/tensor_parallel.py).
         self.tp = model.tp
         self.parallel = parallel
+        # Under tensor parallelism every rank reduces each step's logits greedily with the
+        # model's mask id excluded (engine/vocab_parallel.py); rank 0 tells the workers which.
+        self.mask_id = mask_id
         if parallel is not None:
-            parallel.send((INIT, kv_slots))
+            parallel.send((INIT, kv_slots, mask_id))
         self.pool: KVPool | None = None
         # Fixed-shape decode steps replay static forwards (engine/cuda_graphs.py): CUDA graphs
         # on CUDA (``capture``, default there), the same padded forward uncaptured elsewhere.
@@ -141,13 +146,16 @@ class ModelRunner:
                 self.parallel.send((RUN, rows))
             batch, width = self.build(rows)
             local = self.forward(batch).view(len(rows), width, -1)
+            if self.tp.rank != 0:  # a worker: its greedy part, then keep the slice for more
+                if self.mask_id is not None:
+                    reduce_greedy(local, self.tp, self.mask_id)
+                return local
+            # Rank 0 samples the sharded logits without gathering them (vocab_parallel.py).
+            traffic = self.parallel.traffic if self.parallel is not None else VocabTraffic()
+            logits = VocabShardedLogits(local, self.tp, self.parallel, traffic=traffic)
+            return logits if self.mask_id is None else logits.take_greedy(self.mask_id)
         except (RuntimeError, OSError) as exc:
             self._collective_failed(exc)
-        if self.tp.rank != 0:  # a worker keeps its slice for the sampler's reductions
-            return local
-        # Rank 0 samples the sharded logits without gathering them (engine/vocab_parallel.py).
-        traffic = self.parallel.traffic if self.parallel is not None else VocabTraffic()
-        return VocabShardedLogits(local, self.tp, self.parallel, traffic=traffic)
 
     def reduce(self, op: VocabOp, local: torch.Tensor) -> None:
         """A worker's part of one of rank 0's sampler reductions of the step's logits."""

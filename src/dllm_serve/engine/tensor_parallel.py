@@ -260,7 +260,9 @@ def worker_main(
                 heartbeat.stop()
                 break
             if message[0] == INIT:
-                runner = ModelRunner(loaded.model, loaded.device, kv_slots=message[1])
+                runner = ModelRunner(
+                    loaded.model, loaded.device, kv_slots=message[1], mask_id=message[2]
+                )
             elif message[0] == RUN:
                 assert runner is not None
                 logits = runner.run(message[1])

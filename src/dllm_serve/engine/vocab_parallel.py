@@ -8,6 +8,12 @@ there, before any worker is involved), announces the op on the control channel, 
 rank runs :func:`apply` on its slice and joins one ``gather`` to rank 0. A worker runs the
 ops it is told until the next step (``engine/tensor_parallel.py``).
 
+One op is never announced: right after the forward every rank reduces all rows greedily (the
+model's mask id excluded) and gathers that on rank 0 (:func:`reduce_greedy`,
+:meth:`VocabShardedLogits.take_greedy`). Every algorithm proposes argmaxes every step, so
+a greedy step costs one gather of statistics and no control message; only Gumbel rows and
+whole-row gathers announce ops of their own.
+
 Traffic per step: 6 float64 per position for proposals and confidences, instead of ``V / N``
 floats per position and rank; whole rows only for the rows whose rule needs the whole
 distribution (``dense``).
@@ -99,6 +105,13 @@ def apply(
     return shard_statistics(z.view(rows * width, vocab), offset, keys).view(rows, width, -1)
 
 
+def reduce_greedy(local: torch.Tensor, shard: TPShard, mask_id: int) -> None:
+    """A worker's part of every step's first reduction, unasked: the greedy statistics of
+    all rows (``mask_id`` excluded), gathered on rank 0 (:meth:`VocabShardedLogits.take_greedy`).
+    Every algorithm needs them every step, so announcing them would only add a message."""
+    gather_parts(apply(VocabOp("propose", None, mask_id), local, shard), shard)
+
+
 def gather_parts(part: torch.Tensor, shard: TPShard) -> list[torch.Tensor] | None:
     """Every rank's ``part`` on rank 0 (in rank order); None on the other ranks."""
     parts = [torch.empty_like(part) for _ in range(shard.size)] if shard.rank == 0 else None
@@ -117,6 +130,17 @@ class VocabShardedLogits:
     rows: tuple[int, ...] | None = None
     # What reached rank 0 (``VocabTraffic``): the group's running totals, or this step's own.
     traffic: VocabTraffic = field(default_factory=lambda: VocabTraffic())
+    # The greedy proposals of every row (the model's mask id excluded), reduced by every rank
+    # right after the forward (:meth:`take_greedy`): what most steps need, with no message.
+    greedy_of: tuple[int, Proposals] | None = None
+
+    def take_greedy(self, mask_id: int) -> VocabShardedLogits:
+        """Rank 0's part of :func:`reduce_greedy`, which every rank runs right after the
+        forward: the step's greedy proposals, kept for :meth:`propose`. Returns ``self``."""
+        mine = apply(VocabOp("propose", None, mask_id), self.local, self.shard)
+        parts = self._collect(None, mine)
+        self.greedy_of = (mask_id, self._combine(parts))
+        return self
 
     @property
     def shape(self) -> torch.Size:
@@ -129,7 +153,9 @@ class VocabShardedLogits:
 
     def select_rows(self, rows: Sequence[int]) -> VocabShardedLogits:
         base = [self.rows[r] for r in rows] if self.rows is not None else list(rows)
-        return VocabShardedLogits(self.local, self.shard, self.group, tuple(base), self.traffic)
+        view = VocabShardedLogits(self.local, self.shard, self.group, tuple(base), self.traffic)
+        view.greedy_of = self.greedy_of
+        return view
 
     def greedy(self, mask_id: int) -> torch.Tensor:
         return self.propose(mask_id, [], {}).tokens
@@ -144,14 +170,21 @@ class VocabShardedLogits:
         # selects them first); rank 0 draws from the live generators, advancing them.
         if any(g is None for _t, g in draws.values()):
             raise ValueError("a sampled row needs its request's generator")
+        if not draws and self.greedy_of is not None and self.greedy_of[0] == mask_id:
+            done = self.greedy_of[1]
+            if self.rows is None:
+                return done
+            index = torch.tensor(self.rows, device=done.tokens.device)
+            return Proposals(*(t.index_select(0, index) for t in done))
         live = {r: g for r, (_t, g) in draws.items() if g is not None}
         op = VocabOp(
             "propose", self.rows, mask_id,
             tuple((r, counts[r], draws[r][0], g.get_state()) for r, g in live.items()),
         )  # fmt: skip
-        mine = apply(op, self.local, self.shard, live)
-        parts = self._collect(op, mine)
-        self.traffic.reduced_positions += mine.shape[0] * mine.shape[1]
+        return self._combine(self._collect(op, apply(op, self.local, self.shard, live)))
+
+    def _combine(self, parts: list[torch.Tensor]) -> Proposals:
+        self.traffic.reduced_positions += parts[0].shape[0] * parts[0].shape[1]
         tokens, top1, inverse = combine_statistics(torch.stack(parts))
         # float32 confidences, as the dense sampler's float32 softmax gives.
         return Proposals(tokens, top1.float(), inverse.float())
@@ -163,8 +196,10 @@ class VocabShardedLogits:
         self.traffic.dense_rows += len(rows)
         return torch.cat(parts, dim=-1)
 
-    def _collect(self, op: VocabOp, mine: torch.Tensor) -> list[torch.Tensor]:
-        if self.group is not None:
+    def _collect(self, op: VocabOp | None, mine: torch.Tensor) -> list[torch.Tensor]:
+        """Announce ``op`` (None: the ranks run it unasked, :func:`reduce_greedy`), then
+        gather every rank's part of it."""
+        if self.group is not None and op is not None:
             self.group.send((REDUCE, op))
         try:
             parts = gather_parts(mine, self.shard)

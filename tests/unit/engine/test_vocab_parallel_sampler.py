@@ -41,8 +41,12 @@ class InProcessShards(VocabShardedLogits):
         view.__class__, view.slices = InProcessShards, self.slices
         return view
 
-    def _collect(self, op: VocabOp, mine: torch.Tensor) -> list[torch.Tensor]:
-        size = self.shard.size
+    def take_greedy(self, mask_id: int) -> InProcessShards:
+        self._greedy_op = VocabOp("propose", None, mask_id)  # what reduce_greedy runs
+        return super().take_greedy(mask_id)
+
+    def _collect(self, op: VocabOp | None, mine: torch.Tensor) -> list[torch.Tensor]:
+        size, op = self.shard.size, op or self._greedy_op
         others = [apply(op, self.slices[r], TPShard(r, size)) for r in range(1, size)]
         self.traffic.collectives += 1
         return [mine, *others]
@@ -103,8 +107,8 @@ def sharded_runs(monkeypatch: pytest.MonkeyPatch):
     traffic = VocabTraffic()
     run = ModelRunner.run
 
-    def sharded(self, rows):
-        return InProcessShards(run(self, rows), 2, traffic)
+    def sharded(self, rows):  # as rank 0's runner: the greedy reduction of every row first
+        return InProcessShards(run(self, rows), 2, traffic).take_greedy(self.mask_id)
 
     def start() -> VocabTraffic:
         monkeypatch.setattr(ModelRunner, "run", sharded)
