@@ -60,7 +60,7 @@ class VocabOp:
 
     ``rows``: the step's rows it reads (None: all). ``propose`` returns proposal statistics
     (``mask_id``; ``draws``: ``(row, count, temperature, generator state)`` for the rows that
-    sample); ``dense`` returns the rows' logits.
+    sample, ``row`` an index into ``rows``); ``dense`` returns the rows' logits.
     """
 
     kind: str  # "propose" | "dense"
@@ -166,22 +166,37 @@ class VocabShardedLogits:
         counts: Sequence[int],
         draws: dict[int, tuple[float, torch.Generator | None]],
     ) -> Proposals:
-        # Draw rows are indices into this view's rows, which are the op's rows (``apply``
-        # selects them first); rank 0 draws from the live generators, advancing them.
         if any(g is None for _t, g in draws.values()):
             raise ValueError("a sampled row needs its request's generator")
-        if not draws and self.greedy_of is not None and self.greedy_of[0] == mask_id:
-            done = self.greedy_of[1]
-            if self.rows is None:
-                return done
-            index = torch.tensor(self.rows, device=done.tokens.device)
-            return Proposals(*(t.index_select(0, index) for t in done))
-        live = {r: g for r, (_t, g) in draws.items() if g is not None}
+        greedy = self._greedy(mask_id)
+        if greedy is not None and not draws:
+            return greedy
+        # Only the sampling rows when the greedy ones are known already, else every row.
+        ours = sorted(draws) if greedy is not None else list(range(self.shape[0]))
+        view = self.select_rows(ours)
+        # A draw's row is an index into the op's rows (``apply`` selects them first); rank 0
+        # draws from the live generators, advancing them as a draw at TP = 1 does.
+        live = {ours.index(r): generator for r, (_t, generator) in draws.items()}
         op = VocabOp(
-            "propose", self.rows, mask_id,
-            tuple((r, counts[r], draws[r][0], g.get_state()) for r, g in live.items()),
+            "propose", view.rows, mask_id,
+            tuple((i, counts[ours[i]], draws[ours[i]][0], g.get_state()) for i, g in live.items()),
         )  # fmt: skip
-        return self._combine(self._collect(op, apply(op, self.local, self.shard, live)))
+        sampled = self._combine(self._collect(op, apply(op, self.local, self.shard, live)))
+        if greedy is None:
+            return sampled
+        index = torch.tensor(ours, device=sampled.tokens.device)
+        return Proposals(*(g.index_copy(0, index, t) for g, t in zip(greedy, sampled, strict=True)))
+
+    def _greedy(self, mask_id: int) -> Proposals | None:
+        """This view's rows of the greedy proposals every rank reduced after the forward
+        (None: not reduced, or for another mask id)."""
+        if self.greedy_of is None or self.greedy_of[0] != mask_id:
+            return None
+        done = self.greedy_of[1]
+        if self.rows is None:
+            return done
+        index = torch.tensor(self.rows, device=done.tokens.device)
+        return Proposals(*(t.index_select(0, index) for t in done))
 
     def _combine(self, parts: list[torch.Tensor]) -> Proposals:
         self.traffic.reduced_positions += parts[0].shape[0] * parts[0].shape[1]
