@@ -17,6 +17,7 @@ import torch
 
 from dllm_serve.decoding.forward_spec import RowSpec, StepResult
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.sharded_vocab import ShardedLogits
 from dllm_serve.models.kv_pool import KVSpan
 
 
@@ -66,7 +67,12 @@ class DecodingAlgorithm(Protocol):
 
     def prepare(self, state: DecodeState) -> RowSpec: ...
 
-    def sample(self, states: Sequence[DecodeState], logits: torch.Tensor) -> torch.Tensor: ...
+    def sample(
+        self, states: Sequence[DecodeState], logits: torch.Tensor | ShardedLogits
+    ) -> torch.Tensor:
+        """The step's device result ``[R, W]`` from its logits ``[R, M, V]``: a dense tensor,
+        or under tensor parallelism logits sharded by vocabulary (``sharded_vocab.py``)."""
+        ...
 
     def commit(
         self, states: Sequence[DecodeState], host: Sequence[Sequence[int]]
