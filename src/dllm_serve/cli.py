@@ -267,7 +267,8 @@ def serve(config: ServerConfig) -> None:
     mc = config.model
     try:
         if mc.tensor_parallel_size > 1:
-            from dllm_serve.engine.tensor_parallel import launch, multi_node_rank, worker_main
+            from dllm_serve.engine.tensor_parallel import launch, worker_main
+            from dllm_serve.engine.tp_rendezvous import multi_node_rank
 
             size, ep = mc.tensor_parallel_size, mc.expert_parallel_size > 1
             rank = multi_node_rank(size)

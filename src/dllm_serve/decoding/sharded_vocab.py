@@ -159,10 +159,9 @@ def shard_statistics(
     ``keys`` maps a position to its Gumbel keys ``[V_r]`` (a sampled position); every other
     position's key is ``z`` itself (the argmax).
     """
-    token = argmax(z)  # numpy's first-maximum argmax on CPU
-    z_at = z.gather(-1, token.to(z.device).unsqueeze(-1)).squeeze(-1)
+    token = argmax(z).to(z.device)  # numpy's first-maximum argmax on CPU
+    z_at = z.gather(-1, token.unsqueeze(-1)).squeeze(-1)
     key = z_at.to(torch.float64)
-    token = token.to(z.device)
     if keys:
         positions = torch.tensor(list(keys), device=z.device)
         stacked = torch.stack(list(keys.values()))

@@ -2,15 +2,15 @@
 are worker processes that only run the forward.
 
 ``launch`` starts the workers (``spawn``), joins the ``torch.distributed`` group with them
-(gloo on CPU; NCCL for the forward's collectives on CUDA, with a gloo group for control) and
-loads rank 0's shard. Each step, rank 0's :class:`~dllm_serve.engine.model_runner.ModelRunner`
-broadcasts the step's rows (``RowSpec`` objects: tokens, positions, KV spans — a few hundred
-bytes) on the control group; every rank builds the same flat batch on its own device and
-runs its shard of the forward. The logits stay sharded by vocabulary: rank 0's sampler asks
-the workers for per-position reductions of their slices (``engine/vocab_parallel.py``), and
-gathers whole rows only where a rule needs the whole distribution.
-The KV pool's slots are chosen by rank 0's scheduler and travel in the rows, so every
-rank's pool (its own KV heads) stays in step without any other message.
+(gloo on CPU; NCCL for the forward's collectives on CUDA, with a gloo group for control;
+``engine/tp_rendezvous.py``) and loads rank 0's shard. Each step, rank 0's
+:class:`~dllm_serve.engine.model_runner.ModelRunner` broadcasts the step's rows (``RowSpec``
+objects: tokens, positions, KV spans — a few hundred bytes) on the control group; every rank
+builds the same flat batch on its own device and runs its shard of the forward. The logits stay
+sharded by vocabulary: rank 0's sampler asks the workers for per-position reductions of their
+slices (``engine/vocab_parallel.py``), and gathers whole rows only where a rule needs the whole
+distribution. The KV pool's slots are chosen by rank 0's scheduler and travel in the rows, so
+every rank's pool (its own KV heads) stays in step without any other message.
 
 Failure of any rank fails the server visibly: rank 0 watches the workers' processes, and
 when one ends unexpectedly (or a control message cannot be sent) it logs which rank died,
@@ -25,11 +25,8 @@ seconds as well. Nothing waits forever.
 
 from __future__ import annotations
 
-import datetime
-import hashlib
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,9 +38,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dllm_serve.engine.heartbeat import Heartbeat, store_address
+from dllm_serve.engine.tp_rendezvous import agree, device_for, free_port, join, multi_node_rank
 from dllm_serve.engine.vocab_parallel import REDUCE, VocabTraffic
 from dllm_serve.models.checkpoint_files import read_json
-from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.families import family_for
 from dllm_serve.models.hub import resolve_model_path
 from dllm_serve.models.loader import LoadedModel, load_model
@@ -52,89 +49,10 @@ from dllm_serve.models.tensor_parallel import TPShard, shard_config
 
 logger = logging.getLogger(__name__)
 
-# The control channel idles as long as the server has no request; the forward's collectives
-# never wait long for a live peer.
-_CONTROL_TIMEOUT = datetime.timedelta(days=365)
-_COMPUTE_TIMEOUT = datetime.timedelta(minutes=10)
 STOP = "stop"
 # How long a failed server keeps answering 503 before it exits: long enough for a probe or a
 # retrying client to see it, short enough that the orchestrator restarts the pod promptly.
 FAILURE_GRACE_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _device_for(device: str, rank: int) -> str:
-    """One GPU per rank on CUDA (``cuda:LOCAL_RANK`` when a launcher set it, else
-    ``cuda:rank``); every rank on ``cpu`` otherwise."""
-    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
-        return f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
-    return "cpu"
-
-
-def checkpoint_fingerprint(model: str, sample: int = 1 << 16) -> str:
-    """What every rank must agree on: config.json, and each weight file's name, size and
-    first and last ``sample`` bytes (its header and some weights: enough to tell two
-    checkpoints of one shape apart without reading gigabytes)."""
-    path = resolve_model_path(model)
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    for file in sorted(path.glob("*.safetensors")):
-        size = file.stat().st_size
-        digest.update(f"{file.name}:{size}".encode())
-        with file.open("rb") as f:
-            digest.update(f.read(sample))
-            f.seek(max(0, size - sample))
-            digest.update(f.read(sample))
-    return digest.hexdigest()[:16]
-
-
-def _agree(model: str, size: int, control: Any) -> None:
-    """Every rank checks that all ranks load the same checkpoint with the same world size
-    (a clear error on every rank, instead of a forward of mismatched shards)."""
-    mine = (checkpoint_fingerprint(model), size)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine, group=control)
-    wrong = [f"rank {r} {v}" for r, v in enumerate(everyone) if v != everyone[0]]
-    if wrong:
-        raise ModelLoadError(
-            "tensor-parallel ranks disagree on the checkpoint (fingerprint) or the world size: "
-            f"rank 0 {everyone[0]}, " + ", ".join(wrong)
-        )
-
-
-def multi_node_rank(size: int) -> int | None:
-    """This process's rank when a launcher (torchrun, a Kubernetes indexed Job) set the
-    standard ``WORLD_SIZE`` / ``RANK`` environment, else None; the world must be ``size``."""
-    world = os.environ.get("WORLD_SIZE")
-    if world is None or int(world) == 1:
-        return None
-    if int(world) != size:
-        raise ModelLoadError(
-            f"WORLD_SIZE={world} in the environment but --tensor-parallel-size {size}: every "
-            "rank of the group is one process, so they must be equal"
-        )
-    for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
-        if key not in os.environ:
-            raise ModelLoadError(f"WORLD_SIZE={world} is set but {key} is not")
-    return int(os.environ["RANK"])
-
-
-def _join(
-    rank: int, size: int, init_method: str, device: str, expert_parallel: bool
-) -> tuple[TPShard, Any]:
-    """Join the group: the shard (collectives on the default group) and the control group."""
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=size, timeout=_COMPUTE_TIMEOUT
-    )
-    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    return TPShard(rank, size, group=None, expert_parallel=expert_parallel), control
 
 
 @dataclass
@@ -235,11 +153,11 @@ def worker_main(
 
     if threads:
         torch.set_num_threads(threads)
-    dev = _device_for(device, rank)
-    shard, control = _join(rank, size, init_method, dev, expert_parallel)
+    dev = device_for(device, rank)
+    shard, control = join(rank, size, init_method, dev, expert_parallel)
     heartbeat = Heartbeat(rank, [0], store_address(init_method), _worker_lost).start()
     try:
-        _agree(model, size, control)
+        agree(model, size, control)
         loaded = load_model(model, device=dev, dtype=dtype, shard=shard)
         if draft_lora is not None:
             attach_draft_lora(loaded.model, draft_lora)
@@ -295,7 +213,7 @@ def launch(
     # Refuse a model that does not shard before any process starts (a clear error, once).
     config = read_json(resolve_model_path(model) / "config.json")
     shard_config(family_for(config).transformer_config(config), size, 0, expert_parallel)
-    if _device_for(device, 0).startswith("cuda") and torch.cuda.device_count() < size:
+    if device_for(device, 0).startswith("cuda") and torch.cuda.device_count() < size:
         raise ValueError(
             f"--tensor-parallel-size {size} needs {size} GPUs, {torch.cuda.device_count()} seen"
         )
@@ -303,7 +221,7 @@ def launch(
         # Every rank was started by a launcher (this is rank 0): join through the environment.
         init_method, workers = "env://", []
     else:
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         workers = [
             ctx.Process(
@@ -326,15 +244,15 @@ def launch(
         ]
         for p in workers:
             p.start()
-    dev = _device_for(device, 0)
-    shard, control = _join(0, size, init_method, dev, expert_parallel)
+    dev = device_for(device, 0)
+    shard, control = join(0, size, init_method, dev, expert_parallel)
     group = TensorParallelGroup(shard, control, workers)
     if workers:
         group.watch()
     address = store_address(init_method)
     group.heartbeat = Heartbeat(0, range(1, size), address, group.lost).start()
     try:
-        _agree(model, size, control)
+        agree(model, size, control)
         loaded = load_model(model, device=dev, dtype=dtype, shard=shard)
     except BaseException:
         group.stop(timeout=5)  # the workers, then the process group: a clean exit status

@@ -21,6 +21,7 @@ distribution (``dense``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -129,7 +130,7 @@ class VocabShardedLogits:
     group: TensorParallelGroup | None  # None: a launcher-started group with no handle (tests)
     rows: tuple[int, ...] | None = None
     # What reached rank 0 (``VocabTraffic``): the group's running totals, or this step's own.
-    traffic: VocabTraffic = field(default_factory=lambda: VocabTraffic())
+    traffic: VocabTraffic = field(default_factory=VocabTraffic)
     # The greedy proposals of every row (the model's mask id excluded), reduced by every rank
     # right after the forward (:meth:`take_greedy`): what most steps need, with no message.
     greedy_of: tuple[int, Proposals] | None = None
@@ -152,10 +153,8 @@ class VocabShardedLogits:
         return self.local.device
 
     def select_rows(self, rows: Sequence[int]) -> VocabShardedLogits:
-        base = [self.rows[r] for r in rows] if self.rows is not None else list(rows)
-        view = VocabShardedLogits(self.local, self.shard, self.group, tuple(base), self.traffic)
-        view.greedy_of = self.greedy_of
-        return view
+        base = tuple(self.rows[r] for r in rows) if self.rows is not None else tuple(rows)
+        return dataclasses.replace(self, rows=base)  # the same step: traffic and greedy_of
 
     def greedy(self, mask_id: int) -> torch.Tensor:
         return self.propose(mask_id, [], {}).tokens

@@ -28,25 +28,25 @@ from dllm_serve.models.tiny import write_tiny
 DEMO_LORA = Path(dllm_serve.__file__).parent / "assets" / "demo-trimode" / "draft-lora"
 
 
+@dataclasses.dataclass
 class InProcessShards(VocabShardedLogits):
     """Sharded logits whose other ranks are slices of the same tensor in this process; each
     slice runs :func:`apply` exactly as a worker rank does (from the op alone)."""
 
-    def __init__(self, full: torch.Tensor, size: int, traffic: VocabTraffic) -> None:
-        self.slices = full.chunk(size, dim=-1)
-        super().__init__(self.slices[0], TPShard(0, size), None, traffic=traffic)
+    slices: tuple[torch.Tensor, ...] = ()
+    greedy_op: VocabOp | None = None  # what every rank's reduce_greedy runs unasked
 
-    def select_rows(self, rows):
-        view = super().select_rows(rows)
-        view.__class__, view.slices = InProcessShards, self.slices
-        return view
+    @classmethod
+    def of(cls, full: torch.Tensor, size: int, traffic: VocabTraffic) -> InProcessShards:
+        slices = full.chunk(size, dim=-1)
+        return cls(slices[0], TPShard(0, size), None, traffic=traffic, slices=slices)
 
     def take_greedy(self, mask_id: int) -> InProcessShards:
-        self._greedy_op = VocabOp("propose", None, mask_id)  # what reduce_greedy runs
+        self.greedy_op = VocabOp("propose", None, mask_id)
         return super().take_greedy(mask_id)
 
     def _collect(self, op: VocabOp | None, mine: torch.Tensor) -> list[torch.Tensor]:
-        size, op = self.shard.size, op or self._greedy_op
+        size, op = self.shard.size, op or self.greedy_op
         others = [apply(op, self.slices[r], TPShard(r, size)) for r in range(1, size)]
         self.traffic.collectives += 1
         return [mine, *others]
@@ -91,9 +91,10 @@ def test_gumbel_draws_per_shard_equal_the_draw_over_the_whole_vocabulary() -> No
         want_gen, got_gen = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
         for _ in range(step):  # a later step: both generators already advanced alike
             gumbel_argmax(dense[1, :4], 0.7, want_gen)
-            InProcessShards(logits, 4, VocabTraffic()).propose(mask_id, [6, 4], {1: (0.7, got_gen)})
+            shards = InProcessShards.of(logits, 4, VocabTraffic())
+            shards.propose(mask_id, [6, 4], {1: (0.7, got_gen)})
         want = gumbel_argmax(dense[1, :4], 0.7, want_gen)
-        got = InProcessShards(logits, 4, VocabTraffic()).propose(
+        got = InProcessShards.of(logits, 4, VocabTraffic()).propose(
             mask_id, [6, 4], {1: (0.7, got_gen)}
         )
         assert torch.equal(got.tokens[1, :4], want)
@@ -108,7 +109,7 @@ def sharded_runs(monkeypatch: pytest.MonkeyPatch):
     run = ModelRunner.run
 
     def sharded(self, rows):  # as rank 0's runner: the greedy reduction of every row first
-        return InProcessShards(run(self, rows), 2, traffic).take_greedy(self.mask_id)
+        return InProcessShards.of(run(self, rows), 2, traffic).take_greedy(self.mask_id)
 
     def start() -> VocabTraffic:
         monkeypatch.setattr(ModelRunner, "run", sharded)
