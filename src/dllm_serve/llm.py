@@ -108,7 +108,7 @@ class LLM:
     ) -> list[Completion]:
         async def one(prompt: list[int], p: DecodingParams) -> Completion:
             parts, last = [], None
-            async for output in self.engine.generate(prompt, p, stop=stop):
+            async for output in self.engine.generate(prompt, p, stop=stop, final_only=True):
                 parts.append(output.delta_text)
                 last = output
             assert last is not None

@@ -126,7 +126,15 @@ def install_completion_routes(
         created = int(time.time())
         # include_stop_str_in_output: stop strings are matched here instead of in the engine.
         keep_stops = spec.include_stop_str and bool(spec.stop)
-        outputs = submit(request_id, spec, prompt_ids, () if keep_stops else spec.stop)
+        # A JSON answer is read whole: the engine decodes it once, at the end (unless stop
+        # strings are matched here, which needs the deltas as they come).
+        outputs = submit(
+            request_id,
+            spec,
+            prompt_ids,
+            () if keep_stops else spec.stop,
+            final_only=not spec.stream and not keep_stops,
+        )
         if keep_stops:
             outputs = keep_stop_strings(outputs, spec.stop)
         if spec.stream:
@@ -173,6 +181,7 @@ def install_completion_routes(
         prompt_ids: list[int],
         stop: tuple[str, ...],
         trace: bool = False,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Hand a request to the engine; a full queue is a 429 before any response starts."""
         if lifecycle.draining:  # drain began while this request was being read
@@ -185,6 +194,7 @@ def install_completion_routes(
                 stop=stop,
                 timeout=config.request_timeout,
                 trace=trace,
+                final_only=final_only,
             )
         except QueueFullError as exc:
             metrics.rejected.labels("queue_full").inc()

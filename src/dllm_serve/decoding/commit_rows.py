@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dllm_serve.decoding.commit import threshold_commit_rows, topk_commit_rows
+from dllm_serve.decoding.commit import argmax_onehot, threshold_commit_rows, topk_commit_rows
 from dllm_serve.decoding.local_leap import local_leap_commit_rows
 from dllm_serve.decoding.state import DenoiseState
 
@@ -28,7 +28,12 @@ def commit_by_row_rule(
     (``-inf`` on padding); ``k`` ``[R]``: each top-k row's count for this step.
     """
     modes = [s.params.mode for s in states]
-    commit = topk_commit_rows(score, k) if "topk" in modes else None
+    commit = None
+    if "topk" in modes:
+        # One commit per row (steps == block length, the usual setting): each row's first
+        # most confident position is what the stable sort ranks first, at a third of the cost.
+        one_each = all(s.schedule[s.step] == 1 for s in states if s.params.mode == "topk")
+        commit = argmax_onehot(score) if one_each else topk_commit_rows(score, k)
     if modes.count("topk") == len(modes):
         assert commit is not None
         return commit

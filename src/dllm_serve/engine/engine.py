@@ -165,6 +165,7 @@ class AsyncEngine(EngineSteps):
         stop: Sequence[str] = (),
         timeout: float | None = None,
         trace: bool = False,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request now and return the async iterator of its outputs.
 
@@ -173,6 +174,10 @@ class AsyncEngine(EngineSteps):
         iterator before the last output aborts the request. With ``timeout`` (seconds), the
         request ends with ``finish_reason == "timeout"`` at the first step boundary past it.
         ``trace``: every step's output carries its trace event (engine/trace.py).
+        ``final_only`` (a caller that only joins the deltas): the answer is decoded once and
+        arrives whole in the last output, with no output before it, so no step pays for
+        detokenising or a hand-off. It has no effect with ``stop`` strings (matched step by
+        step, so a stop string ends decoding early) or ``trace``.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -185,6 +190,7 @@ class AsyncEngine(EngineSteps):
             detokenizer=IncrementalDetokenizer(self._decode, stop=tuple(stop)),
             loop=loop,
             trace=trace,
+            final_only=final_only and not stop and not trace,
         )
         if timeout is not None:
             request.deadline = request.arrival_time + timeout

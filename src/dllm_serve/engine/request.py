@@ -41,6 +41,9 @@ class Request:
     loop: asyncio.AbstractEventLoop | None = None  # where ``sink`` runs (None: engine thread)
     trace: bool = False  # one trace event per step in the outputs (engine/trace.py)
     trace_started: bool = False  # the start event went out (with the first step's)
+    # Nobody reads the deltas before the end (a non-streamed answer without stop strings):
+    # the text is decoded once, when the request finishes, and nothing is sent before.
+    final_only: bool = False
 
     @property
     def row_length(self) -> int:

@@ -144,8 +144,15 @@ class EngineSteps:
     ) -> None:
         state = request.state
         assert state is not None
-        if not new_tokens and not finished and events is None:
-            return  # nothing became final: no delta, no decode
+        if not finished and events is None:
+            if not new_tokens:
+                return  # nothing became final: no delta, no decode
+            if request.final_only:
+                # Nobody reads a delta before the end: decode the answer once, at the end.
+                # Its first final token is when content first exists (the metric's moment).
+                if request.first_content_time is None:
+                    self._first_content(request)
+                return
         tokens = state.answer_tokens()
         detok = request.detokenizer
         delta = detok.update(tokens, final=finished)
@@ -154,13 +161,16 @@ class EngineSteps:
             finished, finish_reason = True, "stop"
             count = detok.stop_tokens if detok.stop_tokens is not None else count
         if delta and request.first_content_time is None:
-            request.first_content_time = time.monotonic()
-            self.observer.on_first_content(request.first_content_time - request.arrival_time)
+            self._first_content(request)
         if finished:
             request.status = RequestStatus.FINISHED
         if delta or finished or events is not None:
             output = request.output(delta, count, finish_reason if finished else None, None, events)
             self._send(request, output)
+
+    def _first_content(self, request: Request) -> None:
+        request.first_content_time = time.monotonic()
+        self.observer.on_first_content(request.first_content_time - request.arrival_time)
 
     def _fail_exc(self, request: Request, exc: Exception, where: str) -> None:
         logger.exception("request failed in %s", where, extra={"request_id": request.request_id})

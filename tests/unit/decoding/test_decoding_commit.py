@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dllm_serve.decoding.commit import threshold_commit, topk_commit
+from dllm_serve.decoding.commit import (
+    argmax_onehot,
+    threshold_commit,
+    topk_commit,
+    topk_commit_rows,
+)
 from dllm_serve.decoding.local_leap import local_leap_commit, near_anchor
 
 KAPPA, TAU, W = 0.9, 0.75, 4
@@ -37,6 +42,17 @@ def test_topk_commit_counts_and_ties() -> None:
     assert topk_commit(c, 1).tolist() == [False, True, False, False, False]  # lowest index
     assert topk_commit(c, 3).tolist() == [False, True, True, True, False]
     assert topk_commit(c, 5).all()
+
+
+def test_one_commit_per_row_is_the_top_1_of_the_stable_sort() -> None:
+    # The sampler commits one position per row through argmax_onehot when every top-k row's k
+    # is 1: on ties (here, exact repeats) and -inf padding it must pick what the sort ranks
+    # first, the lowest position among the most confident.
+    g = torch.Generator().manual_seed(0)
+    c = torch.randint(0, 4, (64, 12), generator=g).float() / 4  # many ties
+    c[::3, 7:] = float("-inf")  # ragged rows: padding after their masked positions
+    one = torch.ones(64, dtype=torch.long)
+    assert torch.equal(argmax_onehot(c), topk_commit_rows(c, one))
 
 
 def test_threshold_commit() -> None:

@@ -195,7 +195,9 @@ def test_generate_after_shutdown_raises(loaded: LoadedModel) -> None:
 def test_full_waiting_queue_refuses_at_once(loaded: LoadedModel) -> None:
     eng = AsyncEngine(loaded, EngineConfig(max_running_requests=1, max_waiting_requests=1))
     eng.start()
-    long = DecodingParams(gen_length=512, steps=512)
+    # Long enough that the first cannot finish between three submissions microseconds apart
+    # (its 64 forwards take tens of milliseconds); the refusal itself does not depend on timing.
+    long = DecodingParams(gen_length=64, steps=64)
     a, b, c = (prompt(loaded, t) for t in "abc")
 
     async def scenario() -> None:
