@@ -9,12 +9,15 @@ with LLM("tiny-llada") as llm:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+
+import uuid6
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.models.loader import LoadedModel, load_model
 
 
@@ -106,9 +109,9 @@ class LLM:
     async def _run(
         self, prompts: list[list[int]], params: list[DecodingParams], stop: tuple[str, ...]
     ) -> list[Completion]:
-        async def one(prompt: list[int], p: DecodingParams) -> Completion:
+        async def collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
             parts, last = [], None
-            async for output in self.engine.generate(prompt, p, stop=stop, final_only=True):
+            async for output in outputs:
                 parts.append(output.delta_text)
                 last = output
             assert last is not None
@@ -125,9 +128,20 @@ class LLM:
                 last.accepted_drafts or 0,
             )
 
-        return list(
-            await asyncio.gather(*(one(p, q) for p, q in zip(prompts, params, strict=True)))
-        )
+        engine = self.engine
+        ids = [str(uuid6.uuid7()) for _ in prompts]
+        streams = []
+        try:
+            with engine.submitting_together():  # the first step admits the whole batch
+                for prompt, p, request_id in zip(prompts, params, ids, strict=True):
+                    streams.append(
+                        engine.generate(prompt, p, request_id, stop=stop, final_only=True)
+                    )
+        except BaseException:
+            for request_id in ids[: len(streams)]:  # never started, so never aborted by them
+                engine.abort(request_id)
+            raise
+        return list(await asyncio.gather(*(collect(s) for s in streams)))
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -9,12 +9,13 @@ prepare → one batched forward → per-row update → emit → free finished ro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
 import uuid6
@@ -209,6 +210,14 @@ class AsyncEngine(EngineSteps):
         finally:
             if not finished:
                 self.abort(request_id)
+
+    @contextlib.contextmanager
+    def submitting_together(self) -> Iterator[None]:
+        """Requests submitted inside this block reach the engine thread together, so its next
+        step admits them all (a batch that arrived one by one would start with a step of one
+        row and take an extra forward). Holds the engine's lock: submit and leave quickly."""
+        with self._cond:
+            yield
 
     def _submit(self, request: Request) -> None:
         with self._cond:

@@ -77,3 +77,26 @@ def test_stop_strings_still_stop_early(
     assert outs[-1].finish_reason == "stop"
     # The stop string was found while decoding, before the canvas was finished.
     assert outs[-1].nfe < asyncio.run(collect(engine, ids, final_only=True))[0].nfe
+
+
+def test_an_offline_batch_starts_in_one_step(loaded: LoadedModel) -> None:
+    # LLM.generate submits the whole batch under the engine's lock: the first forward holds
+    # every row, so the batch takes the forwards of one request, never one more.
+    from dllm_serve.llm import LLM
+
+    with LLM.from_loaded(loaded) as llm:
+        forwards: list[int] = []
+        original = llm.engine.runner.forward
+
+        def counting(batch):  # type: ignore[no-untyped-def]
+            forwards.append(sum(g.rows for g in batch.groups))
+            return original(batch)
+
+        llm.engine.runner.forward = counting  # type: ignore[method-assign]
+        params = DecodingParams(gen_length=8, steps=8, block_length=8)
+        conversations = [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(12)]
+        for _ in range(5):  # submission racing the engine thread would show within a few
+            forwards.clear()
+            outs = llm.generate(conversations, params)
+            assert forwards == [12] * 8
+            assert [o.nfe for o in outs] == [8] * 12
