@@ -9,29 +9,17 @@ from itertools import compress
 import torch
 
 from dllm_serve.decoding.commit_rows import commit_by_row_rule
-from dllm_serve.decoding.confidence import entropy_inverse_of
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.prefix_cache import after_step, prefix_spec, reset_for_block
-from dllm_serve.decoding.sampling import argmax, gumbel_argmax, new_generator
+from dllm_serve.decoding.proposals import propose
+from dllm_serve.decoding.sampling import new_generator
 from dllm_serve.decoding.schedules import block_schedule
-from dllm_serve.decoding.sharded_vocab import ShardedLogits, is_sharded, writable
+from dllm_serve.decoding.sharded_vocab import ShardedLogits
 from dllm_serve.decoding.state import DenoiseState
 from dllm_serve.decoding.stops import request_stop_ids
 
 __all__ = ["DenoiseState", "LLaDADenoiser"]
-
-
-def _pick_metric(
-    metrics: list[str], top1: torch.Tensor, inverse: torch.Tensor, device: torch.device
-) -> torch.Tensor:
-    """Each row's confidence under its own metric, ``[R, M]``."""
-    if all(m == "top1_prob" for m in metrics):
-        return top1
-    if all(m == "entropy_inverse" for m in metrics):
-        return inverse
-    entropic = torch.tensor([m == "entropy_inverse" for m in metrics]).to(device)
-    return torch.where(entropic[:, None], inverse, top1)
 
 
 class LLaDADenoiser:
@@ -171,11 +159,7 @@ class LLaDADenoiser:
             for r, s in enumerate(states)
             if s.params.temperature > 0 and topk[r] != 0
         }
-        if is_sharded(logits):  # tensor parallelism: reduced per rank, never gathered
-            x0, top1, inverse = logits.propose(self.mask_id, counts, draws)
-            score = _pick_metric(metrics, top1, inverse, device)
-        else:
-            x0, score = self._propose_dense(logits, counts, draws, metrics)
+        x0, score = propose(logits, self.mask_id, counts, draws, metrics)
         if valid is not None:
             score = score.masked_fill(~valid, float("-inf"))
 
@@ -183,39 +167,6 @@ class LLaDADenoiser:
         if valid is not None:
             commit &= valid
         return torch.where(commit, x0, self.mask_id)
-
-    def _propose_dense(
-        self,
-        logits: torch.Tensor,
-        counts: list[int],
-        draws: dict[int, tuple[float, torch.Generator | None]],
-        metrics: list[str],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Proposals ``[R, M]`` and their confidences from dense logits (consumed)."""
-        # The mask id is a real vocabulary entry; proposing it would "commit" a mask and break
-        # the count (dInfer guards the same way). Excluding it here also removes it from the
-        # distribution the confidence is computed under. In place: the logits are this step's.
-        z = writable(logits.float())
-        z.select(-1, self.mask_id).fill_(float("-inf"))
-        sampled = {
-            r: gumbel_argmax(z[r, : counts[r]], temperature, generator)
-            for r, (temperature, generator) in draws.items()
-        }
-        x0 = argmax(z)  # greedy proposals (the first maximum, as torch.argmax)
-        for r, tokens in sampled.items():
-            x0[r, : tokens.shape[0]] = tokens
-        # One fused softmax serves both metrics: top1_prob is p[x0] (LLaDA's low_confidence,
-        # the untempered probability of the proposal), entropy_inverse is exp(−H(p)). The
-        # proposals are drawn, so on CPU it overwrites the logits (no fresh [R, M, V] buffer
-        # to fault in every step); the CUDA caching allocator makes a new one free there.
-        cpu = z.device.type == "cpu"
-        probs = torch.softmax(z, dim=-1, out=z) if cpu else torch.softmax(z, -1)
-        if set(metrics) == {"entropy_inverse"}:
-            return x0, entropy_inverse_of(probs)
-        top1 = probs.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-        if "entropy_inverse" not in metrics:
-            return x0, top1
-        return x0, _pick_metric(metrics, top1, entropy_inverse_of(probs), z.device)
 
     def commit(
         self, states: Sequence[DenoiseState], committed: Sequence[Sequence[int]]
