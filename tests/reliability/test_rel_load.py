@@ -74,8 +74,8 @@ def body_for(kind: str, i: int) -> bytes:
     }
     if kind != "plain":
         body["stream"] = True
-    if kind == "abort":  # long enough to still be queued or running when the client leaves
-        body.update(max_tokens=64, num_denoising_steps=64)
+    if kind == "abort":  # long enough to still be queued or running when the server sees it left
+        body.update(max_tokens=256, num_denoising_steps=256)
     return json.dumps(body).encode()
 
 
@@ -221,7 +221,9 @@ def test_mixed_load_every_request_has_one_outcome(tight: RemoteServer) -> None:
     # A cancelled stream may have finished just before the server saw the client leave.
     assert answered + delta.get("abort", 0) == engine_seen, (delta, seen)
     assert seen["answer"] <= answered <= seen["answer"] + seen["aborted"], (delta, seen)
-    assert delta.get("abort", 0) >= seen["aborted"] // 2, (delta, seen)
+    # 256 steps outlast the server's noticing a closed connection by far (measured: every
+    # cancelled stream counted as an abort); 64 steps did not on a loaded CI machine (16 of 34).
+    assert delta.get("abort", 0) >= seen["aborted"] * 3 // 4, (delta, seen)
 
     assert metric(tight.url, "dllm:kv_cache_bytes") == kv_idle
     growth_mib = (rss_kib(pid) - rss_before) / 1024
