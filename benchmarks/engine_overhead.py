@@ -74,15 +74,38 @@ def sync(device: torch.device) -> None:
 Recorded = FlatBatch | tuple[StaticForward, int, int]
 
 
+# The host phases of a step that lie on its critical path: the next forward needs them done.
+CHAIN_PHASES = ("prepare", "build", "sample", "commit")
+
+
+def timed(phases: dict[str, float], name: str, method: Any) -> Any:
+    """``method`` with its wall time added to ``phases[name]`` (two clock reads a call)."""
+
+    def wrapper(*args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return method(*args)
+        finally:
+            phases[name] += time.perf_counter() - started
+
+    return wrapper
+
+
 def engine_run(
     llm: LLM, conversations: list[list[dict[str, str]]], params: DecodingParams
-) -> tuple[float, list[Recorded], int, float]:
+) -> tuple[float, list[Recorded], int, float, dict[str, float]]:
     """Generate all conversations at once; returns (seconds, recorded forwards, answer tokens,
-    seconds spent inside those forwards — on CPU, where a forward is synchronous)."""
+    seconds spent inside those forwards — on CPU, where a forward is synchronous — and the
+    seconds of each host phase of :data:`CHAIN_PHASES`)."""
     recorded: list[Recorded] = []
     inside = [0.0]
-    runner = llm.engine.runner
+    runner, algorithm = llm.engine.runner, llm.engine.algorithm
     original, original_graph = runner.forward, runner.forward_graph
+    phases = dict.fromkeys(CHAIN_PHASES, 0.0)
+    # Instance attributes shadow the methods for this run only (deleted below).
+    runner.build = timed(phases, "build", runner.build)  # type: ignore[method-assign]
+    for name in ("prepare", "sample", "commit"):
+        setattr(algorithm, name, timed(phases, name, getattr(algorithm, name)))
 
     def recording_forward(batch: FlatBatch) -> torch.Tensor:
         recorded.append(batch)  # a list append: negligible next to a forward
@@ -110,8 +133,9 @@ def engine_run(
         sync(llm.loaded.device)
         seconds = time.perf_counter() - start
     finally:
-        del runner.forward, runner.forward_graph  # back to the class's methods
-    return seconds, recorded, sum(o.completion_tokens for o in outs), inside[0]
+        del runner.forward, runner.forward_graph, runner.build  # back to the class's methods
+        del algorithm.prepare, algorithm.sample, algorithm.commit
+    return seconds, recorded, sum(o.completion_tokens for o in outs), inside[0], phases
 
 
 def bare_run(runner: ModelRunner, batches: list[Recorded], device: torch.device) -> float:
@@ -137,9 +161,16 @@ def real_tokens(batch: Recorded) -> tuple[int, int]:
     return rows, rows * static.key.q_len
 
 
-def _median_share(pairs: list[dict[str, Any]]) -> float | None:
-    shares = sorted(p["model_share"] for p in pairs if p["model_share"] is not None)
-    return round(shares[(len(shares) - 1) // 2], 4) if shares else None
+def _median(values: list[float | None]) -> float | None:
+    """The lower median of the values that exist (None on CUDA, where they are not measured)."""
+    known = sorted(v for v in values if v is not None)
+    return round(known[(len(known) - 1) // 2], 4) if known else None
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return round(value, 4) if isinstance(value, float) else value
 
 
 def open_llm(args: argparse.Namespace, config: EngineConfig) -> LLM:
@@ -212,8 +243,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         device = llm.loaded.device
         llm.generate(conversations[:1], DecodingParams(gen_length=8, steps=8))  # warm-up
         for _ in range(args.repeat):
-            seconds, batches, answer, inside = engine_run(llm, conversations, params)
+            seconds, batches, answer, inside, phases = engine_run(llm, conversations, params)
             bare = bare_run(llm.engine.runner, batches, device)
+            cpu = device.type == "cpu"
             pairs.append(
                 {
                     "engine_s": seconds,
@@ -227,7 +259,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     # The forwards' share of the engine's own wall time: the same window, so
                     # unlike the ratio it does not move with the load between the two runs
                     # (but it hides any slowdown the engine's host work causes the forward).
-                    "model_share": inside / seconds if device.type == "cpu" else None,
+                    "model_share": inside / seconds if cpu else None,
+                    # Per forward, ms: each host phase on the step's critical path (on CUDA
+                    # they include waiting for queued kernels, so only CPU reports them).
+                    "phase_ms": {k: 1e3 * v / len(batches) for k, v in phases.items()}
+                    if cpu
+                    else None,
+                    # The ratio the engine would reach if all its other host work (outputs,
+                    # scheduling, hand-offs) cost nothing: forward / (forward + those phases).
+                    "chain_ceiling": inside / (inside + sum(phases.values())) if cpu else None,
                 }
             )
             del batches
@@ -269,10 +309,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio": round(mid["ratio"], 4),
         "ratio_min_max": [round(pairs[0]["ratio"], 4), round(pairs[-1]["ratio"], 4)],
         # CPU only (a CUDA forward returns before its kernels finish): median over the pairs.
-        "model_share_median": _median_share(pairs),
-        "pairs": [
-            {k: round(v, 4) if isinstance(v, float) else v for k, v in p.items()} for p in pairs
-        ],
+        "model_share_median": _median([p["model_share"] for p in pairs]),
+        "chain_ceiling_median": _median([p["chain_ceiling"] for p in pairs]),
+        "phase_ms_median": {
+            name: _median([p["phase_ms"] and p["phase_ms"][name] for p in pairs])
+            for name in CHAIN_PHASES
+        },
+        "pairs": [_rounded(p) for p in pairs],
         "machine": machine_info(),
     }
     print(
@@ -280,7 +323,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{report['engine']['forwards_per_s']} fwd/s ({report['engine']['answer_tokens_per_s']} "
         f"answer tok/s), bare {report['bare_loop']['forwards_per_s']} fwd/s → ratio "
         f"{report['ratio']} (pairs: {report['ratio_min_max']}); model share of engine time "
-        f"{report['model_share_median']}"
+        f"{report['model_share_median']}, critical-path ceiling {report['chain_ceiling_median']}"
+        f" (host ms per forward: {report['phase_ms_median']})"
     )
     write_json(args.out, report)
     plot_if_available(args.out.with_suffix(".png"), draw(report))

@@ -79,6 +79,13 @@ def test_engine_overhead(tmp_path: Path) -> None:
     # The forwards run inside the engine's window: a share, strictly between 0 and 1.
     assert all(0 < p["model_share"] < 1 for p in report["pairs"])
     assert report["model_share_median"] in [p["model_share"] for p in report["pairs"]]
+    for p in report["pairs"]:
+        # Every critical-path phase ran, and they are disjoint from the forwards inside the
+        # engine's window: the ceiling lies between the model share and 1.
+        assert set(p["phase_ms"]) == {"prepare", "build", "sample", "commit"}
+        assert all(ms > 0 for ms in p["phase_ms"].values()), p["phase_ms"]
+        assert p["model_share"] <= p["chain_ceiling"] < 1
+    assert report["chain_ceiling_median"] in [p["chain_ceiling"] for p in report["pairs"]]
 
 
 def test_engine_overhead_random_8b_shape_tiny(tmp_path: Path) -> None:
