@@ -18,7 +18,7 @@ MESSAGES = [{"role": "user", "content": "Say something long."}]
 @pytest.fixture(scope="module")
 def hardened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     log = tmp_path_factory.mktemp("hardened") / "server.log"
-    args = ["--api-key", KEY, "--max-request-bytes", "4000", "--request-timeout", "0.5"]
+    args = ["--api-key", KEY, "--max-request-bytes", "4000", "--request-timeout", "3"]
     srv = RemoteServer.start([*args, "--log-format", "json", "--log-level", "info"], log)
     yield srv
     srv.stop()
@@ -66,7 +66,9 @@ def test_oversized_body_gets_413(hardened: RemoteServer) -> None:
 
 
 def test_request_timeout_aborts_and_tells_the_client(hardened: RemoteServer) -> None:
-    slow = {"max_tokens": 1024, "extra_body": {"num_denoising_steps": 512}}
+    # ~10 s on 2 idle CPU cores, so it cannot finish inside the 3 s limit; the limit itself
+    # leaves the fixture's 8-token requests (0.2 s with 8 busy loops beside the server) room.
+    slow = {"max_tokens": 1024, "extra_body": {"num_denoising_steps": 512, "block_length": 2}}
     with pytest.raises(openai.APIStatusError) as info:
         client(hardened).chat.completions.create(model="x", messages=MESSAGES, **slow)
     assert info.value.status_code == 504

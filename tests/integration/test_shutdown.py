@@ -30,14 +30,18 @@ def test_sigterm_lets_inflight_stream_finish_then_exits_zero(tmp_path: Path) -> 
     server = RemoteServer.start(["--shutdown-timeout", "30"], tmp_path / "log")
     events: list[dict] = []
     started = threading.Event()
-    body = {"messages": MESSAGES, "stream": True, "max_tokens": 256, "num_denoising_steps": 256}
+    # ~5 s on 2 idle CPU cores: still streaming while the checks below run, even when the
+    # server takes a while to start draining on a loaded machine.
+    body = {"messages": MESSAGES, "stream": True, "max_tokens": 512, "num_denoising_steps": 512}
     thread = threading.Thread(target=stream_events, args=(server.url, body, events, started))
     thread.start()
     assert started.wait(30)
     server.process.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
     with httpx.Client(timeout=5) as http:
-        assert http.get(f"{server.url}/health").status_code == 503  # readiness fails
+        deadline = time.monotonic() + 5  # the drain starts on the server's event loop
+        while http.get(f"{server.url}/health").status_code != 503:  # readiness fails
+            assert time.monotonic() < deadline, "/health still ready 5 s after SIGTERM"
+            time.sleep(0.02)
         refused = http.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES})
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "server_shutting_down"

@@ -207,12 +207,12 @@ def _watch_the_failure(
     with server.http() as http:
         while server.process.poll() is None and time.monotonic() < deadline:
             try:
-                health.append(http.get("/health", timeout=2).status_code)
+                health.append(http.get("/health", timeout=10).status_code)
             except httpx.TransportError:
                 health.append("closed")
             if health[-1] == 503 and chat is None:
                 body = {"model": model, "messages": [{"role": "user", "content": "Hi"}]}
-                chat = http.post("/v1/chat/completions", json=body, timeout=2).status_code
+                chat = http.post("/v1/chat/completions", json=body, timeout=10).status_code
             time.sleep(0.02)
     server.process.wait(5)
     return health, chat

@@ -15,15 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rel_support import CHAT, assert_envelope, sse_events
+from rel_support import CHAT, assert_envelope, metric, sse_events
 from remote_server import RemoteServer
 
 SHORT = {"max_tokens": 8, "num_denoising_steps": 8}  # finishes well inside the drain
-# 512 forwards over a 1024-token canvas: many seconds on CPU, so it outlives the drain (256
-# forwards no longer did once forwards became flat and fused). Rows are packed without padding,
-# so the short rows sharing its forwards still finish inside the drain.
+# 512 forwards over a 1024-token canvas: ~10 s alone on 2 CPU cores and ~4x that with four such
+# rows sharing forwards, so it outlives the drain (256 forwards no longer did once forwards
+# became flat and fused). The short rows share those forwards: 8 steps took 0.4 s after the
+# signal on an idle machine and 2.1 s with 8 busy loops beside it, so a 2 s drain failed under
+# load; 8 s leaves them ~4x of that and the long rows still ~5x short of finishing.
 LONG = {"max_tokens": 1024, "num_denoising_steps": 512, "block_length": 2}
-DRAIN_S = 2.0
+DRAIN_S = 8.0
 
 
 def stream(url: str, extra: dict[str, Any], out: list[Any], started: threading.Event) -> None:
@@ -54,6 +56,14 @@ def plain(url: str, out: list[Any], started: threading.Event) -> None:
         out.append(exc)
 
 
+def wait_running(url: str, count: int, timeout: float = 30.0) -> None:
+    """Until the engine runs ``count`` requests (asserts it gets there)."""
+    deadline = time.monotonic() + timeout
+    while metric(url, "dllm:num_requests_running") < count:
+        assert time.monotonic() < deadline, f"fewer than {count} requests running"
+        time.sleep(0.02)
+
+
 def test_sigterm_during_streaming_ends_every_request_cleanly(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     server = RemoteServer.start(["--shutdown-timeout", str(DRAIN_S)], log)
@@ -69,10 +79,17 @@ def test_sigterm_during_streaming_ends_every_request_cleanly(tmp_path: Path) -> 
     plain_gate = threading.Event()
     threads.append(threading.Thread(target=plain, args=(server.url, plain_out, plain_gate)))
     gates.append(plain_gate)
-    for thread in threads:
-        thread.start()
+    # The long requests (and the plain one) first, until the engine runs all four: the plain
+    # request has no event to wait for, and one submitted after the signal would get a 503
+    # "shutting down" instead of the aborted answer this test is about.
+    order = [i for i, kind in enumerate(kinds) if kind == "long"] + [len(kinds)]
+    for i in order:
+        threads[i].start()
+    wait_running(server.url, len(order))
+    for i in range(len(threads)):
+        if i not in order:
+            threads[i].start()
     assert all(gate.wait(30) for gate in gates)
-    time.sleep(0.1)  # the plain request is in the engine too
     signalled = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     for thread in threads:

@@ -104,7 +104,7 @@ def test_a_worker_whose_store_is_gone_is_lost(sig: int, why: str) -> None:
         assert reason.startswith(
             "tensor-parallel heartbeat lost: the group's store at rank 0 does not answer " + why
         ), reason
-        assert at - gone <= STORE_TIMEOUT_S + 1
+        assert at - gone <= STORE_TIMEOUT_S + 3  # the watchdog wakes late on a loaded machine
         worker.stop()
     finally:
         host.kill()
