@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model_share_median": _median([p["model_share"] for p in pairs]),
         "chain_ceiling_median": _median([p["chain_ceiling"] for p in pairs]),
         "phase_ms_median": {
-            name: _median([p["phase_ms"] and p["phase_ms"][name] for p in pairs])
+            name: _median([p["phase_ms"][name] for p in pairs if p["phase_ms"]])
             for name in CHAIN_PHASES
         },
         "pairs": [_rounded(p) for p in pairs],
