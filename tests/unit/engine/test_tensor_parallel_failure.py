@@ -81,5 +81,7 @@ def test_a_failed_rank_answers_503_then_exits_with_status_1(exits) -> None:  # t
     assert not thread.is_alive()
     assert [status for status, _ in exits] == [1, 1]
     assert all(at - failed_at >= GRACE_S for _, at in exits)
-    assert all(at - failed_at < GRACE_S + 1 for _, at in exits)
+    # Soon after the grace, not never: the bound leaves a loaded machine 3 s for the test's
+    # own HTTP calls, which run before the engine thread's exit (the grace is a lower bound).
+    assert all(at - failed_at < GRACE_S + 3 for _, at in exits)
     assert group.failure == REASON
