@@ -2,7 +2,8 @@
 
 Every in-flight request ends cleanly: a stream either finishes (finish chunk, [DONE]) or gets
 exactly one ``error`` event and [DONE]; the plain request gets its answer or a 503 in the
-envelope. The process exits 0 within the drain timeout plus a margin.
+envelope. The process exits 0 within the drain timeout plus a margin. A second SIGTERM ends
+the drain's wait: the requests still running get the same errors at once.
 """
 
 from __future__ import annotations
@@ -117,3 +118,50 @@ def test_sigterm_during_streaming_ends_every_request_cleanly(tmp_path: Path) -> 
     text = log.read_text()
     assert "unhandled error" not in text and "Traceback" not in text, text[-3000:]
     json.dumps(results, default=str)  # results are plain data (nothing left half-read)
+
+
+def wait_draining(url: str, timeout: float = 10.0) -> None:
+    """Until /health answers 503 (the first signal's drain has begun)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/health", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, "the drain did not start"
+        time.sleep(0.02)
+
+
+def test_a_second_sigterm_aborts_in_flight_requests_now(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    # A drain this long would outlast the test: only the second signal can end it in time.
+    server = RemoteServer.start(["--shutdown-timeout", "120"], log)
+    results: list[list[Any]] = [[], []]
+    gates = [threading.Event(), threading.Event(), threading.Event()]
+    threads = [
+        threading.Thread(target=stream, args=(server.url, LONG, results[i], gates[i]))
+        for i in range(2)
+    ]
+    plain_out: list[Any] = []
+    threads.append(threading.Thread(target=plain, args=(server.url, plain_out, gates[2])))
+    for thread in threads:
+        thread.start()
+    wait_running(server.url, 3)
+    assert all(gate.wait(30) for gate in gates)
+    server.process.send_signal(signal.SIGTERM)
+    wait_draining(server.url)
+    signalled = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(60)
+    assert server.process.wait(30) == 0
+    assert time.monotonic() - signalled < 20  # not the 120 s drain
+
+    for (events,) in results:
+        assert isinstance(events, list), events
+        assert events[-1] == {"done": True}, events
+        errors = [e["error"] for e in events if "error" in e]
+        assert len(errors) == 1 and "shutting down" in errors[0]["message"], events
+    (response,) = plain_out
+    assert isinstance(response, httpx.Response), response
+    assert response.status_code == 503
+    assert assert_envelope(response)["code"] == "request_aborted"
+    text = log.read_text()
+    assert "second signal" in text
+    assert "Traceback" not in text and "Exception in ASGI" not in text, text[-3000:]

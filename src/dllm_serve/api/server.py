@@ -3,8 +3,11 @@
 First signal: stop taking work (new API requests and /health get 503, so readiness probes fail
 and load balancers move away), let in-flight requests finish for up to ``shutdown_timeout``
 seconds, abort whatever is left (streams get an ``error`` event, others a 503), then let
-uvicorn close connections and run the lifespan shutdown. The process exits 0. A second signal
-exits at once.
+uvicorn close connections and run the lifespan shutdown. The process exits 0.
+
+A second signal ends the wait: whatever is still running is aborted now, with the same errors,
+and the shutdown goes on as above (the engine thread is stopped before the process exits, so
+no torch work is cut off mid-kernel). A third signal exits at once, with status 1.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import time
 from types import FrameType
 
@@ -37,7 +41,8 @@ class DrainingServer(uvicorn.Server):
         self.lifecycle = lifecycle
         self.drain_timeout = timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
+        self._signals = 0
+        self._hurry = asyncio.Event()  # set by the second signal: stop waiting, abort now
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -46,23 +51,34 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in uvicorn's _captured_signals: re-raising SIGTERM after a clean drain
         # would kill the process with the signal instead of exiting 0.
-        if self._draining or self._loop is None:
-            self.should_exit = self.force_exit = True
+        loop = self._loop
+        if loop is None:  # before the server runs there is nothing to drain
+            self.should_exit = True
             AppStatus.should_exit = True
             return
-        self._draining = True
-        # A fresh context: the signal may interrupt a request's task, whose request id would
-        # otherwise be inherited by every drain log line.
-        self._loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(self._drain()), context=contextvars.Context()
-        )
+        self._signals += 1
+        if self._signals == 1:
+            # A fresh context: the signal may interrupt a request's task, whose request id
+            # would otherwise be inherited by every drain log line.
+            loop.call_soon_threadsafe(
+                lambda: asyncio.ensure_future(self._drain()), context=contextvars.Context()
+            )
+        elif self._signals == 2:
+            logger.warning("shutdown: second signal, aborting in-flight requests now")
+            loop.call_soon_threadsafe(self._hurry.set)
+        else:
+            # uvicorn's own force exit would skip the lifespan shutdown and leave the engine
+            # thread inside torch while the interpreter finalises (a C++ abort): exit instead.
+            logger.warning("shutdown: third signal, exiting now")
+            logging.shutdown()
+            os._exit(1)
 
     async def _drain(self) -> None:
         self.lifecycle.draining = True  # type: ignore[attr-defined]
         busy = self.engine.num_running + self.engine.num_waiting
         logger.info("shutdown: draining %d request(s), up to %.1fs", busy, self.drain_timeout)
         deadline = time.monotonic() + self.drain_timeout
-        while self._busy() and time.monotonic() < deadline:
+        while self._busy() and time.monotonic() < deadline and not self._hurry.is_set():
             await asyncio.sleep(0.05)
         if self._busy():
             logger.warning("shutdown: aborting %d request(s) still running", self._busy())
