@@ -138,10 +138,18 @@ async def _chunks(
     choice: Callable[[str, str | None], dict[str, Any]],
     first: dict[str, Any] | None,
 ) -> AsyncIterator[str]:
+    # Before the first step (the role chunk): nothing generated yet, but the same shape as
+    # every later chunk's usage, so a client can read ``usage.diffusion`` on any chunk.
     usage: dict[str, Any] | None = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 0,
         "total_tokens": prompt_tokens,
+        "diffusion": {
+            "nfe": 0,
+            "canvas_length": canvas_length,
+            "committed_tokens": 0,
+            "tokens_per_forward": 0.0,
+        },
     }
 
     def chunk(choice_body: dict[str, Any]) -> str:

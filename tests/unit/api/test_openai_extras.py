@@ -189,11 +189,20 @@ def test_continuous_usage_stats(app: FastAPI) -> None:
     options = {"include_usage": True, "continuous_usage_stats": True}
     chunks = events(chat(app, stream=True, stream_options=options))[:-1]
     assert all(c["usage"] is not None for c in chunks)
-    assert chunks[0]["usage"] == {"prompt_tokens": 39, "completion_tokens": 0, "total_tokens": 39}
+    # The role chunk comes before any step: zero counts, but the same shape as the others.
+    assert chunks[0]["usage"] == {
+        "prompt_tokens": 39,
+        "completion_tokens": 0,
+        "total_tokens": 39,
+        "diffusion": {
+            "nfe": 0, "canvas_length": 32, "committed_tokens": 0, "tokens_per_forward": 0.0,
+        },
+    }  # fmt: skip
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 14
-    nfes = [c["usage"]["diffusion"]["nfe"] for c in chunks[1:]]
-    assert nfes == sorted(nfes) and nfes[-1] == 32
+    nfes = [c["usage"]["diffusion"]["nfe"] for c in chunks]
+    assert nfes == sorted(nfes) and nfes[0] == 0 and nfes[-1] == 32
+    assert all(c["usage"]["diffusion"]["canvas_length"] == 32 for c in chunks)
     for c in chunks:
         assert c["usage"]["total_tokens"] == 39 + c["usage"]["completion_tokens"]
     assert chunks[-1]["choices"] == []  # include_usage: the final usage-only chunk
