@@ -27,6 +27,7 @@ from dllm_serve.api.streaming import chat_chunks, failure, text_chunks, usage_di
 from dllm_serve.api.validation import (
     RequestSpec,
     check_context_length,
+    check_no_mask_token,
     check_token_ids,
     parse_chat_request,
     parse_completion_request,
@@ -85,6 +86,7 @@ def install_completion_routes(
             raise unavailable()
         assert spec.messages is not None
         prompt_ids = await asyncio.to_thread(engine.chat_prompt_ids, spec.messages)
+        check_no_mask_token(prompt_ids, facts.mask_id, "messages")
         check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length)
         return spec, prompt_ids
 
@@ -108,6 +110,7 @@ def install_completion_routes(
             raise unavailable()
         if isinstance(spec.prompt, str):
             prompt_ids = await asyncio.to_thread(engine.prompt_ids, spec.prompt)
+            check_no_mask_token(prompt_ids, facts.mask_id, "prompt")
         else:
             assert spec.prompt is not None
             check_token_ids(spec.prompt, facts.vocab_size, facts.mask_id, "prompt")

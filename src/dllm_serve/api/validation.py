@@ -192,6 +192,23 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, mask_id: int | None, pa
             )
 
 
+def check_no_mask_token(ids: Sequence[int], mask_id: int | None, param: str) -> None:
+    """A prompt written as text must not tokenize to the mask token either.
+
+    The mask token marks a position for the model to fill in. The server fills the answer
+    canvas only, so a mask in the prompt would stay a hole the model reads as noise, where the
+    reference loop would fill it; the same token given as an id is refused
+    (:func:`check_token_ids`), and so is its text.
+    """
+    if mask_id is not None and mask_id in ids:
+        raise invalid(
+            f"Invalid value for '{param}': the text contains the model's mask token (id "
+            f"{mask_id}), which marks a position to fill in; only the answer canvas is "
+            "filled in, so a prompt may not contain it.",
+            param,
+        )
+
+
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 

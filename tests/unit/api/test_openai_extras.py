@@ -155,6 +155,26 @@ def test_completion_rejections(
     )
 
 
+def test_the_mask_token_as_text_is_refused_like_its_id(app: FastAPI, loaded: LoadedModel) -> None:
+    mask = loaded.tokenizer.convert_ids_to_tokens(loaded.mask_id)
+    assert loaded.prompt_ids(f"2 + 2 = {mask}").count(loaded.mask_id) == 1  # one token as text
+    message = [{"role": "user", "content": f"What is 2 + 2? {mask}{mask}"}]
+    for path, body, param in (
+        ("/v1/completions", {"prompt": f"What is 2 + 2? {mask}"}, "prompt"),
+        ("/v1/chat/completions", {"messages": message}, "messages"),
+        ("/v1/chat/completions", {"messages": message, "stream": True}, "messages"),
+    ):
+        response = call(app, "POST", path, json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"], error["type"]) == (
+            param, None, "invalid_request_error",
+        )  # fmt: skip
+        assert f"contains the model's mask token (id {loaded.mask_id})" in error["message"]
+    # The same words without the token are fine.
+    assert chat(app, messages=[{"role": "user", "content": "What is 2 + 2?"}]).status_code == 200
+
+
 def test_completion_accepts_noops(app: FastAPI) -> None:
     fields = {"suffix": "", "echo": False, "best_of": 1, "logprobs": None, "n": 1, "user": "u"}
     body = call(app, "POST", "/v1/completions", json={"prompt": RAW_PROMPT, **fields}).json()
