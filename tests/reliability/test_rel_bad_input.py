@@ -458,8 +458,12 @@ def test_fuzzed_decoding_options_are_answered_or_rejected_with_a_param(
         ("OPTIONS", CHAT, 405),  # CORS is off unless configured
         ("POST", "/health", 405),
         ("GET", "/nope", 404),
-        ("TRACE", "/", 405),  # / is the playground page (GET only)
+        ("TRACE", "/", 405),  # / is the playground page (GET and HEAD only)
         ("GET", "/v1/chat/completions/../models", 404),
+        # A trailing slash is another path: a 404 in the envelope, not a bare 307 redirect.
+        ("POST", f"{CHAT}/", 404),
+        ("GET", "/v1/models/", 404),
+        ("GET", "/health/", 404),
     ],
 )
 def test_wrong_routes_and_methods_get_the_envelope(
@@ -475,3 +479,10 @@ def test_head_on_health_answers_like_get(http: httpx.Client) -> None:
     head = http.head("/health")
     assert head.status_code == 200 and head.headers.get("x-request-id")
     assert head.content == b""
+
+
+def test_head_on_the_front_page_answers_like_get(http: httpx.Client) -> None:
+    get, head = http.get("/"), http.head("/")
+    assert get.status_code == head.status_code == 200
+    assert head.headers["content-type"] == get.headers["content-type"] == "text/html; charset=utf-8"
+    assert head.content == b"" and get.content.startswith(b"<!")

@@ -86,6 +86,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         # defaults load them from a CDN and are blank offline).
         docs_url=None,
         redoc_url=None,
+        # No 307 from /v1/chat/completions/ to /v1/chat/completions: a path that is not a
+        # route is a 404 with an error body, trailing slash or not.
+        redirect_slashes=False,
     )
     app.state.engine = engine
     app.state.config = config

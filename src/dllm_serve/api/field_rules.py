@@ -120,6 +120,7 @@ def reject_unavailable_fields(req: Request) -> None:
         raise invalid(
             f'Only response_format {{"type": "text"}} is supported; structured output {NOT_YET}.',
             "response_format",
+            code="not_available_yet",
         )
     if req.attention_backend == "fa2":
         raise invalid(

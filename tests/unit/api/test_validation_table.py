@@ -840,3 +840,13 @@ def test_client_steps_must_still_divide_into_the_default_blocks() -> None:
         parse_chat_request(body(max_tokens=256, num_denoising_steps=12), JSON, 32, 32)
     assert info.value.param == "num_denoising_steps"
     assert "multiple of the number of blocks (8" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}],
+)
+def test_structured_output_is_not_available_yet(response_format: dict[str, Any]) -> None:
+    with pytest.raises(APIError) as info:
+        parse_chat_request(body(response_format=response_format), JSON)
+    assert (info.value.param, info.value.code) == ("response_format", "not_available_yet")
