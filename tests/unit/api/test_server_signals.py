@@ -11,6 +11,7 @@ import signal
 
 import pytest
 import uvicorn
+from sse_starlette.sse import AppStatus
 
 from dllm_serve.api import server as server_module
 from dllm_serve.api.server import DrainingServer
@@ -18,6 +19,12 @@ from dllm_serve.api.server import DrainingServer
 
 class Exited(Exception):
     pass
+
+
+@pytest.fixture(autouse=True)
+def _restore_sse_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop sets sse-starlette's process-wide flag, which would end later tests' streams."""
+    monkeypatch.setattr(AppStatus, "should_exit", False)
 
 
 def test_signals_drain_then_hurry_then_exit(monkeypatch: pytest.MonkeyPatch) -> None:
