@@ -22,7 +22,6 @@ from dllm_serve.api.error_handlers import unavailable
 from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, invalid
 from dllm_serve.api.metrics import Metrics
 from dllm_serve.api.protocol import ChatCompletionResponse, CompletionResponse
-from dllm_serve.api.stops import keep_stop_strings
 from dllm_serve.api.streaming import chat_chunks, failure, text_chunks, usage_dict
 from dllm_serve.api.validation import (
     RequestSpec,
@@ -127,19 +126,16 @@ def install_completion_routes(
         request_id = request.state.request_id
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
         created = int(time.time())
-        # include_stop_str_in_output: stop strings are matched here instead of in the engine.
-        keep_stops = spec.include_stop_str and bool(spec.stop)
-        # A JSON answer is read whole: the engine decodes it once, at the end (unless stop
-        # strings are matched here, which needs the deltas as they come).
+        # A JSON answer is read whole: the engine decodes it once, at the end (unless it
+        # matches stop strings, which it does step by step).
         outputs = submit(
             request_id,
             spec,
             prompt_ids,
-            () if keep_stops else spec.stop,
-            final_only=not spec.stream and not keep_stops,
+            spec.stop,
+            final_only=not spec.stream,
+            include_stop=spec.include_stop_str,
         )
-        if keep_stops:
-            outputs = keep_stop_strings(outputs, spec.stop)
         if spec.stream:
             chunks = (chat_chunks if kind == "chat" else text_chunks)(
                 outputs,
@@ -185,6 +181,7 @@ def install_completion_routes(
         stop: tuple[str, ...],
         trace: bool = False,
         final_only: bool = False,
+        include_stop: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Hand a request to the engine; a full queue is a 429 before any response starts."""
         if lifecycle.draining:  # drain began while this request was being read
@@ -198,6 +195,7 @@ def install_completion_routes(
                 timeout=config.request_timeout,
                 trace=trace,
                 final_only=final_only,
+                include_stop=include_stop,
             )
         except QueueFullError as exc:
             metrics.rejected.labels("queue_full").inc()

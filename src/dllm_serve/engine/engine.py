@@ -167,6 +167,7 @@ class AsyncEngine(EngineSteps):
         timeout: float | None = None,
         trace: bool = False,
         final_only: bool = False,
+        include_stop: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request now and return the async iterator of its outputs.
 
@@ -175,6 +176,8 @@ class AsyncEngine(EngineSteps):
         iterator before the last output aborts the request. With ``timeout`` (seconds), the
         request ends with ``finish_reason == "timeout"`` at the first step boundary past it.
         ``trace``: every step's output carries its trace event (engine/trace.py).
+        ``include_stop``: the answer ends *after* the stop string it matched, not before
+        (vLLM's ``include_stop_str_in_output``); the token count is the same either way.
         ``final_only`` (a caller that only joins the deltas): the answer is decoded once and
         arrives whole in the last output, with no output before it, so no step pays for
         detokenising or a hand-off. It has no effect with ``stop`` strings (matched step by
@@ -188,7 +191,9 @@ class AsyncEngine(EngineSteps):
             prompt_ids=list(prompt_ids),
             params=params,
             sink=queue.put_nowait,
-            detokenizer=IncrementalDetokenizer(self._decode, stop=tuple(stop)),
+            detokenizer=IncrementalDetokenizer(
+                self._decode, stop=tuple(stop), include_stop=include_stop
+            ),
             loop=loop,
             trace=trace,
             final_only=final_only and not stop and not trace,

@@ -48,12 +48,22 @@ class IncrementalDetokenizer:
       replacement characters are held back until more tokens arrive or the request ends;
     - with ``stop`` strings, a tail that could be the start of a stop string is held back; when a
       stop string appears, the text is cut before it and :attr:`stopped` becomes true (OpenAI:
-      the stop sequence is not included in the output).
+      the stop sequence is not included in the output; with ``include_stop`` — vLLM's
+      ``include_stop_str_in_output`` — the text is cut after it instead).
+
+    Either way :attr:`stop_tokens` counts the answer tokens through the stop string: the
+    tokens that produced it, not those committed after it.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        decode: Callable[[Sequence[int]], str],
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
+    ) -> None:
         self._decode = decode
         self._stop = tuple(s for s in stop if s)
+        self._include_stop = include_stop
         self._sent = ""
         self._text = ""  # decoded text of tokens[:read_offset]
         self._prefix_offset = 0  # the window starts here (vLLM's prefix_offset)
@@ -90,7 +100,8 @@ class IncrementalDetokenizer:
         if hit is not None:
             cut, stop_len = hit
             self.stop_tokens = self._tokens_through(tokens, cut + stop_len)
-            text, final, self.stopped = text[:cut], True, True
+            end = cut + stop_len if self._include_stop else cut
+            text, final, self.stopped = text[:end], True, True
         if not final:
             text = text.rstrip("\ufffd")
             text = text[: len(text) - self._stop_prefix_len(text)]

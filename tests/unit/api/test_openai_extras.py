@@ -280,6 +280,26 @@ def test_include_stop_str_in_output(app: FastAPI, stream: bool) -> None:
     assert answer(include_stop_str_in_output=False) == ("123 + 456 ", "stop")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_counts_the_tokens_through_it_kept_or_not(
+    app: FastAPI, loaded: LoadedModel, stream: bool
+) -> None:
+    """``completion_tokens`` is the answer tokens that produced the text through the stop
+    string (vLLM's count), whether or not the string is kept, and never the tokens committed
+    after it (which depend on when the stop was seen)."""
+
+    def usage(**fields: Any) -> int:
+        options = {"stream_options": {"include_usage": True}} if stream else {}
+        response = chat(app, stop=["= "], stream=stream, **options, **fields)
+        body = events(response)[-2] if stream else response.json()
+        return body["usage"]["completion_tokens"]
+
+    through = len(loaded.tokenizer.encode("123 + 456 = ", add_special_tokens=False))
+    answer = len(loaded.tokenizer.encode(ANSWER, add_special_tokens=False))
+    assert through < answer  # the stop ends the answer early
+    assert usage() == usage(include_stop_str_in_output=True) == through
+
+
 def test_long_canvas_is_decoded_in_the_model_block(app: FastAPI) -> None:
     body = chat(app, max_tokens=256).json()
     diffusion = body["usage"]["diffusion"]

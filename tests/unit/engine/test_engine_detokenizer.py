@@ -121,3 +121,18 @@ def test_stop_tokens_count_through_the_stop_string_not_after_it() -> None:
     tokens = list(b"Hello END and more")  # one token per byte
     assert detok.update(tokens, final=False) == "Hello "
     assert detok.stopped and detok.stop_tokens == len(b"Hello END")
+
+
+def test_include_stop_keeps_the_stop_string_and_counts_the_same_tokens() -> None:
+    for include in (False, True):
+        detok = IncrementalDetokenizer(
+            lambda ids: bytes(ids).decode(), stop=("END",), include_stop=include
+        )
+        tokens = list(b"Hello E")
+        first = detok.update(tokens, final=False)
+        tokens += list(b"ND and more")  # the stop string completes in a later step
+        second = detok.update(tokens, final=False)
+        assert first == "Hello "  # "E" could start the stop string: held back either way
+        assert second == ("END" if include else "")
+        assert detok.stopped and detok.stop_tokens == len(b"Hello END")
+        assert detok.update(tokens + list(b"!"), final=True) == ""  # nothing after the stop
