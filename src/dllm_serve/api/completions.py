@@ -78,6 +78,7 @@ def install_completion_routes(
             request.headers.get("content-type"),
             engine.default_gen_length,
             facts.default_block_length,
+            facts.round_canvas,
         )
         spec.check_decoding_mode(engine.decoding_mode, facts.block_size, facts.default_mode)
         facts.check_stop_token_ids(spec)
@@ -86,6 +87,7 @@ def install_completion_routes(
         assert spec.messages is not None
         prompt_ids = await asyncio.to_thread(engine.chat_prompt_ids, spec.messages)
         check_no_mask_token(prompt_ids, facts.mask_id, "messages")
+        spec = spec.fitted(len(prompt_ids), engine.max_length)
         check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length)
         return spec, prompt_ids
 
@@ -102,6 +104,7 @@ def install_completion_routes(
             request.headers.get("content-type"),
             engine.default_gen_length,
             facts.default_block_length,
+            facts.round_canvas,
         )
         spec.check_decoding_mode(engine.decoding_mode, facts.block_size, facts.default_mode)
         facts.check_stop_token_ids(spec)
@@ -116,6 +119,7 @@ def install_completion_routes(
             prompt_ids = spec.prompt
         if not prompt_ids:
             raise invalid("'prompt' is empty: it must hold at least one token.", "prompt")
+        spec = spec.fitted(len(prompt_ids), engine.max_length)
         check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length, "prompt")
         if config.log_requests:
             logger.info("prompt=%r params=%r%s", spec.prompt, spec.params, _info(spec))
@@ -247,6 +251,9 @@ class _ModelFacts:
         self.default_block_length: int | None = getattr(loaded, "default_block_length", None)
         self.vocab_size: int = getattr(loaded, "vocab_size", 0) or 0
         self.mask_id: int | None = getattr(loaded, "mask_id", None)
+        # Canvas denoising drops canvas positions past max_tokens, so a long canvas may be
+        # rounded up to whole blocks (api/request_params.py); no other decoding has a canvas.
+        self.round_canvas = getattr(engine, "decoding_mode", None) == "diffusion"
         self.block_size: int | None = getattr(loaded, "block_size", None)
         # The decoding_mode of requests that name none (tri-mode models: --decoding-mode).
         self.default_mode: str | None = getattr(engine, "default_decoding_mode", None)

@@ -7,6 +7,7 @@ a long canvas without ``block_length`` is decoded in the model's recommended blo
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from dllm_serve.api.errors import invalid
@@ -19,8 +20,17 @@ GenerationRequest = Any  # a ChatCompletionRequest or a CompletionRequest
 
 
 def decoding_params(
-    req: GenerationRequest, default_gen_length: int, default_block_length: int | None
+    req: GenerationRequest,
+    default_gen_length: int,
+    default_block_length: int | None,
+    round_canvas: bool = False,
 ) -> DecodingParams:
+    """The request's decoding parameters (a 400 for any field or combination that cannot be).
+
+    ``round_canvas`` (canvas denoising models): a long canvas that the model's block does not
+    divide is rounded up to whole blocks and the answer is cut at ``max_tokens``, rather than
+    decoded as one block far longer than the model was trained on.
+    """
     max_completion_tokens = getattr(req, "max_completion_tokens", None)
     max_tokens = max_completion_tokens or req.max_tokens
     if req.max_tokens and max_completion_tokens and req.max_tokens != max_completion_tokens:
@@ -36,9 +46,18 @@ def decoding_params(
             "target_length",
         )
     gen_length = req.target_length or max_tokens or default_gen_length
-    auto_block = None
+    auto_block = answer_limit = None
     if req.block_length is None and default_block_length:
         auto_block = recommended_block(gen_length, default_block_length)
+        long = gen_length > default_block_length  # a canvas within one block stays one
+        if auto_block is None and long and round_canvas and req.target_length is None:
+            # No block of about the model's size divides the canvas (1001, 997, ...): round
+            # the canvas up to whole blocks and keep max_tokens as the answer's limit. An
+            # explicit target_length is a canvas the client chose, so it is never rounded.
+            rounded = -(-gen_length // default_block_length) * default_block_length
+            if rounded > gen_length:
+                gen_length, answer_limit = rounded, gen_length
+                auto_block = default_block_length
     block_length = req.block_length or auto_block or gen_length
     if block_length > gen_length or gen_length % block_length:
         raise invalid(
@@ -72,7 +91,8 @@ def decoding_params(
     if req.top_k == 1:
         temperature = 0.0  # top_k=1 asks for the most likely token: greedy decoding
     try:
-        return _build_params(req, gen_length, steps, block_length, temperature)
+        params = _build_params(req, gen_length, steps, block_length, temperature)
+        return params if answer_limit is None else replace(params, answer_limit=answer_limit)
     except ValueError as exc:  # a combination the checks above missed: still a 400, never a 500
         raise invalid(f"Invalid decoding parameters: {exc}.") from None
 

@@ -10,7 +10,7 @@ rejected requests in ``tests/unit/api/test_validation_table.py`` pins this behav
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -53,6 +53,28 @@ class RequestSpec:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
     include_stop_str: bool = False  # include_stop_str_in_output
     info: dict[str, Any] = field(default_factory=dict)  # informational fields the client set
+    # When ``params`` rounded the canvas up to whole blocks: the same request unrounded (one
+    # block of max_tokens), for a prompt that leaves room for max_tokens but not the rounding.
+    unrounded: DecodingParams | None = None
+
+    def fitted(self, prompt_tokens: int, max_length: int) -> RequestSpec:
+        """This spec for a prompt of ``prompt_tokens``: a canvas rounded up to whole blocks
+        that would overflow the context keeps the whole blocks that fit (the answer may then
+        be up to a block shorter than max_tokens, never longer) or, when the client set the
+        step count (which fewer blocks would change), falls back to one unrounded block."""
+        params, unrounded = self.params, self.unrounded
+        if unrounded is None or prompt_tokens + params.gen_length <= max_length:
+            return self
+        block = params.block_length
+        assert block is not None  # resolved by DecodingParams
+        whole = (max_length - prompt_tokens) // block * block
+        if whole >= block and "num_denoising_steps" not in self.diffusion_fields:
+            steps = whole // block * params.steps_per_block
+            shrunk = replace(params, gen_length=whole, steps=steps, answer_limit=None)
+            return replace(self, params=shrunk, unrounded=None)
+        if prompt_tokens + unrounded.gen_length <= max_length:
+            return replace(self, params=unrounded, unrounded=None)
+        return self  # nothing fits: the context check refuses it
 
     def check_decoding_mode(
         self, mode: str, block_size: int | None = None, default_mode: str | None = None
@@ -72,13 +94,16 @@ def parse_chat_request(
     content_type: str | None,
     default_gen_length: int = DEFAULT_GEN_LENGTH,
     default_block_length: int | None = None,
+    round_canvas: bool = False,
 ) -> RequestSpec:
     """Validate a chat request body (docs/api-contract.md); ``default_gen_length`` is the
     model's canvas for requests that set no ``max_tokens``, ``default_block_length`` its
-    recommended block for long canvases that set no ``block_length`` (None: one block)."""
+    recommended block for long canvases that set no ``block_length`` (None: one block), and
+    ``round_canvas`` whether such a canvas may be rounded up to whole blocks
+    (``request_params.decoding_params``)."""
     req = _load(ChatCompletionRequest, raw, content_type)
     messages = messages_of(req)
-    return _spec(req, default_gen_length, default_block_length, messages=messages)
+    return _spec(req, default_gen_length, default_block_length, round_canvas, messages=messages)
 
 
 def parse_completion_request(
@@ -86,6 +111,7 @@ def parse_completion_request(
     content_type: str | None,
     default_gen_length: int = DEFAULT_GEN_LENGTH,
     default_block_length: int | None = None,
+    round_canvas: bool = False,
 ) -> RequestSpec:
     """Validate a /v1/completions body: the same rules, with a raw ``prompt``."""
     req = _load(CompletionRequest, raw, content_type)
@@ -104,7 +130,7 @@ def parse_completion_request(
             "logprobs",
             code="unsupported_parameter",
         )
-    return _spec(req, default_gen_length, default_block_length, prompt=prompt)
+    return _spec(req, default_gen_length, default_block_length, round_canvas, prompt=prompt)
 
 
 def _load(model: type[_R], raw: bytes, content_type: str | None) -> _R:
@@ -119,6 +145,7 @@ def _spec(
     req: GenerationRequest,
     default_gen_length: int,
     default_block_length: int | None,
+    round_canvas: bool,
     *,
     messages: list[dict[str, str]] | None = None,
     prompt: str | list[int] | None = None,
@@ -138,9 +165,13 @@ def _spec(
         )
     diffusion_fields = tuple(f for f in DIFFUSION_ONLY if getattr(req, f) is not None)
     info = {name: getattr(req, name, None) for name in INFORMATIONAL}
+    params = decoding_params(req, default_gen_length, default_block_length, round_canvas)
+    unrounded = None
+    if params.answer_limit is not None:
+        unrounded = decoding_params(req, default_gen_length, default_block_length)
     return RequestSpec(
         messages,
-        decoding_params(req, default_gen_length, default_block_length),
+        params,
         stream,
         bool(options and options.include_usage),
         _stop(req),
@@ -149,6 +180,7 @@ def _spec(
         continuous_usage=bool(options and options.continuous_usage_stats),
         include_stop_str=bool(req.include_stop_str_in_output),
         info={k: v for k, v in info.items() if v is not None},
+        unrounded=unrounded,
     )
 
 

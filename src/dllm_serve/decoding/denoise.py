@@ -201,9 +201,10 @@ class LLaDADenoiser:
             # never change, so no later step can alter the answer; decoding the rest of the
             # canvas would only fill positions that are discarded anyway.
             return self._finish(state, committed, "stop", new)
-        if state.final_len == params.gen_length:
-            # Everything is committed and no stop id appeared. Trailing zero-commit steps of
-            # the last block (steps_per_block > block_length) would change nothing: skip them.
+        if state.final_len == params.answer_budget:
+            # The whole answer is committed and no stop id appeared. Trailing zero-commit
+            # steps of the last block (steps_per_block > block_length) would change nothing,
+            # and neither would the canvas positions past an answer limit: skip them.
             return self._finish(state, committed, "length", new)
         block_done = state.step == len(state.schedule) if params.mode == "topk" else not still
         if block_done:

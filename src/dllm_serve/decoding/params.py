@@ -58,6 +58,10 @@ class DecodingParams:
     # Tri-mode models (decoding/modes.py): "ar", "diffusion" or "linear_spec"; None: the
     # server's default. Single-mode models accept only their own mode (checked by the API).
     decoding_mode: str | None = None
+    # The answer keeps at most this many tokens (None: the whole canvas). The server sets it
+    # when it rounds a canvas up to whole blocks (api/request_params.py): the canvas is then
+    # decoded as usual and its positions past the limit are dropped. Canvas denoising only.
+    answer_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.gen_length < 1:
@@ -80,6 +84,8 @@ class DecodingParams:
             raise ValueError(f"confidence_metric must be one of {CONFIDENCE_METRICS}")
         if self.decoding_mode is not None and self.decoding_mode not in REQUEST_MODES:
             raise ValueError(f"decoding_mode must be one of {REQUEST_MODES}")
+        if self.answer_limit is not None and not 1 <= self.answer_limit <= self.gen_length:
+            raise ValueError("answer_limit must be in [1, gen_length]")
         self._check_commit_rule()
 
     def _check_commit_rule(self) -> None:
@@ -122,3 +128,8 @@ class DecodingParams:
     @property
     def steps_per_block(self) -> int:
         return self.steps // self.num_blocks
+
+    @property
+    def answer_budget(self) -> int:
+        """The most answer tokens a request may return: its limit, else the whole canvas."""
+        return self.gen_length if self.answer_limit is None else self.answer_limit

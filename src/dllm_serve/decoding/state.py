@@ -106,7 +106,8 @@ class DenoiseState:
         the first stop id inside the final prefix is remembered (committed tokens never change,
         so it is final too).
         """
-        budget = self.params.gen_length  # the answer region (a canvas may hold more, rounded)
+        # The answer region: a canvas may hold more (rounded up to whole blocks), never less.
+        budget = self.params.answer_budget
         start = self.final_len
         end = start
         base = self.prompt_len

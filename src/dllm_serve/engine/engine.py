@@ -183,6 +183,10 @@ class AsyncEngine(EngineSteps):
         detokenising or a hand-off. It has no effect with ``stop`` strings (matched step by
         step, so a stop string ends decoding early) or ``trace``.
         """
+        if params.answer_limit is not None and self.decoding_mode != "diffusion":
+            # Only canvas denoising drops canvas positions past a limit (the API sets one
+            # for no other model): elsewhere it would be a field that silently does nothing.
+            raise ValueError(f"answer_limit applies to canvas denoising, not {self.decoding_mode}")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 

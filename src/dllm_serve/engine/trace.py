@@ -71,7 +71,7 @@ def start_event(state: Any) -> dict[str, Any]:
         "type": "start",
         "mode": "diffusion",
         "canvas": len(state.tokens) - state.prompt_len,
-        "max_tokens": state.params.gen_length,
+        "max_tokens": state.params.answer_budget,
         "block_length": getattr(state, "block_size", 0) or state.params.block_length,
         "steps": state.params.steps,
     }

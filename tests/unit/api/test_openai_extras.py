@@ -300,6 +300,36 @@ def test_a_stop_string_counts_the_tokens_through_it_kept_or_not(
     assert usage() == usage(include_stop_str_in_output=True) == through
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_canvas_the_block_does_not_divide_gives_the_same_answer(
+    app: FastAPI, stream: bool
+) -> None:
+    """max_tokens 1001 (7 x 11 x 13: no block of 16-32 divides it) is decoded as a 1024 canvas
+    in the model's blocks of 32 and cut at 1001, so it answers as 1024 does (it used to be one
+    1001-token block, which the demo answers with noise)."""
+    options = {"stream_options": {"include_usage": True}} if stream else {}
+    response = chat(app, max_tokens=1001, stream=stream, **options)
+    if stream:
+        chunks = events(response)[:-1]
+        text = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+        )
+        usage = chunks[-1]["usage"]
+    else:
+        text, usage = response.json()["choices"][0]["message"]["content"], response.json()["usage"]
+    assert text == ANSWER
+    assert usage["diffusion"]["canvas_length"] == 1024 and usage["diffusion"]["nfe"] == 32
+    assert usage["completion_tokens"] == 14
+
+
+def test_a_rounded_canvas_returns_at_most_max_tokens(app: FastAPI) -> None:
+    body = chat(app, max_tokens=41, ignore_eos=True).json()
+    assert body["usage"]["completion_tokens"] == 41  # not the 64 of the rounded canvas
+    assert body["usage"]["diffusion"]["canvas_length"] == 64
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["message"]["content"].startswith(ANSWER)
+
+
 def test_long_canvas_is_decoded_in_the_model_block(app: FastAPI) -> None:
     body = chat(app, max_tokens=256).json()
     diffusion = body["usage"]["diffusion"]

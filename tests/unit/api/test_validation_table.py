@@ -850,3 +850,59 @@ def test_structured_output_is_not_available_yet(response_format: dict[str, Any])
     with pytest.raises(APIError) as info:
         parse_chat_request(body(response_format=response_format), JSON)
     assert (info.value.param, info.value.code) == ("response_format", "not_available_yet")
+
+
+# (id, fields, expected (canvas, steps, block, answer_limit)) with the model's block of 32, for a
+# canvas-denoising model (round_canvas): a canvas no block of 16-32 divides is rounded up.
+ROUNDED = [
+    ("prime-257", {"max_tokens": 257}, (288, 288, 32, 257)),
+    ("1001", {"max_tokens": 1001}, (1024, 1024, 32, 1001)),
+    ("just-over-a-block", {"max_tokens": 33}, (64, 64, 32, 33)),
+    ("divisible-stays", {"max_tokens": 100}, (100, 100, 25, None)),
+    ("one-block-stays", {"max_tokens": 31}, (31, 31, 31, None)),
+    ("client-block-stays", {"max_tokens": 1001, "block_length": 1001}, (1001, 128, 1001, None)),
+    ("target-length-stays", {"target_length": 1001}, (1001, 128, 1001, None)),
+    ("client-steps", {"max_tokens": 257, "num_denoising_steps": 9 * 16}, (288, 144, 32, 257)),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"), [r[1:] for r in ROUNDED], ids=[r[0] for r in ROUNDED]
+)
+def test_a_canvas_the_block_does_not_divide_is_rounded_up(
+    fields: dict[str, Any], expected: tuple[int, int, int, int | None]
+) -> None:
+    spec = parse_chat_request(body(**fields), JSON, 32, 32, round_canvas=True)
+    p = spec.params
+    assert (p.gen_length, p.steps, p.block_length, p.answer_limit) == expected
+    assert p.answer_budget == (fields.get("max_tokens") or fields.get("target_length"))
+    # Without canvas denoising (self-speculation, block diffusion) nothing is rounded.
+    plain = parse_chat_request(body(**fields), JSON, 32, 32).params
+    assert plain.answer_limit is None and plain.gen_length == p.answer_budget
+    assert (spec.unrounded is None) == (p.answer_limit is None)
+
+
+def test_a_rounded_canvas_that_overflows_the_context_keeps_the_blocks_that_fit() -> None:
+    spec = parse_chat_request(body(max_tokens=1001), JSON, 32, 32, round_canvas=True)
+    assert spec.fitted(1000, 2048) is spec  # 1000 + 1024 fits: rounded
+    fitted = spec.fitted(1040, 2048)  # 1040 + 1024 does not; 31 blocks (992) do
+    p = fitted.params
+    assert (p.gen_length, p.block_length, p.steps, p.answer_limit) == (992, 32, 992, None)
+    assert fitted.unrounded is None
+    assert spec.fitted(2040, 2048) is spec  # not one block fits: the context check refuses it
+    # With the client's step count, fewer blocks would change it: one unrounded block instead.
+    stepped = parse_chat_request(
+        body(max_tokens=1001, num_denoising_steps=32), JSON, 32, 32, round_canvas=True
+    )
+    assert stepped.params.gen_length == 1024
+    fitted = stepped.fitted(1040, 2048)
+    assert (fitted.params.gen_length, fitted.params.block_length) == (1001, 1001)
+    assert fitted.params.steps == 32 and fitted.params.answer_limit is None
+    assert stepped.fitted(1100, 2048) is stepped  # neither fits: refused by the context check
+
+
+def test_client_steps_must_divide_into_the_rounded_canvas_blocks() -> None:
+    with pytest.raises(APIError) as info:
+        parse_chat_request(body(max_tokens=257, num_denoising_steps=10), JSON, 32, 32, True)
+    assert info.value.param == "num_denoising_steps"
+    assert "multiple of the number of blocks (9 = canvas 288" in info.value.message

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from decoding_mock import (
@@ -120,6 +122,30 @@ def test_early_stop_is_exact(gen: int, block: int, steps: int, temperature: floa
     # the early-stopped run is a prefix of the full run's trajectory
     done = early.canvas != MASK_ID
     assert torch.equal(early.canvas[done], full.canvas[done])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("limit", [1, 9, 13, 16])
+def test_an_answer_limit_cuts_the_same_canvas(temperature: float, limit: int) -> None:
+    """A canvas of 16 limited to ``limit`` answer tokens is the unlimited canvas's decode, cut:
+    the same tokens up to the limit, then "length", never a token past it."""
+    params = _params(16, 4, 16, temperature, seed=3)
+    full, _ = _decode(params, MockLM(seed=2))
+    limited, records = _decode(dataclasses.replace(params, answer_limit=limit), MockLM(seed=2))
+    assert limited.finished and limited.finish_reason == "length"
+    assert limited.answer_tokens() == full.answer_tokens()[:limit]
+    assert limited.final_len == limit
+    # It stops as soon as the limit's positions are final: no step of a later block runs.
+    assert all(r.lo < len(PROMPT) + limit for r in records)
+    assert limited.nfe <= full.nfe
+
+
+def test_an_answer_limit_must_fit_the_canvas() -> None:
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="answer_limit"):
+            DecodingParams(gen_length=16, answer_limit=bad)
+    assert DecodingParams(gen_length=16, answer_limit=5).answer_budget == 5
+    assert DecodingParams(gen_length=16).answer_budget == 16
 
 
 def test_finish_reason_stop_without_early_exit() -> None:

@@ -108,3 +108,16 @@ def test_tiers_shrink_the_stride_but_not_the_greedy_answer(idlm: LoadedModel) ->
     tiered, strides = _serve(idlm, tiered_config, greedy, concurrent=True)
     assert tiered == plain
     assert {1, 2} <= set(strides)  # 6 concurrent requests: N = 1 at first, 2 as they finish
+
+
+def test_an_answer_limit_is_refused_outside_canvas_denoising(idlm: LoadedModel) -> None:
+    """Only canvas denoising cuts a canvas at ``answer_limit``; elsewhere it would do nothing."""
+    engine = AsyncEngine(idlm, EngineConfig())
+    params = DecodingParams(gen_length=16, steps=16, answer_limit=9)
+
+    async def submit() -> None:
+        engine.generate([5, 17], params)
+
+    with pytest.raises(ValueError, match="answer_limit applies to canvas denoising"):
+        asyncio.run(submit())
+    assert engine.num_waiting == 0  # nothing was queued
