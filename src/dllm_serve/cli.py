@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default=_DEFAULT.model.model,
-        help="embedded model (demo-llada, demo-idlm, tiny-llada) or a local checkpoint "
-        "directory (default: %(default)s)",
+        help="embedded model (demo-llada, demo-idlm, demo-trimode, tiny-llada), a local "
+        "checkpoint directory, or a Hugging Face id already in the local cache "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--host",
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("DLLM_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $DLLM_API_KEY, else none); "
-        "/health, /metrics and /version stay open",
+        "every other path (/health, /metrics, /version, the playground, /docs) stays open",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -182,10 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="GIB",
-        help="GiB preallocated for the KV pool (I-DLM models, or --kv-cache prefix); a request "
-        "is admitted only when its worst-case KV fits, else it waits (default: 90%% of the GPU "
-        "memory left after the weights; 1 GiB on CPU; never more than --max-running-requests "
-        "full contexts)",
+        help="GiB preallocated for the KV pool (I-DLM and tri-mode models, or --kv-cache "
+        "prefix); a request is admitted only when its worst-case KV fits, else it waits "
+        "(default: 90%% of the GPU memory left after the weights, minus 1 GiB; 1 GiB on CPU; "
+        "never more than --max-running-requests full contexts)",
     )
     parser.add_argument(
         "--no-cuda-graph",

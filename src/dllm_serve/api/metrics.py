@@ -41,7 +41,7 @@ class Metrics:
         self.kv_cache_bytes.set_function(kv_cache_bytes)
         self.success = Counter(
             "dllm:request_success",
-            "Finished requests by finish reason (stop, length, abort, error).",
+            "Finished requests by finish reason (stop, length, abort, timeout, error).",
             ["finished_reason"],
             registry=r,
         )

@@ -162,6 +162,7 @@ def _spec(
         raise invalid(
             "'stream_options.include_obfuscation' is not supported.",
             "stream_options.include_obfuscation",
+            code="not_available_yet",
         )
     diffusion_fields = tuple(f for f in DIFFUSION_ONLY if getattr(req, f) is not None)
     info = {name: getattr(req, name, None) for name in INFORMATIONAL}

@@ -235,7 +235,7 @@ class AsyncEngine(EngineSteps):
             free_slots = self.config.max_running_requests - len(self.scheduler.running)
             if self.num_waiting - max(free_slots, 0) >= self.config.max_waiting_requests:
                 raise QueueFullError(
-                    f"{self.num_waiting} requests are already waiting "
+                    f"{self.num_waiting} request(s) already waiting "
                     f"(limit {self.config.max_waiting_requests})"
                 )
             self._inbox.append(request)
