@@ -193,9 +193,10 @@ class ISDecoder:
         state.nfe += 1
         state.rounds += 1
         state.drafted += k
-        state.accepted_drafts += j
         before = len(state.emitted)
         committed = state.emit(emitted)
+        # The accepted specs the answer used: none past a stop id or max tokens.
+        state.accepted_drafts += min(j, committed)
         new = len(state.emitted) - before
         if state.finished:
             state.specs, state.draft_q = [], None

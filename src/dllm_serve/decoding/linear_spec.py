@@ -200,7 +200,7 @@ class LinearSpecDecoder:
             return StepResult(committed=0, finished=False)
         if state.phase == PREFILL:
             state.kv.length = len(state.prompt_ids)
-            emitted = [int(row[0])]
+            emitted, c = [int(row[0])], 0
         else:
             ar = [int(t) for t in row[: len(state.specs) + 1]]
             specs = state.specs
@@ -209,10 +209,11 @@ class LinearSpecDecoder:
             state.kv.length += 1 + c
             state.rounds += 1
             state.drafted += len(specs)
-            state.accepted_drafts += c
             emitted = ar[: c + 1]
         before = len(state.emitted)
         committed = state.emit(emitted)
+        # The accepted drafts the answer used: none past a stop id or max tokens.
+        state.accepted_drafts += min(c, committed)
         new = len(state.emitted) - before
         state.specs = []
         if state.finished:

@@ -27,9 +27,10 @@ class SelfSpecState:
     - ``emitted``: accepted answer tokens, stop id excluded; final as soon as they are here.
 
     Counters (usage/metrics): ``nfe`` forwards, ``rounds`` verified rounds, ``drafted`` specs
-    verified, ``accepted_drafts`` specs accepted, ``committed`` tokens produced including a
-    stop id. ``step`` mirrors ``rounds`` and ``block`` is always 0 so the engine's generic
-    counters stay meaningful.
+    verified, ``accepted_drafts`` specs accepted *and used* (a round's accepted specs after
+    its stop id are not counted, so ``accepted_drafts <= committed``), ``committed`` tokens
+    produced including a stop id. ``step`` mirrors ``rounds`` and ``block`` is always 0 so
+    the engine's generic counters stay meaningful.
     """
 
     prompt_ids: list[int]

@@ -222,6 +222,8 @@ def test_stop_id_mid_round_drops_later_accepted_tokens(idlm: LoadedModel) -> Non
     assert state.finish_reason == "stop"
     assert state.answer_tokens() == reference[:first]
     assert state.committed == first + 1  # the stop id counts, what follows it does not
+    # Specs the verifier accepted after the stop id were never used: they are not counted.
+    assert state.accepted_drafts <= state.committed - state.rounds + 1
 
 
 @pytest.mark.parametrize("gen_length", [1, 5, 7])

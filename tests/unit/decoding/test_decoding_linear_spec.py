@@ -132,6 +132,10 @@ def test_stop_inside_an_accepted_run_drops_what_follows(nemotron: LoadedModel) -
     assert state.finish_reason == "stop"
     assert state.answer_tokens() == reference[:first]
     assert state.committed == first + 1  # the stop id counts, what follows it does not
+    # Every token after the prefill's was an accepted draft of the first round; the drafts
+    # that round accepted after the stop id are not counted (the answer never used them).
+    assert state.rounds == 1 and state.drafted == 7
+    assert state.accepted_drafts == state.committed - 1 == first
 
 
 @pytest.mark.parametrize("gen_length", [1, 2, 7, 9])
@@ -141,6 +145,7 @@ def test_max_tokens_mid_round(nemotron: LoadedModel, gen_length: int) -> None:
     state = run(nemotron, decoder, PROMPTS[1], gen_length, oracle(reference, 896))
     assert (state.answer_tokens(), state.finish_reason) == (reference, reason)
     assert state.committed == state.generated <= gen_length
+    assert state.accepted_drafts <= state.committed  # none past max tokens
 
 
 def test_block_tiers_may_change_the_block_between_rounds(nemotron: LoadedModel) -> None:
