@@ -17,16 +17,34 @@ from dllm_serve.engine.outputs import RequestOutput
 
 
 def usage_dict(output: RequestOutput, canvas_length: int) -> dict[str, Any]:
+    return _usage(
+        output.prompt_tokens,
+        output.completion_tokens,
+        canvas_length,
+        output.nfe,
+        output.committed,
+        _speculation(output),
+    )
+
+
+def _usage(
+    prompt: int,
+    completion: int,
+    canvas_length: int,
+    nfe: int = 0,
+    committed: int = 0,
+    speculation: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     return {
-        "prompt_tokens": output.prompt_tokens,
-        "completion_tokens": output.completion_tokens,
-        "total_tokens": output.prompt_tokens + output.completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
         "diffusion": {
-            "nfe": output.nfe,
+            "nfe": nfe,
             "canvas_length": canvas_length,
-            "committed_tokens": output.committed,
-            "tokens_per_forward": round(output.committed / output.nfe, 4) if output.nfe else 0.0,
-            **_speculation(output),
+            "committed_tokens": committed,
+            "tokens_per_forward": round(committed / nfe, 4) if nfe else 0.0,
+            **(speculation or {}),
         },
     }
 
@@ -140,17 +158,7 @@ async def _chunks(
 ) -> AsyncIterator[str]:
     # Before the first step (the role chunk): nothing generated yet, but the same shape as
     # every later chunk's usage, so a client can read ``usage.diffusion`` on any chunk.
-    usage: dict[str, Any] | None = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": 0,
-        "total_tokens": prompt_tokens,
-        "diffusion": {
-            "nfe": 0,
-            "canvas_length": canvas_length,
-            "committed_tokens": 0,
-            "tokens_per_forward": 0.0,
-        },
-    }
+    usage: dict[str, Any] | None = _usage(prompt_tokens, 0, canvas_length)
 
     def chunk(choice_body: dict[str, Any]) -> str:
         body: dict[str, Any] = {**head, "model": model, "choices": [choice_body]}
