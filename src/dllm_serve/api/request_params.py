@@ -55,7 +55,9 @@ def decoding_params(
             # the canvas up to whole blocks and keep max_tokens as the answer's limit. An
             # explicit target_length is a canvas the client chose, so it is never rounded.
             rounded = -(-gen_length // default_block_length) * default_block_length
-            if rounded > gen_length:
+            # Past MAX_STEPS blocks it stays one block, as recommended_block leaves it (and a
+            # canvas that long is refused by the context check of nearly every model).
+            if gen_length < rounded <= MAX_STEPS * default_block_length:
                 gen_length, answer_limit = rounded, gen_length
                 auto_block = default_block_length
     block_length = req.block_length or auto_block or gen_length

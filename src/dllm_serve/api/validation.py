@@ -59,22 +59,23 @@ class RequestSpec:
 
     def fitted(self, prompt_tokens: int, max_length: int) -> RequestSpec:
         """This spec for a prompt of ``prompt_tokens``: a canvas rounded up to whole blocks
-        that would overflow the context keeps the whole blocks that fit (the answer may then
-        be up to a block shorter than max_tokens, never longer) or, when the client set the
-        step count (which fewer blocks would change), falls back to one unrounded block."""
+        that would overflow the context, while max_tokens itself fits, keeps the whole blocks
+        that fit (the answer may then be up to a block shorter than max_tokens, never longer)
+        or, when the client set the step count (which fewer blocks would change), falls back
+        to one unrounded block. When max_tokens itself does not fit, the unrounded request is
+        returned, so the context check refuses the client's own number."""
         params, unrounded = self.params, self.unrounded
         if unrounded is None or prompt_tokens + params.gen_length <= max_length:
             return self
         block = params.block_length
         assert block is not None  # resolved by DecodingParams
         whole = (max_length - prompt_tokens) // block * block
-        if whole >= block and "num_denoising_steps" not in self.diffusion_fields:
+        fits = prompt_tokens + unrounded.gen_length <= max_length
+        if fits and whole >= block and "num_denoising_steps" not in self.diffusion_fields:
             steps = whole // block * params.steps_per_block
             shrunk = replace(params, gen_length=whole, steps=steps, answer_limit=None)
             return replace(self, params=shrunk, unrounded=None)
-        if prompt_tokens + unrounded.gen_length <= max_length:
-            return replace(self, params=unrounded, unrounded=None)
-        return self  # nothing fits: the context check refuses it
+        return replace(self, params=unrounded, unrounded=None)
 
     def check_decoding_mode(
         self, mode: str, block_size: int | None = None, default_mode: str | None = None

@@ -51,8 +51,8 @@ class DecodingParams:
     local_leap_anchor_threshold: float = 0.9  # κ
     local_leap_neighbor_threshold: float = 0.75  # τ
     local_leap_radius: int = 4  # W
-    # Per-request stop set: ignore_eos decodes the whole canvas (no stop id ends the answer);
-    # stop_token_ids are stop ids in addition to the model's.
+    # Per-request stop set: ignore_eos drops the model's stop ids (EOS/EOT), so the whole
+    # canvas is decoded unless one of stop_token_ids (stop ids the client adds) ends it.
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     # Tri-mode models (decoding/modes.py): "ar", "diffusion" or "linear_spec"; None: the

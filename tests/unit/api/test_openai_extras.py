@@ -249,6 +249,16 @@ def test_stop_token_ids(app: FastAPI, loaded: LoadedModel) -> None:
     assert body["usage"]["completion_tokens"] == 9
 
 
+def test_stop_token_ids_end_the_answer_with_ignore_eos(app: FastAPI, loaded: LoadedModel) -> None:
+    # ignore_eos ignores the model's EOS/EOT only (vLLM): the client's own stop ids still end
+    # the answer, exactly where they do without it.
+    equals = loaded.tokenizer.convert_tokens_to_ids("=")
+    body = chat(app, stop_token_ids=[equals], ignore_eos=True).json()
+    assert body["choices"][0]["message"]["content"] == "123 + 456 "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 9
+
+
 @pytest.mark.parametrize(
     ("ids", "param", "message"),
     [
@@ -328,6 +338,19 @@ def test_a_rounded_canvas_returns_at_most_max_tokens(app: FastAPI) -> None:
     assert body["usage"]["diffusion"]["canvas_length"] == 64
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["choices"][0]["message"]["content"].startswith(ANSWER)
+
+
+@pytest.mark.parametrize(
+    "fields", [{"max_tokens": 3001}, {"max_completion_tokens": 2049}, {"max_tokens": 16385}]
+)
+def test_max_tokens_past_the_context_is_refused(app: FastAPI, fields: dict[str, int]) -> None:
+    # No block divides these: they used to be shrunk to a 1,984-token canvas (200) or refused
+    # on a block_length the client never sent.
+    response = chat(app, **fields)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+    assert f"{next(iter(fields.values()))} in the completion canvas" in error["message"]
 
 
 def test_long_canvas_is_decoded_in_the_model_block(app: FastAPI) -> None:

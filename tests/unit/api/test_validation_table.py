@@ -889,7 +889,8 @@ def test_a_rounded_canvas_that_overflows_the_context_keeps_the_blocks_that_fit()
     p = fitted.params
     assert (p.gen_length, p.block_length, p.steps, p.answer_limit) == (992, 32, 992, None)
     assert fitted.unrounded is None
-    assert spec.fitted(2040, 2048) is spec  # not one block fits: the context check refuses it
+    # max_tokens itself does not fit: the context check refuses the client's own number.
+    assert spec.fitted(2040, 2048).params.gen_length == 1001
     # With the client's step count, fewer blocks would change it: one unrounded block instead.
     stepped = parse_chat_request(
         body(max_tokens=1001, num_denoising_steps=32), JSON, 32, 32, round_canvas=True
@@ -898,7 +899,30 @@ def test_a_rounded_canvas_that_overflows_the_context_keeps_the_blocks_that_fit()
     fitted = stepped.fitted(1040, 2048)
     assert (fitted.params.gen_length, fitted.params.block_length) == (1001, 1001)
     assert fitted.params.steps == 32 and fitted.params.answer_limit is None
-    assert stepped.fitted(1100, 2048) is stepped  # neither fits: refused by the context check
+    assert stepped.fitted(1100, 2048).params.gen_length == 1001  # refused by the context check
+
+
+@pytest.mark.parametrize("max_tokens", [2049, 3001])
+def test_max_tokens_past_the_context_is_refused_not_shrunk(max_tokens: int) -> None:
+    # Found by QA: a canvas no block divides used to be shrunk to the blocks that fit even
+    # when max_tokens alone overflowed the context (200 with a 1984-token canvas).
+    spec = parse_chat_request(body(max_tokens=max_tokens), JSON, 32, 32, round_canvas=True)
+    fitted = spec.fitted(35, 2048)
+    assert fitted.params.gen_length == max_tokens and fitted.params.answer_limit is None
+    with pytest.raises(APIError) as info:
+        check_context_length(35, fitted.params.gen_length, 2048)
+    assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
+    assert f"{max_tokens} in the completion canvas" in info.value.message
+
+
+def test_a_canvas_rounded_past_the_block_limit_stays_one_block() -> None:
+    # 16,385 would round to 513 blocks of 32, past the 512 allowed: it stays one block (the
+    # context check then refuses it on any model shorter than that), never a 400 about a
+    # block_length the client did not send.
+    params = parse_chat_request(body(max_tokens=16385), JSON, 32, 32, round_canvas=True).params
+    assert (params.gen_length, params.block_length, params.answer_limit) == (16385, 16385, None)
+    params = parse_chat_request(body(max_tokens=16383), JSON, 32, 32, round_canvas=True).params
+    assert (params.gen_length, params.block_length, params.answer_limit) == (16384, 32, 16383)
 
 
 def test_client_steps_must_divide_into_the_rounded_canvas_blocks() -> None:
