@@ -62,7 +62,9 @@ class _GenerationRequest(BaseModel):
     # (docs/api-contract.md).
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1)
-    n: int | None = Field(None, ge=1, le=128)
+    # No upper bounds on fields refused past their no-op value: any other value gets the
+    # unsupported_parameter 400 (api/field_rules.py), not a range that suggests it would work.
+    n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -119,7 +121,7 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
     response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = Field(None, description="Accepted (no tools are sent).")
@@ -141,7 +143,7 @@ class CompletionRequest(_GenerationRequest):
         "of token ids; checked in validation.py."
     )
     suffix: str | None = Field(None, description="Only empty: infilling is not available.")
-    logprobs: int | None = Field(None, ge=0, le=5, description="Only null.")
+    logprobs: int | None = Field(None, ge=0, description="Only null.")
 
 
 class DiffusionUsage(BaseModel):

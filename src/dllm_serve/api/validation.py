@@ -32,7 +32,14 @@ from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 _R = TypeVar("_R", ChatCompletionRequest, CompletionRequest)
 # Informational fields: logged with --log-requests, otherwise without effect.
-INFORMATIONAL = ("user", "metadata", "prompt_cache_key", "safety_identifier", "service_tier")
+INFORMATIONAL = (
+    "user",
+    "metadata",
+    "prompt_cache_key",
+    "safety_identifier",
+    "parallel_tool_calls",
+    "service_tier",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,11 +195,13 @@ def _spec(
 
 def _prompt(prompt: Any) -> str | list[int]:
     """A string or token ids; a list holding one of them is accepted (one prompt per request)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+    unwrapped = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list)
+    if unwrapped:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, str | list) for t in prompt):
+    batched = isinstance(prompt, list) and prompt and all(isinstance(t, str | list) for t in prompt)
+    if batched and not unwrapped:  # a nested list inside the one prompt is just invalid
         raise invalid(
             f"'prompt' holds {len(prompt)} prompts; one prompt per request is supported "
             "(batched prompts are deferred, like n > 1).",

@@ -130,10 +130,13 @@ def test_completion_stream(app: FastAPI) -> None:
         ({"prompt": RAW_PROMPT, "suffix": "!"}, "suffix", "not_available_yet"),
         ({"prompt": RAW_PROMPT, "logprobs": 1}, "logprobs", "unsupported_parameter"),
         ({"prompt": RAW_PROMPT, "logprobs": 0}, "logprobs", "unsupported_parameter"),
+        ({"prompt": RAW_PROMPT, "logprobs": 10}, "logprobs", "unsupported_parameter"),
         ({"prompt": RAW_PROMPT, "echo": True}, "echo", "unsupported_parameter"),
         ({"prompt": RAW_PROMPT, "best_of": 2}, "best_of", "unsupported_parameter"),
         ({"prompt": ["a", "b"]}, "prompt", "unsupported_parameter"),
         ({"prompt": []}, "prompt", None),
+        ({"prompt": [["a"]]}, "prompt", None),  # one malformed prompt, not a batch
+        ({"prompt": [[5, "a"]]}, "prompt", None),
         ({"prompt": [5, 99999]}, "prompt[1]", None),
         ({"prompt": [5, 1011]}, "prompt[1]", None),  # the mask token
         ({"prompt": ""}, "prompt", None),

@@ -118,6 +118,8 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
     ("top-p-range", body(top_p=1.5), JSON, "top_p", "less than or equal to 1"),
     ("top-k", body(top_k=40), JSON, "top_k", CONTRACT),
     ("n-2", body(n=2), JSON, "n", CONTRACT),
+    ("n-200", body(n=200), JSON, "n", CONTRACT),  # no range error that implies 2..128 work
+    ("top-logprobs-25", body(top_logprobs=25), JSON, "top_logprobs", CONTRACT),
     ("n-0", body(n=0), JSON, "n", "greater than or equal to 1"),
     ("presence-penalty", body(presence_penalty=0.5), JSON, "presence_penalty", CONTRACT),
     ("frequency-penalty", body(frequency_penalty=-1), JSON, "frequency_penalty", CONTRACT),
@@ -763,13 +765,21 @@ def test_no_op_values_are_accepted(fields: dict[str, Any]) -> None:
 
 def test_informational_fields_are_kept_for_the_request_log() -> None:
     spec = parse_chat_request(
-        body(metadata={"a": "b"}, prompt_cache_key="k", safety_identifier="s", user="u"), JSON
+        body(
+            metadata={"a": "b"},
+            prompt_cache_key="k",
+            safety_identifier="s",
+            user="u",
+            parallel_tool_calls=False,
+        ),
+        JSON,
     )
     assert spec.info == {
         "user": "u",
         "metadata": {"a": "b"},
         "prompt_cache_key": "k",
         "safety_identifier": "s",
+        "parallel_tool_calls": False,
     }
 
 
