@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -19,6 +20,18 @@ from dllm_serve.decoding.modes import REQUEST_MODES
 from dllm_serve.engine.tiers import parse_tiers
 
 _DEFAULT = ServerConfig()
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a float that is a real number (``nan`` and ``inf`` parse as floats,
+    and then pass every ``> 0`` check while meaning nothing as seconds or GiB)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,14 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--request-timeout",
-        type=float,
+        type=finite_float,
         default=None,
         help="seconds a request may take; past it the request is aborted and its client gets "
         "504 (or an error event) (default: no limit)",
     )
     parser.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=finite_float,
         default=_DEFAULT.shutdown_timeout,
         help="on SIGTERM/SIGINT, seconds in-flight requests may still finish before they are "
         "aborted (default: %(default)s)",
@@ -180,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kv-cache-memory",
-        type=float,
+        type=finite_float,
         default=None,
         metavar="GIB",
         help="GiB preallocated for the KV pool (I-DLM and tri-mode models, or --kv-cache "

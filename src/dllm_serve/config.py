@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from dllm_serve.decoding.modes import REQUEST_MODES
@@ -49,8 +50,8 @@ class EngineConfig:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.isd_stride < 1:
             raise ValueError("isd_stride must be >= 1")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError("kv_cache_memory must be > 0 GiB")
+        if self.kv_cache_memory is not None and not 0 < self.kv_cache_memory < math.inf:
+            raise ValueError("kv_cache_memory must be a finite number of GiB > 0")
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}")
         if self.decoding_mode is not None and self.decoding_mode not in REQUEST_MODES:

@@ -99,24 +99,28 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     engine.observer = metrics
     app.state.metrics = metrics
     app.state.started = int(time.time())
-    # Added innermost first: RequestId → DrainGate → ApiKey → BodyLimit → routes.
+    # Added innermost first: CORS → RequestId → DrainGate → ApiKey → BodyLimit → routes.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    if config.cors_origins:
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(config.cors_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
-            expose_headers=["X-Request-ID"],
-        )
     app.add_middleware(DrainGate, is_draining=lambda: lifecycle.draining or rank_failed())
     app.add_middleware(
         RequestIdMiddleware, on_reject=lambda error, path: record_rejection(app, error, path)
     )
+    if config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        # Outermost, so every answer a browser gets carries the CORS headers (the draining
+        # 503 and a bad X-Request-ID's 400 included), and any request header is allowed: the
+        # openai JS SDK sends its own (x-stainless-*, openai-organization, ...), as does
+        # every SDK built on it, and the origin list is what restricts access.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-ID"],
+        )
     install_error_handlers(app)
 
     # HEAD too: probes and uptime checkers may use it (RFC 9110: HEAD wherever GET is).

@@ -65,8 +65,6 @@ def install_completion_routes(
     )
     async def chat_completions(request: Request) -> Any:
         spec, prompt_ids = await chat_spec(request)
-        if config.log_requests:
-            logger.info("messages=%r params=%r%s", spec.messages, spec.params, _info(spec))
         return await run(request, spec, prompt_ids, "chat")
 
     async def chat_spec(request: Request) -> tuple[RequestSpec, list[int]]:
@@ -121,8 +119,6 @@ def install_completion_routes(
             raise invalid("'prompt' is empty: it must hold at least one token.", "prompt")
         spec = spec.fitted(len(prompt_ids), engine.max_length)
         check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length, "prompt")
-        if config.log_requests:
-            logger.info("prompt=%r params=%r%s", spec.prompt, spec.params, _info(spec))
         return await run(request, spec, prompt_ids, "text")
 
     async def run(request: Request, spec: RequestSpec, prompt_ids: list[int], kind: str) -> Any:
@@ -155,8 +151,6 @@ def install_completion_routes(
         text, last = await _collect_unless_disconnected(request, outputs)
         if last is None:  # the client went away; its request was aborted
             return Response(status_code=499)
-        if config.log_requests:
-            logger.info("answer=%r finish_reason=%s", text, last.finish_reason)
         if last.finish_reason not in ("stop", "length"):
             status, message, err_type, code = failure(last)
             raise APIError(message, status=status, type=err_type, code=code)
@@ -187,11 +181,20 @@ def install_completion_routes(
         final_only: bool = False,
         include_stop: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Hand a request to the engine; a full queue is a 429 before any response starts."""
+        """Hand a request to the engine; a full queue is a 429 before any response starts.
+
+        With --log-requests the request is logged here and its answer when it ends, whichever
+        route sent it and however it is answered (JSON, SSE, the trace endpoint).
+        """
         if lifecycle.draining:  # drain began while this request was being read
             raise unavailable("The server is shutting down.", "server_shutting_down")
+        if config.log_requests:
+            if spec.messages is not None:
+                logger.info("messages=%r params=%r%s", spec.messages, spec.params, _info(spec))
+            else:
+                logger.info("prompt=%r params=%r%s", spec.prompt, spec.params, _info(spec))
         try:
-            return engine.generate(
+            outputs = engine.generate(
                 prompt_ids,
                 spec.params,
                 request_id=lifecycle.engine_request_id(request_id),
@@ -210,8 +213,28 @@ def install_completion_routes(
                 code="rate_limit_exceeded",
                 headers={"Retry-After": "1"},
             ) from None
+        return _logging_answer(outputs) if config.log_requests else outputs
 
     return chat_spec, submit, facts
+
+
+async def _logging_answer(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs unchanged; the whole answer is logged when its last one arrives."""
+    parts: list[str] = []
+    finished = False
+    try:
+        async for output in outputs:
+            parts.append(output.delta_text)
+            if output.finished:
+                finished = True
+                logger.info("answer=%r finish_reason=%s", "".join(parts), output.finish_reason)
+            yield output
+    finally:
+        if not finished:
+            logger.info("answer=%r finish_reason=None (the response ended first)", "".join(parts))
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()  # a response closed early aborts its request now, not at GC
 
 
 async def _collect_unless_disconnected(

@@ -71,13 +71,17 @@ def install_playground(
 
     @app.get("/redoc", include_in_schema=False)
     async def redoc() -> HTMLResponse:
-        return get_redoc_html(
+        page = get_redoc_html(
             openapi_url=app.openapi_url or "/openapi.json",
             title="dllm-serve API",
             redoc_js_url="/static/docs/redoc.standalone.js",
             redoc_favicon_url="/static/docs/favicon.png",
             with_google_fonts=False,
         )
+        # The ReDoc bundle draws its logo from cdn.redoc.ly; images from elsewhere than this
+        # server are refused by the browser, so opening the page contacts no one else.
+        page.headers["Content-Security-Policy"] = "img-src 'self' data: blob:"
+        return page
 
     @app.get("/v1/dllm/info", tags=["dllm"])
     async def info() -> dict[str, Any]:

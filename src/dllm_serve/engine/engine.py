@@ -85,6 +85,7 @@ class AsyncEngine(EngineSteps):
         self._abort_all_reason: str | None = None
         self._stopping = False
         self._dead: BaseException | None = None
+        self._kv_blocked = False  # set by each admission pass (engine/steps.py)
         self._tokenizer_lock = threading.Lock()
         # The engine thread detokenises with its own copy of the tokenizer, so it never waits
         # for (or blocks) the API's chat templating, which holds the lock above.
@@ -232,10 +233,14 @@ class AsyncEngine(EngineSteps):
         with self._cond:
             if self._dead is not None or self._stopping or not self._thread.is_alive():
                 raise EngineDeadError("the engine is not running")
+            # Requests that free running slots will take at the next step are not waiting,
+            # unless the queue is held back by the KV pool (then every one of them waits).
             free_slots = self.config.max_running_requests - len(self.scheduler.running)
-            if self.num_waiting - max(free_slots, 0) >= self.config.max_waiting_requests:
+            starting = 0 if self._kv_blocked else max(free_slots, 0)
+            waiting = max(self.num_waiting - starting, 0)
+            if waiting >= self.config.max_waiting_requests:
                 raise QueueFullError(
-                    f"{self.num_waiting} request(s) already waiting "
+                    f"{waiting} request(s) already waiting "
                     f"(limit {self.config.max_waiting_requests})"
                 )
             self._inbox.append(request)

@@ -47,6 +47,7 @@ class EngineSteps:
     observer: EngineObserver
     _outbox: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput]]]
     _detok_tokenizer: Any
+    _kv_blocked: bool  # the head of the queue waits for KV-pool room, not for a running slot
 
     def _admit(self) -> None:
         """Start waiting requests, in order, while slots and KV budget allow.
@@ -55,6 +56,7 @@ class EngineSteps:
         first come, first served); one that could never fit the whole pool fails at once.
         """
         pool = self.runner.pool
+        self._kv_blocked = False
         for request in self.scheduler.admit():
             need = self.algorithm.kv_tokens(len(request.prompt_ids), request.params)
             span = None
@@ -70,6 +72,8 @@ class EngineSteps:
                 span = pool.allocate(need)
                 if span is None:
                     self.scheduler.requeue(request)
+                    # Free running slots do not help the queue now: _submit counts it whole.
+                    self._kv_blocked = True
                     return
             try:
                 request.state = self.algorithm.init_state(

@@ -48,6 +48,22 @@ def test_cors_is_off_unless_origins_are_configured(loaded) -> None:  # type: ign
     assert "access-control-allow-origin" not in other.headers
 
 
+def test_cors_allows_the_js_sdks_headers_and_covers_every_answer(loaded) -> None:  # type: ignore[no-untyped-def]
+    app = build_app(AsyncEngine(loaded), ServerConfig(cors_origins=("https://app.example.com",)))
+    # The openai JS SDK's preflight names its own headers (found by QA: 400 before).
+    sdk = "authorization,content-type,x-stainless-os,x-stainless-lang,x-stainless-retry-count"
+    headers = {**PREFLIGHT, "Access-Control-Request-Headers": sdk}
+    response = call(app, "OPTIONS", "/v1/chat/completions", headers=headers)
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == "https://app.example.com"
+    # An answer made by an outer middleware (a bad X-Request-ID) is readable by the page too.
+    bad = {"Origin": "https://app.example.com", "X-Request-ID": "x" * 300}
+    response = call(app, "POST", "/v1/chat/completions", headers=bad, json={})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_request_id"
+    assert response.headers["access-control-allow-origin"] == "https://app.example.com"
+
+
 def test_log_requests_logs_prompt_and_answer_only_when_asked(
     loaded, caplog: pytest.LogCaptureFixture
 ) -> None:  # type: ignore[no-untyped-def]
@@ -64,3 +80,32 @@ def test_log_requests_logs_prompt_and_answer_only_when_asked(
         logged = "\n".join(r.getMessage() for r in caplog.records)
         assert ("secret-prompt-42" in logged) is enabled
         assert ("answer=" in logged) is enabled
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"stream": True}),
+        ("/v1/completions", {"stream": True, "prompt": "secret-prompt-42"}),
+        ("/v1/completions", {"prompt": "secret-prompt-42"}),
+        ("/v1/dllm/trace", {}),
+    ],
+    ids=["chat-stream", "completion-stream", "completion-json", "trace"],
+)
+def test_log_requests_logs_every_route_and_streamed_answers(
+    loaded, caplog: pytest.LogCaptureFixture, path: str, body: dict
+) -> None:  # type: ignore[no-untyped-def]
+    # Found by QA: only a non-streamed chat answer was logged, the trace endpoint not at all.
+    if "prompt" not in body:
+        body = {**body, "messages": [{"role": "user", "content": "secret-prompt-42"}]}
+    engine = AsyncEngine(loaded)
+    engine.start()
+    app = build_app(engine, ServerConfig(log_requests=True))
+    with caplog.at_level(logging.INFO, logger="dllm_serve"):
+        response = call(app, "POST", path, json={**body, "max_tokens": 8})
+    engine.shutdown()
+    assert response.status_code == 200
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("secret-prompt-42" in line for line in logged) == 1
+    answers = [line for line in logged if line.startswith("answer=")]
+    assert len(answers) == 1 and answers[0].endswith("finish_reason=length"), answers

@@ -52,6 +52,8 @@ def test_page_and_docs_load_nothing_from_the_network() -> None:
                     assert client.get(ref).status_code == 200, ref
         assert '"validatorUrl": null' in docs.text
         assert "fonts.googleapis" not in redoc.text
+        # The ReDoc bundle itself draws a logo from its CDN: the page forbids remote images.
+        assert redoc.headers["content-security-policy"] == "img-src 'self' data: blob:"
     for name in ("playground.html", "playground.js", "playground.css"):
         assert not URL.search((STATIC / name).read_text()), name
 

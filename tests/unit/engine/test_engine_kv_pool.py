@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,7 @@ from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 from dllm_serve.engine.request import Request
+from dllm_serve.engine.scheduler import QueueFullError
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.tiny import write_tiny_idlm
@@ -67,6 +69,26 @@ def test_a_request_that_does_not_fit_waits_then_runs(idlm: LoadedModel) -> None:
     assert pool.used == 0 and pool.largest_free_span == pool.slots  # back to idle, one interval
     texts = {n: "".join(o.delta_text for o in outs[n]) for n in "ab"}
     assert outs["a"][-1].finish_reason in ("stop", "length") and texts["a"] == texts["b"]
+
+
+def test_requests_waiting_for_kv_count_against_the_waiting_limit(idlm: LoadedModel) -> None:
+    # Found by QA: free running slots were subtracted from the queue even while the pool held
+    # it back, so --max-waiting-requests never refused anyone waiting for KV.
+    need = AsyncEngine(idlm, EngineConfig()).algorithm.kv_tokens(len(PROMPT), PARAMS)
+    config = EngineConfig(max_waiting_requests=1, kv_cache_memory=gib_for(idlm, need + need // 2))
+    engine = AsyncEngine(idlm, config)
+    # The engine thread is not started (admission is driven by hand below); _submit only asks
+    # whether it is alive.
+    engine._thread = SimpleNamespace(is_alive=lambda: True)  # type: ignore[assignment]
+    outs: list[RequestOutput] = []
+    engine._submit(request(engine, "a", outs))
+    engine._submit(request(engine, "b", outs))  # 2 in the queue, 32 free slots: accepted
+    engine.scheduler.waiting.extend(engine._inbox)
+    engine._inbox.clear()
+    engine._admit()
+    assert engine.num_running == 1 and engine.num_waiting == 1  # b waits for KV
+    with pytest.raises(QueueFullError, match=r"^1 request\(s\) already waiting \(limit 1\)"):
+        engine._submit(request(engine, "c", outs))
 
 
 def test_a_request_that_can_never_fit_fails_clearly(idlm: LoadedModel) -> None:
