@@ -28,10 +28,11 @@ def llada2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_server_answers_are_the_engines(llada2_dir: Path, tmp_path: Path) -> None:
-    # The server's defaults for max_tokens 11: one block-length canvas, 11 steps.
+    # The server's defaults for max_tokens 11: the trained block of 32, 32 steps per block
+    # (one token per step, however short max_tokens is).
     settings = [
-        DecodingParams(gen_length=MAX_TOKENS, steps=MAX_TOKENS),
-        DecodingParams(gen_length=MAX_TOKENS, steps=MAX_TOKENS, confidence_threshold=0.002),
+        DecodingParams(gen_length=MAX_TOKENS, steps=32),
+        DecodingParams(gen_length=MAX_TOKENS, steps=32, confidence_threshold=0.002),
     ]
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     with LLM(str(llada2_dir), device="cpu", dtype="float32") as llm:

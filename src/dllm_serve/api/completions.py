@@ -21,6 +21,7 @@ from sse_starlette import EventSourceResponse
 from dllm_serve.api.error_handlers import unavailable
 from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, invalid
 from dllm_serve.api.metrics import Metrics
+from dllm_serve.api.mode_rules import ModelDecoding
 from dllm_serve.api.protocol import ChatCompletionResponse, CompletionResponse
 from dllm_serve.api.streaming import chat_chunks, failure, text_chunks, usage_dict
 from dllm_serve.api.validation import (
@@ -77,8 +78,8 @@ def install_completion_routes(
             engine.default_gen_length,
             facts.default_block_length,
             facts.round_canvas,
+            facts.decoding,
         )
-        spec.check_decoding_mode(engine.decoding_mode, facts.block_size, facts.default_mode)
         facts.check_stop_token_ids(spec)
         if not engine.is_alive:
             raise unavailable()
@@ -103,8 +104,8 @@ def install_completion_routes(
             engine.default_gen_length,
             facts.default_block_length,
             facts.round_canvas,
+            facts.decoding,
         )
-        spec.check_decoding_mode(engine.decoding_mode, facts.block_size, facts.default_mode)
         facts.check_stop_token_ids(spec)
         if not engine.is_alive:
             raise unavailable()
@@ -280,6 +281,9 @@ class _ModelFacts:
         self.block_size: int | None = getattr(loaded, "block_size", None)
         # The decoding_mode of requests that name none (tri-mode models: --decoding-mode).
         self.default_mode: str | None = getattr(engine, "default_decoding_mode", None)
+        self.decoding = ModelDecoding(
+            getattr(engine, "decoding_mode", "diffusion"), self.block_size, self.default_mode
+        )
 
     def check_stop_token_ids(self, spec: RequestSpec) -> None:
         if spec.params.stop_token_ids:

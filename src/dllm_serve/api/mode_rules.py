@@ -4,22 +4,53 @@ name (``decoding_mode``; ``decoding/modes.py``). Every mismatch is a 400 that na
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from dllm_serve.api.errors import invalid
 from dllm_serve.decoding.modes import DESCRIPTIONS, DIFFUSION, TRI_MODE, TRI_MODES, model_mode
-from dllm_serve.decoding.params import DecodingParams
+
+# What a request's canvas fields (num_denoising_steps, block_length) mean, by how it decodes.
+CANVAS = "canvas"  # LLaDA, Dream: one canvas of max_tokens, in blocks the request may choose
+BLOCK = "block"  # block diffusion: the trained block, aligned to position 0; steps per block
+NO_CANVAS = "none"  # self-speculation, ar, linear_spec: no denoising steps or blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDecoding:
+    """What the served model's decoding lets a request choose (read once from the engine).
+
+    ``kind`` is the engine's algorithm kind (``diffusion``, ``block_diffusion``,
+    ``self_speculation`` or ``tri_mode``), ``block_size`` a block model's trained block and
+    ``default_mode`` a tri-mode model's mode for requests that name none.
+    """
+
+    kind: str
+    block_size: int | None = None
+    default_mode: str | None = None
+
+    def canvas_rules(self, requested: str | None) -> str:
+        """:data:`CANVAS`, :data:`BLOCK` or :data:`NO_CANVAS` for a request naming
+        ``requested`` as its ``decoding_mode`` (None: the model's default)."""
+        if self.kind == "diffusion":
+            return CANVAS
+        if self.kind == "block_diffusion":
+            return BLOCK
+        if self.kind == TRI_MODE and (requested or self.default_mode) == DIFFUSION:
+            return BLOCK
+        return NO_CANVAS
 
 
 def check_decoding_mode(
-    params: DecodingParams,
+    requested: str | None,
+    block_length: int | None,
     diffusion_fields: Sequence[str],
     kind: str,
     block_size: int | None,
     default_mode: str | None,
 ) -> None:
-    """``kind`` is the engine's algorithm kind (``diffusion``, ``block_diffusion``,
-    ``self_speculation`` or ``tri_mode``); ``default_mode`` the mode of requests naming none."""
-    requested = params.decoding_mode
+    """``requested`` and ``block_length`` are the request's ``decoding_mode`` and
+    ``block_length`` (None: not set); ``kind`` the engine's algorithm kind (see
+    :class:`ModelDecoding`); ``default_mode`` the mode of requests naming none."""
     if kind == TRI_MODE:
         mode = requested or default_mode or ""
         if mode not in TRI_MODES:
@@ -31,7 +62,7 @@ def check_decoding_mode(
                 code="not_applicable",
             )
         if mode == DIFFUSION:
-            _check_block(params, diffusion_fields, block_size, "its diffusion mode decodes")
+            _check_block(block_length, diffusion_fields, block_size, "its diffusion mode decodes")
         elif diffusion_fields:
             name = diffusion_fields[0]
             raise invalid(
@@ -51,7 +82,7 @@ def check_decoding_mode(
             code="not_applicable",
         )
     if kind == "block_diffusion":
-        _check_block(params, diffusion_fields, block_size, "it is a block-diffusion model")
+        _check_block(block_length, diffusion_fields, block_size, "it is a block-diffusion model")
     if kind == "self_speculation" and diffusion_fields:
         name = diffusion_fields[0]
         raise invalid(
@@ -64,10 +95,10 @@ def check_decoding_mode(
 
 
 def _check_block(
-    params: DecodingParams, fields: Sequence[str], block_size: int | None, what: str
+    block_length: int | None, fields: Sequence[str], block_size: int | None, what: str
 ) -> None:
     """Block-diffusion decoding runs in the checkpoint's trained block: another one is a 400."""
-    if "block_length" in fields and params.block_length != block_size:
+    if "block_length" in fields and block_length != block_size:
         raise invalid(
             f"'block_length' must be {block_size} for this model: {what} in the block it was "
             "trained with (bidirectional inside a block, causal across blocks), and other "

@@ -12,6 +12,7 @@ from typing import Any
 
 from dllm_serve.api.errors import invalid
 from dllm_serve.api.field_rules import local_leap_settings
+from dllm_serve.api.mode_rules import BLOCK, CANVAS
 from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
 
 MAX_STEPS = 512
@@ -24,12 +25,20 @@ def decoding_params(
     default_gen_length: int,
     default_block_length: int | None,
     round_canvas: bool = False,
+    rules: str = CANVAS,
+    block_size: int | None = None,
 ) -> DecodingParams:
     """The request's decoding parameters (a 400 for any field or combination that cannot be).
 
     ``round_canvas`` (canvas denoising models): a long canvas that the model's block does not
     divide is rounded up to whole blocks and the answer is cut at ``max_tokens``, rather than
     decoded as one block far longer than the model was trained on.
+
+    ``rules`` (``api/mode_rules.py``): the canvas rules below apply to :data:`CANVAS`
+    requests only. A :data:`BLOCK` request decodes in the model's trained ``block_size``
+    whatever ``max_tokens`` is (its decoder rounds the canvas up to whole blocks), and
+    ``num_denoising_steps`` is per block, by default one token per step; a
+    :data:`NO_CANVAS` request has no steps or blocks at all.
     """
     max_completion_tokens = getattr(req, "max_completion_tokens", None)
     max_tokens = max_completion_tokens or req.max_tokens
@@ -46,6 +55,8 @@ def decoding_params(
             "target_length",
         )
     gen_length = req.target_length or max_tokens or default_gen_length
+    if rules != CANVAS:
+        return _params_without_canvas(req, gen_length, rules, block_size)
     auto_block = answer_limit = None
     if req.block_length is None and default_block_length:
         auto_block = recommended_block(gen_length, default_block_length)
@@ -89,14 +100,34 @@ def decoding_params(
                 f"({num_blocks} = canvas {gen_length} / block_length {block_length}).",
                 "num_denoising_steps",
             )
-    temperature = 0.0 if req.temperature is None else req.temperature
-    if req.top_k == 1:
-        temperature = 0.0  # top_k=1 asks for the most likely token: greedy decoding
     try:
-        params = _build_params(req, gen_length, steps, block_length, temperature)
+        params = _build_params(req, gen_length, steps, block_length, _temperature(req))
         return params if answer_limit is None else replace(params, answer_limit=answer_limit)
     except ValueError as exc:  # a combination the checks above missed: still a 400, never a 500
         raise invalid(f"Invalid decoding parameters: {exc}.") from None
+
+
+def _params_without_canvas(
+    req: GenerationRequest, gen_length: int, rules: str, block_size: int | None
+) -> DecodingParams:
+    """A block-diffusion or non-denoising request: ``gen_length`` is the answer budget; the
+    params' one block is a formality (the decoders use the model's block, or none)."""
+    if rules == BLOCK:
+        assert block_size is not None  # every block-diffusion model has its trained block
+        # Per block; one token per step by default, however short max_tokens is.
+        steps = req.num_denoising_steps or block_size
+    else:
+        steps = min(DEFAULT_STEPS, gen_length)  # unused: nothing is denoised
+    try:
+        return _build_params(req, gen_length, steps, None, _temperature(req))
+    except ValueError as exc:
+        raise invalid(f"Invalid decoding parameters: {exc}.") from None
+
+
+def _temperature(req: GenerationRequest) -> float:
+    if req.top_k == 1:
+        return 0.0  # top_k=1 asks for the most likely token: greedy decoding
+    return 0.0 if req.temperature is None else req.temperature
 
 
 def recommended_block(gen_length: int, block: int) -> int | None:
@@ -116,7 +147,11 @@ def recommended_block(gen_length: int, block: int) -> int | None:
 
 
 def _build_params(
-    req: GenerationRequest, gen_length: int, steps: int, block_length: int, temperature: float
+    req: GenerationRequest,
+    gen_length: int,
+    steps: int,
+    block_length: int | None,
+    temperature: float,
 ) -> DecodingParams:
     return DecodingParams(
         gen_length=gen_length,

@@ -24,7 +24,7 @@ from dllm_serve.api.field_rules import (
     reject_unavailable_fields,
 )
 from dllm_serve.api.messages import messages_of
-from dllm_serve.api.mode_rules import check_decoding_mode
+from dllm_serve.api.mode_rules import CANVAS, ModelDecoding, check_decoding_mode
 from dllm_serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from dllm_serve.api.request_params import decoding_params
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
@@ -91,7 +91,11 @@ class RequestSpec:
         kind is ``mode`` (``api/mode_rules.py``): I-DLM has no canvas to denoise, block
         diffusion decodes in its trained block, a tri-mode model's request decodes by the
         mode it names (else ``default_mode``), any other model only by its own."""
-        check_decoding_mode(self.params, self.diffusion_fields, mode, block_size, default_mode)
+        fields, params = self.diffusion_fields, self.params
+        block_length = params.block_length if "block_length" in fields else None
+        check_decoding_mode(
+            params.decoding_mode, block_length, fields, mode, block_size, default_mode
+        )
 
 
 ChatRequestSpec = RequestSpec  # the name the chat route has always used
@@ -103,15 +107,20 @@ def parse_chat_request(
     default_gen_length: int = DEFAULT_GEN_LENGTH,
     default_block_length: int | None = None,
     round_canvas: bool = False,
+    model: ModelDecoding | None = None,
 ) -> RequestSpec:
     """Validate a chat request body (docs/api-contract.md); ``default_gen_length`` is the
     model's canvas for requests that set no ``max_tokens``, ``default_block_length`` its
-    recommended block for long canvases that set no ``block_length`` (None: one block), and
+    recommended block for long canvases that set no ``block_length`` (None: one block),
     ``round_canvas`` whether such a canvas may be rounded up to whole blocks
-    (``request_params.decoding_params``)."""
+    (``request_params.decoding_params``), and ``model`` what the served model's decoding
+    accepts (the mode rules of ``api/mode_rules.py`` run first; None: canvas denoising, with
+    no mode check)."""
     req = _load(ChatCompletionRequest, raw, content_type)
     messages = messages_of(req)
-    return _spec(req, default_gen_length, default_block_length, round_canvas, messages=messages)
+    return _spec(
+        req, default_gen_length, default_block_length, round_canvas, model, messages=messages
+    )
 
 
 def parse_completion_request(
@@ -120,6 +129,7 @@ def parse_completion_request(
     default_gen_length: int = DEFAULT_GEN_LENGTH,
     default_block_length: int | None = None,
     round_canvas: bool = False,
+    model: ModelDecoding | None = None,
 ) -> RequestSpec:
     """Validate a /v1/completions body: the same rules, with a raw ``prompt``."""
     req = _load(CompletionRequest, raw, content_type)
@@ -138,7 +148,7 @@ def parse_completion_request(
             "logprobs",
             code="unsupported_parameter",
         )
-    return _spec(req, default_gen_length, default_block_length, round_canvas, prompt=prompt)
+    return _spec(req, default_gen_length, default_block_length, round_canvas, model, prompt=prompt)
 
 
 def _load(model: type[_R], raw: bytes, content_type: str | None) -> _R:
@@ -154,6 +164,7 @@ def _spec(
     default_gen_length: int,
     default_block_length: int | None,
     round_canvas: bool,
+    model: ModelDecoding | None,
     *,
     messages: list[dict[str, str]] | None = None,
     prompt: str | list[int] | None = None,
@@ -174,7 +185,23 @@ def _spec(
         )
     diffusion_fields = tuple(f for f in DIFFUSION_ONLY if getattr(req, f) is not None)
     info = {name: getattr(req, name, None) for name in INFORMATIONAL}
-    params = decoding_params(req, default_gen_length, default_block_length, round_canvas)
+    rules = CANVAS
+    if model is not None:
+        # The mode rules first: a field that does not apply to this model is refused as such,
+        # before any canvas arithmetic (which would not apply either).
+        check_decoding_mode(
+            req.decoding_mode,
+            req.block_length,
+            diffusion_fields,
+            model.kind,
+            model.block_size,
+            model.default_mode,
+        )
+        rules = model.canvas_rules(req.decoding_mode)
+    block_size = model.block_size if model is not None else None
+    params = decoding_params(
+        req, default_gen_length, default_block_length, round_canvas, rules, block_size
+    )
     unrounded = None
     if params.answer_limit is not None:
         unrounded = decoding_params(req, default_gen_length, default_block_length)

@@ -206,8 +206,11 @@ class LLaDADenoiser:
             # steps of the last block (steps_per_block > block_length) would change nothing,
             # and neither would the canvas positions past an answer limit: skip them.
             return self._finish(state, committed, "length", new)
-        block_done = state.step == len(state.schedule) if params.mode == "topk" else not still
-        if block_done:
+        # A block is done when it has no mask left. In top-k mode that can come before its
+        # schedule ends: with more steps per block than positions, the uniform schedule's
+        # zero-commit steps come last, and they would change nothing (no noise is drawn for
+        # them either), so the next block starts at once, as in the last block above.
+        if not still:
             state.block += 1
             state.step = 0
             self._start_block(state)

@@ -13,15 +13,21 @@ def new_generator(params: DecodingParams, device: torch.device | str) -> torch.G
     """The request's own generator on ``device`` (None at temperature 0, which draws nothing).
 
     Seeded from ``params.seed`` (any int64, negative too, maps onto the unsigned 64-bit seed
-    space), else from fresh OS entropy as ``torch.seed()`` does.
+    space), else from fresh OS entropy as ``torch.seed()`` does. The CPU generator (mt19937)
+    keeps only the low 32 bits of a seed, so seeds that differ only above them (7 and
+    7 + 2³²) would draw the same stream there: on CPU the high half is folded into the low
+    one first (seeds below 2³² are unchanged).
     """
     if params.temperature <= 0:
         return None
     generator = torch.Generator(device=device)
     if params.seed is None:
         generator.seed()
-    else:
-        generator.manual_seed(params.seed % _SEED_MODULUS)
+        return generator
+    seed = params.seed % _SEED_MODULUS
+    if generator.device.type == "cpu":
+        seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+    generator.manual_seed(seed)
     return generator
 
 

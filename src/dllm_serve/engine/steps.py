@@ -97,7 +97,12 @@ class EngineSteps:
         rows, specs = [], []
         for request in group:
             try:
-                specs.append(self.algorithm.prepare(request.state))
+                spec = self.algorithm.prepare(request.state)
+                if not spec.tokens or not spec.logits_at:
+                    # Checked here, per row, so a decoder bug fails its own request only, not
+                    # every row the batch packer would have refused with it.
+                    raise ValueError("a row needs tokens and at least one requested output")
+                specs.append(spec)
                 rows.append(request)
             except Exception as exc:
                 self._fail_exc(request, exc, "prepare")
