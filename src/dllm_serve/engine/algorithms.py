@@ -34,6 +34,7 @@ def algorithm_for(
     ``decoding_mode`` (default ``--decoding-mode``, else linear_spec; docs/self-speculation.md).
     Any other model has one mode, and a ``--decoding-mode`` naming another is a ValueError.
     """
+    _check_flags_apply(loaded, config)
     if loaded.family.tri_mode:
         return _tri_mode(loaded, config, running)
     algorithm = _one_mode(loaded, config, running)
@@ -44,6 +45,33 @@ def algorithm_for(
             f"'{own}'; omit the flag or set it to '{own}'"
         )
     return algorithm
+
+
+def _check_flags_apply(loaded: LoadedModel, config: EngineConfig) -> None:
+    """A decoding flag set for a model whose decoding has no use for it is a ValueError at
+    start-up (as a wrong ``--decoding-mode`` is), never a setting that silently does nothing."""
+    family = loaded.family
+    isd = family.name in ISD_FAMILIES and not family.block_diffusion
+    canvas = not (family.tri_mode or family.block_diffusion or isd)
+    if family.tri_mode:
+        kind = "tri-mode"
+    elif family.block_diffusion:
+        kind = "block-diffusion"
+    else:
+        kind = "I-DLM" if isd else "canvas-denoising"
+    unused = []
+    if config.isd_stride != EngineConfig().isd_stride and not isd:
+        unused.append("--isd-stride (I-DLM models only)")
+    if config.block_size_tiers and not (isd or family.tri_mode):
+        unused.append("--block-size-tiers (I-DLM and tri-mode models only)")
+    if config.kv_cache != "none" and not canvas:
+        unused.append("--kv-cache (LLaDA and Dream: the others always keep an exact KV cache)")
+    if unused:
+        raise ValueError(
+            f"model {loaded.name!r} ({kind}) has no use for "
+            + ", ".join(unused)
+            + "; omit the flag"
+        )
 
 
 def _tri_mode(
