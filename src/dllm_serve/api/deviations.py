@@ -24,7 +24,7 @@ DEVIATIONS_TABLE = """\
 | `metadata`, `user`, `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls` | Accepted and informational (logged only with `--log-requests`); the last three on chat only, as in OpenAI's API; `parallel_tool_calls` has no effect since no tools are accepted. |
 | `null` values | Any optional field sent as `null` means the same as leaving it out. |
 | `messages` | Roles `system`, `developer` (= `system`), `user`, `assistant`; `name` is passed to the chat template (templates without a slot for it ignore it). An assistant message as this API returns it is accepted back: `refusal`, `audio`, `function_call` `null`, `annotations` and `tool_calls` `null` or `[]`. |
-| Unknown fields | Rejected with HTTP 400 (`Unrecognized request argument supplied: …`), never silently ignored. Every 400 is counted in `dllm:requests_rejected_total{reason=<code>}` and logged with its `param` and `code` (never the prompt). |
+| Unknown fields | Rejected with HTTP 400 (`Unrecognized request argument supplied: …`), never silently ignored. Every 400 is counted in `dllm:requests_rejected_total{reason=<code>}` (`invalid_request` when it has none) and logged with its `param` and `code` (never the prompt). |
 | Validation errors | HTTP **400** with the OpenAI error envelope and `param`, never 422. |
 | `X-Request-ID` | Honoured if sent (1–256 visible ASCII characters), else a UUIDv7; echoed on every response; the completion `id` is `chatcmpl-<X-Request-ID>` (`cmpl-<X-Request-ID>` for `/v1/completions`). |
 | `num_denoising_steps` | Extension, 1–512, default 128 capped at the canvas length (rounded down to a multiple of the number of blocks), or `min(128, block)` per block when the server chose the blocks; must be a multiple of `canvas / block_length`. |
