@@ -84,19 +84,6 @@ class RequestSpec:
             return replace(self, params=shrunk, unrounded=None)
         return replace(self, params=unrounded, unrounded=None)
 
-    def check_decoding_mode(
-        self, mode: str, block_size: int | None = None, default_mode: str | None = None
-    ) -> None:
-        """The fields and ``decoding_mode`` this request may use with a model whose algorithm
-        kind is ``mode`` (``api/mode_rules.py``): I-DLM has no canvas to denoise, block
-        diffusion decodes in its trained block, a tri-mode model's request decodes by the
-        mode it names (else ``default_mode``), any other model only by its own."""
-        fields, params = self.diffusion_fields, self.params
-        block_length = params.block_length if "block_length" in fields else None
-        check_decoding_mode(
-            params.decoding_mode, block_length, fields, mode, block_size, default_mode
-        )
-
 
 ChatRequestSpec = RequestSpec  # the name the chat route has always used
 

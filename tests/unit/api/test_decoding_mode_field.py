@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from dllm_serve.api.errors import APIError
+from dllm_serve.api.mode_rules import ModelDecoding
 from dllm_serve.api.validation import parse_chat_request, parse_completion_request
 
 JSON = "application/json"
@@ -20,9 +21,15 @@ def spec(**fields: Any):
     return parse_chat_request(raw, JSON)
 
 
+def parse(kind: str, block: int | None, default: str | None, **fields: Any):  # type: ignore[no-untyped-def]
+    """The request parsed for a model of algorithm ``kind`` (the mode rules run inside)."""
+    raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+    return parse_chat_request(raw, JSON, model=ModelDecoding(kind, block, default))
+
+
 def error(kind: str, block: int | None, default: str | None, **fields: Any) -> dict[str, Any]:
     with pytest.raises(APIError) as info:
-        spec(**fields).check_decoding_mode(kind, block, default)
+        parse(kind, block, default, **fields)
     assert info.value.status == 400
     return info.value.body()
 
@@ -55,7 +62,7 @@ def test_single_mode_models_accept_only_their_mode(
     kind: str, own: str, what: str, asked: str
 ) -> None:
     if asked == own:
-        spec(decoding_mode=asked).check_decoding_mode(kind, 4, own)
+        parse(kind, 4, own, decoding_mode=asked)
         return
     assert error(kind, 4, own, decoding_mode=asked) == body(
         f"'decoding_mode' '{asked}' is not available for this model: it decodes only by "
@@ -66,8 +73,7 @@ def test_single_mode_models_accept_only_their_mode(
 
 def test_tri_mode_models_take_ar_diffusion_and_linear_spec() -> None:
     for mode in ("ar", "diffusion", "linear_spec"):
-        parsed = spec(decoding_mode=mode, max_tokens=16)
-        parsed.check_decoding_mode("tri_mode", 32, "linear_spec")
+        parsed = parse("tri_mode", 32, "linear_spec", decoding_mode=mode, max_tokens=16)
         assert parsed.params.decoding_mode == mode
     assert spec().params.decoding_mode is None  # the engine applies the server's default
     assert error("tri_mode", 32, "ar", decoding_mode="isd") == body(
@@ -80,8 +86,8 @@ def test_tri_mode_models_take_ar_diffusion_and_linear_spec() -> None:
 
 def test_diffusion_fields_follow_the_requests_mode() -> None:
     steps = {"num_denoising_steps": 8, "max_tokens": 16}
-    spec(decoding_mode="diffusion", **steps).check_decoding_mode("tri_mode", 32, "ar")
-    spec(**steps).check_decoding_mode("tri_mode", 32, "diffusion")  # the default mode
+    parse("tri_mode", 32, "ar", decoding_mode="diffusion", **steps)
+    parse("tri_mode", 32, "diffusion", **steps)  # the default mode
     assert error("tri_mode", 32, "diffusion", decoding_mode="ar", **steps) == body(
         "'num_denoising_steps' configures diffusion denoising, but this request decodes by "
         "'ar' (autoregressive: causal decoding with a KV cache, one token per forward): it has "

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from dllm_serve.api.errors import APIError
+from dllm_serve.api.mode_rules import ModelDecoding
 from dllm_serve.api.protocol import ChatCompletionRequest
 from dllm_serve.api.validation import check_context_length, parse_chat_request
 from dllm_serve.decoding.params import DecodingParams
@@ -700,12 +701,12 @@ def test_stop_strings_are_accepted() -> None:
 
 
 def test_denoising_fields_are_rejected_for_self_speculative_models() -> None:
-    plain = parse_chat_request(body(max_tokens=16, temperature=0.5, stop="x"), JSON)
-    plain.check_decoding_mode("self_speculation")  # nothing diffusion-only: fine
-    spec = parse_chat_request(body(num_denoising_steps=8, max_tokens=16), JSON)
-    spec.check_decoding_mode("diffusion")
+    isd, llada = ModelDecoding("self_speculation"), ModelDecoding("diffusion")
+    # Nothing diffusion-only: fine.
+    parse_chat_request(body(max_tokens=16, temperature=0.5, stop="x"), JSON, model=isd)
+    parse_chat_request(body(num_denoising_steps=8, max_tokens=16), JSON, model=llada)
     with pytest.raises(APIError) as info:
-        spec.check_decoding_mode("self_speculation")
+        parse_chat_request(body(num_denoising_steps=8, max_tokens=16), JSON, model=isd)
     assert (info.value.status, info.value.param) == (400, "num_denoising_steps")
     assert info.value.code == "not_applicable"
 
