@@ -117,6 +117,64 @@ def test_idlm_rounds_show_drafts_in_chromium(page: Browser, tmp_path: Path) -> N
         server.stop()
 
 
+def test_fractional_settings_are_sent(llada_server: RemoteServer, page: Browser) -> None:
+    # Found by QA: step="0.1"/"0.05" made the browser refuse 0.25 or 0.93 (no request sent).
+    page.goto(llada_server.url + "/", PAGE_READY)
+    for name, value in (("temperature", "0.25"), ("seed", "3"), ("confidence_threshold", "0.93")):
+        page.evaluate(f"document.getElementById('{name}').value = '{value}'")
+    page.type_into("#prompt", PROMPT)
+    page.evaluate("document.getElementById('generate').click()")
+    page.wait_for("['done', 'error'].includes(window.playground.status)", timeout=60)
+    run = page.evaluate("JSON.parse(JSON.stringify(window.playground))")
+    assert run["status"] == "done", page.evaluate("document.getElementById('error').textContent")
+
+
+def test_trimode_rounds_have_no_blank_lines(page: Browser, tmp_path: Path) -> None:
+    # Found by QA: LinearSpec's drafting-only first forward drew an empty line, the step
+    # counter showed verified rounds (0, 0, 1) instead of forwards, and the header said
+    # "self speculation" for any tri-mode default.
+    server = RemoteServer.start(
+        ["--model", "demo-trimode", "--log-level", "warning"], tmp_path / "log"
+    )
+    try:
+        run = _run_in_page(page, server.url + "/", PROMPT)
+        assert run["status"] == "done"
+        info = page.evaluate("document.getElementById('model-info').textContent")
+        assert "tri-mode (linear spec)" in info
+        lines = page.evaluate(
+            "[...document.querySelectorAll('#rounds li')].map(li => li.children.length)"
+        )
+        assert lines and all(n > 0 for n in lines)
+        step = page.evaluate("document.getElementById('stat-step').textContent")
+        assert step == page.evaluate("document.getElementById('stat-nfe').textContent")
+    finally:
+        server.stop()
+
+
+def test_settings_wait_for_the_model_info_behind_an_api_key(page: Browser, tmp_path: Path) -> None:
+    # Found by QA: with --api-key the info request failed, the page assumed a canvas model,
+    # showed the denoising settings on an I-DLM model and sent them (a 400 on a hidden field).
+    server = RemoteServer.start(
+        ["--model", "demo-idlm", "--api-key", "k-123", "--log-level", "warning"],
+        tmp_path / "log",
+    )
+    try:
+        page.goto(
+            server.url + "/", "document.getElementById('model-info').textContent.includes('401')"
+        )
+        assert page.evaluate("document.getElementById('diffusion-settings').hidden") is True
+        page.evaluate("document.getElementById('block_length').value = '8'")
+        page.evaluate("document.getElementById('api_key').value = 'k-123'")
+        page.type_into("#prompt", "What is 123 + 456?")
+        page.evaluate("document.getElementById('generate').click()")  # before any change event
+        page.wait_for("['done', 'error'].includes(window.playground.status)", timeout=60)
+        assert page.evaluate("window.playground.status") == "done"
+        assert page.evaluate("document.getElementById('diffusion-settings').hidden") is True
+        assert "·" in page.evaluate("document.getElementById('model-info').textContent")
+    finally:
+        server.stop()
+
+
 def test_docs_and_redoc_render_from_local_files(llada_server: RemoteServer, page: Browser) -> None:
     """Swagger UI and ReDoc come from the installed package, not a CDN (this test has no
     network beyond loopback): both must actually render the schema."""

@@ -92,7 +92,11 @@ def install_playground(
             # Tri-mode models: the mode of requests that name none (--decoding-mode).
             "default_decoding_mode": getattr(engine, "default_decoding_mode", None),
             "default_max_tokens": engine.default_gen_length,
-            "default_block_length": facts.default_block_length,
+            # The block a request may name: a canvas model's recommended one, a block
+            # model's trained one (the only one it accepts); none without denoising.
+            "default_block_length": facts.default_block_length
+            if engine.decoding_mode == "diffusion"
+            else facts.block_size,
             "block_size": facts.block_size,
             "max_model_len": engine.max_length,
         }

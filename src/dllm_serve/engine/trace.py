@@ -9,7 +9,8 @@ which ``POST /v1/dllm/trace`` streams as server-sent events (docs/playground.md)
   committed (position 0 is the first answer position) and how many are still masked;
 - self-speculation (I-DLM ISD, LinearSpec) — ``{"type": "round", "drafts": [...], "accepted": j,
   "emitted": [...], ...}``: the drafts this round verified, how many were accepted and the
-  tokens it emitted (accepted drafts plus the verifier's own token).
+  tokens it emitted (accepted drafts plus the verifier's own token, except a stop token,
+  which ends the answer and is not emitted).
 
 Both carry ``nfe``, ``committed`` and ``tokens_per_forward`` so far. Tracing reads the
 state's host lists only (no device access); its cost is a copy of the canvas per traced
@@ -43,7 +44,9 @@ def step_event(state: Any, before: Snapshot, piece: Callable[[int], str]) -> dic
     if before[0] == "round":
         _, drafts, accepted_before, emitted_before = before
         event |= {
-            "round": state.rounds,
+            # The forward's number, as a diffusion step's: LinearSpec's first forward only
+            # drafts, so counting verified rounds would repeat 0 (drafts and emitted empty).
+            "round": state.nfe,
             "drafts": [piece(t) for t in drafts],
             "accepted": state.accepted_drafts - accepted_before,
             "emitted": [piece(t) for t in state.emitted[emitted_before:]],

@@ -64,6 +64,11 @@ def test_model_info_names_the_decoding_mode() -> None:
     assert info["model"] == "demo-idlm"
     assert info["decoding_mode"] == "self_speculation"
     assert info["default_max_tokens"] == 32
+    assert info["default_block_length"] is None  # no block to name without denoising
+    with _client("demo-trimode") as client:
+        info = client.get("/v1/dllm/info").json()
+    # The trained block, the only one a diffusion-mode request may name (was 32, a 400).
+    assert info["decoding_mode"] == "tri_mode" and info["default_block_length"] == 16
 
 
 def test_denoising_trace_commits_every_cell_once_and_matches_the_chat_answer() -> None:
@@ -109,6 +114,11 @@ def test_self_speculation_trace_rounds_add_up_to_the_usage() -> None:
     done = events[-1][1]
     usage = done["usage"]["diffusion"]
     assert len(rounds) == usage["nfe"]
+    assert (
+        [r["round"] for r in rounds]
+        == [r["nfe"] for r in rounds]
+        == list(range(1, len(rounds) + 1))
+    )
     assert sum(len(r["drafts"]) for r in rounds) == usage["drafted_tokens"]
     assert sum(r["accepted"] for r in rounds) == usage["accepted_drafts"]
     assert all(0 <= r["accepted"] <= len(r["drafts"]) for r in rounds)

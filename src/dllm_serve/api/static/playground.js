@@ -8,24 +8,35 @@ const DIFFUSION_NUMBER_FIELDS = ["num_denoising_steps", "block_length", "confide
 // What a test (or a curious user in the console) can read about the last run.
 const run = (window.playground = { status: "idle", steps: 0, maxMasked: 0, finalMasked: null,
                                    maskedAfterFirstStep: null, rounds: 0, content: "", events: [] });
-let mode = "diffusion";
+// "diffusion" or "self_speculation" once /v1/dllm/info answered; null before (or when it
+// failed, e.g. a server with --api-key before the key is typed): no mode-specific settings
+// are shown or sent until the page knows which apply.
+let mode = null;
+let infoLoading = null;
 
 async function loadInfo() {
   try {
     const res = await fetch("/v1/dllm/info", { headers: authHeaders() });
     if (!res.ok) { $("model-info").textContent = `model info: HTTP ${res.status}`; return; }
     const info = await res.json();
-    mode = info.decoding_mode;
+    let shown = info.decoding_mode.replace("_", " ");
+    mode = info.decoding_mode === "self_speculation" ? "self_speculation" : "diffusion";
     // A tri-mode model decodes by its default mode here (ar and linear_spec have no canvas).
-    if (mode === "tri_mode") {
+    if (info.decoding_mode === "tri_mode") {
+      shown = `tri-mode (${info.default_decoding_mode.replace("_", " ")})`;
       mode = info.default_decoding_mode === "diffusion" ? "diffusion" : "self_speculation";
     }
     $("model-info").textContent =
-      `${info.model} · ${mode.replace("_", " ")} · default max_tokens ${info.default_max_tokens}`;
+      `${info.model} · ${shown} · default max_tokens ${info.default_max_tokens}`;
     // Self-speculative models have no canvas settings (the API rejects them with a 400).
-    $("diffusion-settings").hidden = mode === "self_speculation";
-    $("masked-stat").hidden = mode === "self_speculation";
+    $("diffusion-settings").hidden = mode !== "diffusion";
+    $("masked-stat").hidden = mode !== "diffusion";
   } catch (err) { $("model-info").textContent = `model info: ${err}`; }
+}
+
+function reloadInfo() {
+  infoLoading = loadInfo();
+  return infoLoading;
 }
 
 function authHeaders() {
@@ -35,12 +46,12 @@ function authHeaders() {
 
 function requestBody() {
   const body = { messages: [{ role: "user", content: $("prompt").value || $("prompt").placeholder }] };
-  const fields = mode === "self_speculation" ? NUMBER_FIELDS : [...NUMBER_FIELDS, ...DIFFUSION_NUMBER_FIELDS];
+  const fields = mode === "diffusion" ? [...NUMBER_FIELDS, ...DIFFUSION_NUMBER_FIELDS] : NUMBER_FIELDS;
   for (const name of fields) {
     const value = $(name).value.trim();
     if (value !== "") body[name] = Number(value);
   }
-  if (mode !== "self_speculation") {
+  if (mode === "diffusion") {
     if ($("block_schedule").value) body.block_schedule = $("block_schedule").value;
     if ($("use_local_leap").checked) body.use_local_leap = true;
   }
@@ -106,6 +117,9 @@ function applyStep(event) {
 }
 
 function applyRound(event) {
+  // A forward that verified nothing and emitted nothing (LinearSpec's first, drafting-only
+  // forward; the forward that verifies the stop token) has no line: only the counters move.
+  if (!event.drafts.length && !event.emitted.length) return;
   const item = document.createElement("li");
   event.drafts.forEach((text, i) => {
     const span = document.createElement("span");
@@ -144,6 +158,8 @@ async function generate(submitEvent) {
   $("canvas").replaceChildren();
   const delay = Math.max(0, Number($("replay_ms").value) || 0);
   try {
+    // The settings sent depend on the model: wait for its info (the key may just have changed).
+    await (mode === null ? reloadInfo() : infoLoading);
     const response = await fetch("/v1/dllm/trace", {
       method: "POST",
       headers: { "Content-Type": "application/json", ...authHeaders() },
@@ -190,5 +206,12 @@ async function generate(submitEvent) {
 }
 
 $("prompt-form").addEventListener("submit", generate);
-$("api_key").addEventListener("change", loadInfo);
-loadInfo();
+$("api_key").addEventListener("change", reloadInfo);
+// Enter in the prompt sends it, as in chat apps; Shift+Enter starts a new line.
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    if (!$("generate").disabled) $("prompt-form").requestSubmit();
+  }
+});
+reloadInfo();
