@@ -104,7 +104,33 @@ class LLM:
         """Generate from prompt token ids (already templated), one ``params`` per prompt."""
         if len(params) != len(prompts):
             raise ValueError("give one DecodingParams per prompt")
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            self._check(i, prompt, p)
         return asyncio.run(self._run([list(p) for p in prompts], list(params), tuple(stop)))
+
+    def _check(self, i: int, prompt: Sequence[int], params: DecodingParams) -> None:
+        """What the server checks before a request runs, as a ValueError here (not a failed
+        generation after a logged traceback, nor an index error inside the forward)."""
+        loaded = self.loaded
+        vocab = loaded.vocab_size
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty: it needs at least one token")
+        for what, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids)):
+            for token in ids:
+                if not isinstance(token, int) or isinstance(token, bool):
+                    raise ValueError(f"{what} of request {i}: {token!r} is not a token id")
+                if vocab and not 0 <= token < vocab:
+                    raise ValueError(
+                        f"{what} of request {i}: token id {token} is outside the vocabulary "
+                        f"(0 to {vocab - 1})"
+                    )
+                if token == loaded.mask_id:
+                    raise ValueError(f"{what} of request {i}: {token} is the mask token")
+        if len(prompt) + params.gen_length > loaded.max_length:
+            raise ValueError(
+                f"request {i}: {len(prompt)} prompt tokens + gen_length {params.gen_length} "
+                f"exceed the model's context of {loaded.max_length} tokens"
+            )
 
     async def _run(
         self, prompts: list[list[int]], params: list[DecodingParams], stop: tuple[str, ...]

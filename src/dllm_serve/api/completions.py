@@ -35,6 +35,7 @@ from dllm_serve.api.validation import (
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
+from dllm_serve.models.errors import ChatTemplateError
 
 if TYPE_CHECKING:
     from dllm_serve.api.app import Lifecycle
@@ -84,7 +85,10 @@ def install_completion_routes(
         if not engine.is_alive:
             raise unavailable()
         assert spec.messages is not None
-        prompt_ids = await asyncio.to_thread(engine.chat_prompt_ids, spec.messages)
+        try:
+            prompt_ids = await asyncio.to_thread(engine.chat_prompt_ids, spec.messages)
+        except ChatTemplateError as exc:
+            raise invalid(f"{exc}.", "messages") from None
         check_no_mask_token(prompt_ids, facts.mask_id, "messages")
         spec = spec.fitted(len(prompt_ids), engine.max_length)
         check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length)

@@ -64,6 +64,13 @@ class DecodingParams:
     answer_limit: int | None = None
 
     def __post_init__(self) -> None:
+        # Whole numbers only: 16.0 would pass every range check and fail deep in a decoder.
+        for name in ("gen_length", "steps", "block_length", "seed", "answer_limit"):
+            value = getattr(self, name)
+            if value is None and name not in ("gen_length", "steps"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.gen_length < 1:
             raise ValueError("gen_length must be >= 1")
         if self.block_length is None:

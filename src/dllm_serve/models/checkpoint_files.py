@@ -18,10 +18,18 @@ from dllm_serve.models.errors import ModelLoadError
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file, which must hold one object (every config file does)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"cannot read {path}: not UTF-8 text ({e.reason})") from None
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
+    if not isinstance(value, dict):
+        raise ModelLoadError(
+            f"cannot read {path}: it holds a JSON {type(value).__name__}, not an object"
+        )
+    return value
 
 
 def _check_readable(path: Path) -> None:
@@ -80,6 +88,9 @@ def weight_files(path: Path) -> dict[str, Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index} has no 'weight_map'")
+        bad = sorted(name for name, fname in weight_map.items() if not isinstance(fname, str))
+        if bad:
+            raise ModelLoadError(f"{index}: 'weight_map' names no file for {bad[:5]}")
         files = {name: path / fname for name, fname in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not shard.is_file():

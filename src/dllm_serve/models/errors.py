@@ -9,3 +9,8 @@ class ModelLoadError(RuntimeError):
 
 class InsufficientMemoryError(ModelLoadError):
     """The device cannot hold the checkpoint's weights (checked before reading any)."""
+
+
+class ChatTemplateError(ValueError):
+    """A conversation the checkpoint's chat template cannot render: it has no template, or the
+    template refuses these messages (roles out of order, ...). A request error, not a crash."""

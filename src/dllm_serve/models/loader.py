@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 
 from dllm_serve.models.checkpoint_files import (
     default_gen_length,
@@ -27,8 +28,8 @@ from dllm_serve.models.checkpoint_files import (
     read_json,
     weight_files,
 )
-from dllm_serve.models.errors import InsufficientMemoryError, ModelLoadError
-from dllm_serve.models.families import Family, family_for
+from dllm_serve.models.errors import ChatTemplateError, InsufficientMemoryError, ModelLoadError
+from dllm_serve.models.families import Family, UnsupportedModelError, family_for
 from dllm_serve.models.hub import EMBEDDED_MODELS, resolve_model_path
 from dllm_serve.models.memory import check_memory
 from dllm_serve.models.tensor_parallel import TPShard, load_slice, local_name, shard_config
@@ -96,10 +97,16 @@ class LoadedModel:
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the rendered chat prompt, ending with the assistant header."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.name!r} has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+            raise ChatTemplateError(
+                f"model {self.name!r} has no chat template, so it cannot render chat messages; "
+                "send a raw prompt to /v1/completions instead"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except TemplateError as e:  # the template's own raise_exception(...), or a bad template
+            raise ChatTemplateError(f"the chat template of {self.name!r} refused: {e}") from None
         # The template inserts BOS itself; letting the tokenizer add specials would double it.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -246,7 +253,14 @@ def load_model(
     gen_path = path / "generation_config.json"
     gen = read_json(gen_path) if gen_path.is_file() else {}
     family = family_for(config)
-    tcfg = family.transformer_config(config)
+    try:
+        tcfg = family.transformer_config(config)
+    except UnsupportedModelError:
+        raise  # already one line naming the key (a ValueError too)
+    except (ValueError, TypeError, ZeroDivisionError) as e:
+        # A value of the wrong type or shape (n_heads that does not divide d_model, a string
+        # rope_theta, ...): one line naming the file, not a traceback from the arithmetic.
+        raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
     dev = _resolve_device(device)
     dt = _resolve_dtype(dtype, dev, config)
     tokenizer = load_tokenizer(path, family)

@@ -46,8 +46,11 @@ def _rope_dict(config: Mapping[str, Any]) -> dict[str, Any]:
     raw = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if not isinstance(raw, Mapping):
         raise RopeConfigError(f"rope parameters must be a JSON object, got {raw!r}")
-    layer_types = set(config.get("layer_types") or ())
-    nested = [v for k, v in raw.items() if k in layer_types and isinstance(v, Mapping)]
+    # Nested per layer type ({"full_attention": {...}, ...}), whether or not the config lists
+    # its layer_types: a flat dict's values are numbers, strings or lists, never objects.
+    nested = [v for v in raw.values() if isinstance(v, Mapping)]
+    if nested and len(nested) != len(raw):
+        raise RopeConfigError(f"rope parameters mix per-layer and flat entries ({raw!r})")
     if nested:
         if any(dict(v) != dict(nested[0]) for v in nested):
             raise RopeConfigError(f"per-layer RoPE parameters differ ({raw!r}); not supported")

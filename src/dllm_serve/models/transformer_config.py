@@ -124,6 +124,16 @@ class TransformerConfig:
     query_scale: QueryScale | None = None
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_sequence_length, int) or self.max_sequence_length < 2:
+            # A context that holds no prompt plus an answer would refuse every request.
+            raise ValueError(
+                f"the context length (max_sequence_length / max_position_embeddings) must be "
+                f"an integer >= 2, got {self.max_sequence_length!r}"
+            )
         if not self.head_dim:
             if self.d_model % self.n_heads:
                 raise ValueError(

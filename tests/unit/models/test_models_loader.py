@@ -432,3 +432,67 @@ def test_corrupt_shard_named(idlm_dir: Path, tmp_path: Path) -> None:
     expected = re.escape(f"cannot read {shard}: not a valid safetensors file")
     with pytest.raises(ModelLoadError, match=expected):
         load_model(str(path))
+
+
+def _edited_copy(src: Path, dst: Path, name: str, text: str | None) -> Path:
+    shutil.copytree(src, dst)
+    if text is not None:
+        (dst / name).write_text(text, encoding="utf-8")
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("config.json", "[1, 2]", "holds a JSON list, not an object"),
+        ("config.json", "null", "holds a JSON NoneType, not an object"),
+        ("generation_config.json", "[]", "holds a JSON list, not an object"),
+    ],
+)
+def test_a_json_file_that_is_not_an_object_is_one_clear_error(
+    single_dir: Path, tmp_path: Path, name: str, text: str, message: str
+) -> None:
+    # Found by QA: an AttributeError traceback at start-up.
+    broken = _edited_copy(single_dir, tmp_path / "m", name, text)
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        load_model(str(broken))
+
+
+def test_a_config_that_is_not_utf8_is_one_clear_error(single_dir: Path, tmp_path: Path) -> None:
+    broken = _edited_copy(single_dir, tmp_path / "m", "config.json", None)
+    (broken / "config.json").write_bytes(b'{"model_type": "llada\xff"}')
+    with pytest.raises(ModelLoadError, match="not UTF-8 text"):
+        load_model(str(broken))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"n_heads": 3}, "d_model 64 is not divisible by n_heads 3"),
+        ({"rope_theta": "abc"}, "config.json"),
+        ({"max_sequence_length": 0}, "must be an integer >= 2, got 0"),
+        ({"n_layers": 0}, "n_layers must be a positive integer, got 0"),
+    ],
+)
+def test_config_values_of_the_wrong_shape_are_one_clear_error(
+    single_dir: Path, tmp_path: Path, change: dict, message: str
+) -> None:
+    # Found by QA: raw ValueError tracebacks at start-up, or (a context of 0) a server that
+    # started and refused every request.
+    config = json.loads((single_dir / "config.json").read_text())
+    broken = _edited_copy(single_dir, tmp_path / "m", "config.json", json.dumps(config | change))
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        load_model(str(broken))
+
+
+def test_a_shard_index_entry_without_a_file_is_one_clear_error(
+    idlm_dir: Path, tmp_path: Path
+) -> None:
+    index = json.loads((idlm_dir / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = None
+    broken = _edited_copy(
+        idlm_dir, tmp_path / "m", "model.safetensors.index.json", json.dumps(index)
+    )
+    with pytest.raises(ModelLoadError, match="'weight_map' names no file"):
+        load_model(str(broken))

@@ -75,6 +75,9 @@ def test_v4_and_v5_spellings_agree() -> None:
     nested = {"layer_types": ["full_attention"] * 2,
               "rope_parameters": {"full_attention": v5["rope_parameters"]}}  # fmt: skip
     assert parse_rope(v4, 131072) == parse_rope(v5, 131072) == parse_rope(nested, 131072)
+    # Found by QA: without layer_types the nested dict was ignored (plain RoPE, no scaling).
+    bare = {"rope_parameters": {"full_attention": v5["rope_parameters"]}}
+    assert parse_rope(bare, 131072) == parse_rope(v5, 131072)
     assert parse_rope({"rope_theta": 5e5, "rope_scaling": None}, 4096) == (5e5, None)
     assert parse_rope({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, 8) == (
         5e5,
@@ -95,6 +98,9 @@ def test_v4_and_v5_spellings_agree() -> None:
         ({"layer_types": ["a", "b"], "rope_parameters": {"a": {"rope_theta": 1.0},
           "b": {"rope_theta": 2.0}}}, "per-layer"),
         ({"rope_scaling": "yarn"}, "JSON object"),
+        ({"rope_parameters": {"full_attention": {"rope_theta": 1.0},
+          "sliding_attention": {"rope_theta": 2.0}}}, "per-layer"),  # no layer_types either
+        ({"rope_parameters": {"full_attention": {"rope_theta": 1.0}, "factor": 2.0}}, "mix"),
     ],
 )  # fmt: skip
 def test_unsupported_rope_refused(config: dict, match: str) -> None:

@@ -268,6 +268,8 @@ def test_every_file_is_world_readable_whatever_the_umask(
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert sum(name.endswith(".safetensors") for name in modes) == num_shards
     assert modes == dict.fromkeys(modes, 0o644)
+    # The directory too: a 0700 one (umask 077) would hide every file (found by QA).
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
 
 
 def help_text(capsys: pytest.CaptureFixture, *argv: str) -> str:
@@ -325,3 +327,27 @@ def test_docs_synopsis_lists_only_real_flags(capsys: pytest.CaptureFixture) -> N
     ):
         assert re.search(rf"\[{flag} \d+\]\s+\({', '.join(sorted(families))}\)", synopsis), flag
         assert {f for f, text in helps.items() if f" {flag} " in text} == families, flag
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--d-model", "65"], "d_model 65 is not divisible by n_heads 4"),
+        (["--num-shards", "0"], "argument --num-shards: must be >= 1, got 0"),
+        (["--num-shards", "1000"], "num_shards must be in [1, 21]"),
+        (["--family", "fastdllm", "--block-size", "12"], "bd_size 12 is not a multiple"),
+    ],
+)
+def test_make_tiny_refuses_sizes_that_do_not_fit_and_leaves_nothing(
+    tmp_path: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found by QA: a traceback and a half-written directory (config and tokenizer, no
+    # weights), or 979 empty shard files the index never named.
+    from dllm_serve.models.tiny import main
+
+    out = tmp_path / "ckpt"
+    with pytest.raises(SystemExit) as info:
+        main([*argv, str(out)])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

@@ -182,6 +182,8 @@ class LLaDAMoEFamily(Family):
                 rotary_dim=rotary_dim,
                 moe=moe,
             )
+        except UnsupportedModelError:
+            raise  # names the key already
         except ValueError as e:  # inconsistent sizes: say so as an unsupported config
             raise UnsupportedModelError(f"{LABEL} config.json: {e}") from None
 

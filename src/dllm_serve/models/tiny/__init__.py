@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import shutil
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -91,11 +92,27 @@ def _description(family: str) -> str:
     outro = (
         f"The size flags below are those of --family {family}; for the others' run "
         + " or ".join(f"`dllm-serve make-tiny --family {f} --help`" for f in others)
-        + ". Every file is written with mode 0644 (readable by any user, e.g. a container's)."
+        + ". Every file is written with mode 0644 and the directory 0755 (readable by any "
+        "user, e.g. a container's)."
     )
     formats = [f"  {name:<6} {fmt}" for name, fmt in FORMATS.items()]
     fill = textwrap.TextWrapper(79, break_on_hyphens=False).fill
     return "\n".join([fill(intro), *formats, fill(outro)])
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (sizes >= 1; seeds and 0-means-off >= 0)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +137,22 @@ def main(argv: list[str] | None = None) -> int:
         elif param.default is None:  # an optional path (nemotron's --draft-lora-out)
             p.add_argument(flag, metavar="DIR", default=None, help="also write a draft LoRA here")
         else:
-            p.add_argument(flag, type=int, default=param.default, help=f"default {param.default}")
+            p.add_argument(
+                flag,
+                type=_at_least(min(param.default, 1)),
+                default=param.default,
+                help=f"default {param.default}",
+            )
     args = vars(p.parse_args(argv))
     args.pop("family")
-    print(writer(args.pop("out_dir"), **args))
+    out = Path(args.pop("out_dir"))
+    existed = out.exists()
+    try:
+        print(writer(out, **args))
+    except (ValueError, OSError) as exc:
+        # Sizes that do not fit together (a d_model its heads do not divide, ...): one line,
+        # and no half-written checkpoint left behind.
+        if not existed:
+            shutil.rmtree(out, ignore_errors=True)
+        p.error(str(exc))
     return 0

@@ -19,12 +19,20 @@ _FORMATS = Path(__file__).resolve().parent.parent.parent / "assets" / "formats"
 # Every file of a checkpoint is written rw-r--r--, whatever the umask: safetensors creates its
 # files 0600, which a server running as another user (the Docker image's UID 10001) cannot read.
 FILE_MODE = 0o644
+DIR_MODE = 0o755  # and the checkpoint's directory rwxr-xr-x: a 0700 one hides its files
 
 
 def readable(path: Path) -> Path:
     """Give ``path`` :data:`FILE_MODE` and return it."""
     os.chmod(path, FILE_MODE)
     return path
+
+
+def make_dir(path: Path) -> None:
+    """Create the checkpoint directory (and its parents) and give it :data:`DIR_MODE`,
+    whatever the umask."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, DIR_MODE)
 
 
 def write_text(path: Path, text: str) -> None:
@@ -62,8 +70,12 @@ def random_weights(family: Family, tcfg: TransformerConfig, seed: int) -> dict[s
 def save_weights(out: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
     """``model.safetensors``, or ``num_shards`` files plus ``model.safetensors.index.json``,
     all :data:`FILE_MODE`."""
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if not 1 <= num_shards <= len(tensors):
+        # Every shard holds at least one tensor (the index names them all, as real ones do).
+        raise ValueError(
+            f"num_shards must be in [1, {len(tensors)}] (at least one tensor per shard), "
+            f"got {num_shards}"
+        )
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)  # never leave a mix of single-file and sharded weights
     names = list(tensors)

@@ -17,6 +17,7 @@ from dllm_serve.models.families import LLADA
 from dllm_serve.models.tiny.bpe import base_vocab_size, build_tokenizer
 from dllm_serve.models.tiny.files import FLAGS as _FLAGS
 from dllm_serve.models.tiny.files import (
+    make_dir,
     random_weights,
     readable,
     round_up,
@@ -150,7 +151,7 @@ def write_tiny_llada(
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     specials = llada_special_tokens()
     first = REAL_FIRST_ID if real_ids else base_vocab_size()
     tok = build_tokenizer(

@@ -19,7 +19,7 @@ from typing import Any
 
 from dllm_serve.models.families import LLADA2
 from dllm_serve.models.families.llada2 import DEFAULT_BLOCK
-from dllm_serve.models.tiny.files import random_weights, readable, round_up, save_weights
+from dllm_serve.models.tiny.files import make_dir, random_weights, readable, round_up, save_weights
 from dllm_serve.models.tiny.files import write_json as _write_json
 from dllm_serve.models.tiny.files import write_text as _write_text
 from dllm_serve.models.tiny.ling import (
@@ -99,7 +99,7 @@ def write_tiny_llada2(
     ``block_size``); the released configs state none.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     tok, ids = ling_tokenizer()
     first = ids[SPECIALS[0]]
     vocab = round_up(first + len(SPECIALS))

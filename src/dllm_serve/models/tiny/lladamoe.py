@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dllm_serve.models.families import LLADAMOE
-from dllm_serve.models.tiny.files import random_weights, readable, round_up, save_weights
+from dllm_serve.models.tiny.files import make_dir, random_weights, readable, round_up, save_weights
 from dllm_serve.models.tiny.files import write_json as _write_json
 from dllm_serve.models.tiny.files import write_text as _write_text
 from dllm_serve.models.tiny.ling import (
@@ -96,7 +96,7 @@ def write_tiny_lladamoe(
     if not 0 <= dense_layers <= n_layers:
         raise ValueError(f"dense_layers must be in [0, n_layers {n_layers}], got {dense_layers}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     tok, ids = ling_tokenizer()
     first = ids[SPECIALS[0]]
     vocab = round_up(first + len(SPECIALS))

@@ -24,6 +24,7 @@ from dllm_serve.models.families import NEMOTRON
 from dllm_serve.models.tiny.bpe import learn_bpe
 from dllm_serve.models.tiny.files import FLAGS as _FLAGS
 from dllm_serve.models.tiny.files import (
+    make_dir,
     random_weights,
     readable,
     real_file,
@@ -144,7 +145,7 @@ def write_tiny_nemotron(
     """Write a Nemotron-Labs-Diffusion-format checkpoint (and, with ``draft_lora_out``, a tiny
     PEFT draft LoRA for it). ``max_position_embeddings`` is 16 × ``rope_original_context``."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     tok = build_tokenizer()
     vocab = round_up(tok.get_vocab_size())
     sizes = {
@@ -185,7 +186,7 @@ def write_tiny_draft_lora(
     if rank < 1:
         raise ValueError(f"the LoRA rank must be >= 1, got {rank}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     adapter = copy.deepcopy(real_file(FORMAT, "adapter_config.json"))
     adapter.update(r=rank, lora_alpha=4 * rank, base_model_name_or_path=base.name)
     write_json(out / "adapter_config.json", adapter)

@@ -18,6 +18,7 @@ from dllm_serve.models.families import DREAM, FAST_DLLM, SDAR, SDAR_BLOCK, Famil
 from dllm_serve.models.families.fast_dllm import DEFAULT_BLOCK
 from dllm_serve.models.tiny.bpe import base_vocab_size, qwen2_vocab_files
 from dllm_serve.models.tiny.files import (
+    make_dir,
     random_weights,
     real_file,
     round_up,
@@ -67,7 +68,7 @@ def _write(
     real_ids: bool,
 ) -> Path:
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     added: dict[str, int] = real_file(fmt, "added_tokens.json")
     first = REAL_FIRST_ID if real_ids else base_vocab_size()
     n_special = max(added.values()) - REAL_FIRST_ID + 1
