@@ -159,9 +159,9 @@ def test_settings_wait_for_the_model_info_behind_an_api_key(page: Browser, tmp_p
         tmp_path / "log",
     )
     try:
-        page.goto(
-            server.url + "/", "document.getElementById('model-info').textContent.includes('401')"
-        )
+        # Guarded: the condition is polled from before the document has the element.
+        info_failed = "document.getElementById('model-info')?.textContent.includes('401')"
+        page.goto(server.url + "/", info_failed)
         assert page.evaluate("document.getElementById('diffusion-settings').hidden") is True
         page.evaluate("document.getElementById('block_length').value = '8'")
         page.evaluate("document.getElementById('api_key').value = 'k-123'")
