@@ -83,9 +83,11 @@ class LLM:
         stop: Sequence[str] = (),
     ) -> list[Completion]:
         """Generate one completion per conversation (``params`` per conversation or shared)."""
-        if params is None:  # the server's defaults: the model's canvas, steps = canvas
+        if params is None:  # the server's defaults: the model's canvas, and its steps
             length = self.engine.default_gen_length
-            params = DecodingParams(gen_length=length, steps=min(DEFAULT_STEPS, length))
+            # A block model's steps are per block: one token per step in its trained block.
+            steps = self.loaded.block_size or min(DEFAULT_STEPS, length)
+            params = DecodingParams(gen_length=length, steps=steps)
         if isinstance(params, DecodingParams):
             per_row = [params] * len(conversations)
         else:

@@ -99,5 +99,9 @@ def test_a_shorter_max_tokens_answers_a_prefix_of_a_longer_one(tmp_path: Path) -
         for max_tokens in (3, 6, 11, 40):
             params = chat(model, max_tokens=max_tokens, ignore_eos=True).params
             answers[max_tokens] = llm.generate([chat_], params)[0].text
+        # The offline API's defaults are the server's: the model's canvas, one token per step.
+        default = llm.loaded.default_gen_length or 128
+        params = chat(model, max_tokens=default).params
+        assert llm.generate([chat_])[0].text == llm.generate([chat_], params)[0].text
     assert all(answers[40].startswith(answers[n]) for n in (3, 6, 11)), answers
     assert len(set(answers.values())) == 4  # the texts do grow
