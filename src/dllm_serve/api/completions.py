@@ -91,7 +91,13 @@ def install_completion_routes(
             raise invalid(f"{exc}.", "messages") from None
         check_no_mask_token(prompt_ids, facts.mask_id, "messages")
         spec = spec.fitted(len(prompt_ids), engine.max_length)
-        check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length)
+        check_context_length(
+            len(prompt_ids),
+            spec.params.gen_length,
+            engine.max_length,
+            "messages",
+            spec.canvas_param,
+        )
         return spec, prompt_ids
 
     @app.post(
@@ -123,7 +129,9 @@ def install_completion_routes(
         if not prompt_ids:
             raise invalid("'prompt' is empty: it must hold at least one token.", "prompt")
         spec = spec.fitted(len(prompt_ids), engine.max_length)
-        check_context_length(len(prompt_ids), spec.params.gen_length, engine.max_length, "prompt")
+        check_context_length(
+            len(prompt_ids), spec.params.gen_length, engine.max_length, "prompt", spec.canvas_param
+        )
         return await run(request, spec, prompt_ids, "text")
 
     async def run(request: Request, spec: RequestSpec, prompt_ids: list[int], kind: str) -> Any:
@@ -194,10 +202,12 @@ def install_completion_routes(
         if lifecycle.draining:  # drain began while this request was being read
             raise unavailable("The server is shutting down.", "server_shutting_down")
         if config.log_requests:
+            # Everything that shapes the answer: the request can be replayed from the log.
+            extra = (f" stop={spec.stop!r}" if spec.stop else "") + _info(spec)
             if spec.messages is not None:
-                logger.info("messages=%r params=%r%s", spec.messages, spec.params, _info(spec))
+                logger.info("messages=%r params=%r%s", spec.messages, spec.params, extra)
             else:
-                logger.info("prompt=%r params=%r%s", spec.prompt, spec.params, _info(spec))
+                logger.info("prompt=%r params=%r%s", spec.prompt, spec.params, extra)
         try:
             outputs = engine.generate(
                 prompt_ids,
@@ -211,6 +221,7 @@ def install_completion_routes(
             )
         except QueueFullError as exc:
             metrics.rejected.labels("queue_full").inc()
+            logger.info("rejected: status=429 code=rate_limit_exceeded (%s)", exc)
             raise APIError(
                 f"The server is at capacity ({exc}); retry shortly.",
                 status=429,

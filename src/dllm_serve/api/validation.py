@@ -63,6 +63,8 @@ class RequestSpec:
     # When ``params`` rounded the canvas up to whole blocks: the same request unrounded (one
     # block of max_tokens), for a prompt that leaves room for max_tokens but not the rounding.
     unrounded: DecodingParams | None = None
+    # The field that set the canvas, which a context-length error names.
+    canvas_param: str = "max_tokens"
 
     def fitted(self, prompt_tokens: int, max_length: int) -> RequestSpec:
         """This spec for a prompt of ``prompt_tokens``: a canvas rounded up to whole blocks
@@ -204,7 +206,16 @@ def _spec(
         include_stop_str=bool(req.include_stop_str_in_output),
         info={k: v for k, v in info.items() if v is not None},
         unrounded=unrounded,
+        canvas_param=_canvas_param(req),
     )
+
+
+def _canvas_param(req: GenerationRequest) -> str:
+    if req.target_length is not None:
+        return "target_length"
+    if getattr(req, "max_completion_tokens", None):
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 def _prompt(prompt: Any) -> str | list[int]:
@@ -291,11 +302,16 @@ def _stop(req: GenerationRequest) -> tuple[str, ...]:
 
 
 def check_context_length(
-    prompt_tokens: int, gen_length: int, max_length: int, prompt_param: str = "messages"
+    prompt_tokens: int,
+    gen_length: int,
+    max_length: int,
+    prompt_param: str = "messages",
+    canvas_param: str = "max_tokens",
 ) -> None:
-    """The prompt plus the canvas must fit the model's context."""
+    """The prompt plus the canvas must fit the model's context; ``canvas_param`` is the field
+    that set the canvas (``RequestSpec.canvas_param``)."""
     if prompt_tokens + gen_length > max_length:
-        param = prompt_param if prompt_tokens >= max_length else "max_tokens"
+        param = prompt_param if prompt_tokens >= max_length else canvas_param
         raise invalid(
             f"This model's maximum context length is {max_length} tokens. However, you "
             f"requested {prompt_tokens + gen_length} tokens ({prompt_tokens} in the "

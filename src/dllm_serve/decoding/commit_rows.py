@@ -46,7 +46,9 @@ def commit_by_row_rule(
     kappa, tau = floats[: len(params)], floats[len(params) :]
     rule = threshold_commit_rows(score, kappa) if "threshold" in modes else None
     if "local_leap" in modes:
-        span = max(s.params.block_length or 1 for s in states)
+        # The widest active block: a block model's is its trained block, whatever its params'
+        # canvas (found by QA: max_tokens below the block put offsets past the span, a 500).
+        span = max(hi - lo for lo, hi in (s.active_block for s in states))
         offsets, radius = _offsets(states, score.shape[1], device)
         leap = local_leap_commit_rows(score, offsets, kappa, tau, radius, span)
         is_leap = torch.tensor([m == "local_leap" for m in modes]).to(device)

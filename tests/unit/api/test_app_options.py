@@ -109,3 +109,15 @@ def test_log_requests_logs_every_route_and_streamed_answers(
     assert sum("secret-prompt-42" in line for line in logged) == 1
     answers = [line for line in logged if line.startswith("answer=")]
     assert len(answers) == 1 and answers[0].endswith("finish_reason=length"), answers
+
+
+def test_log_requests_logs_stop_strings(loaded, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    # Found by QA: a request's stop strings were missing, so it could not be replayed.
+    engine = AsyncEngine(loaded)
+    engine.start()
+    app = build_app(engine, ServerConfig(log_requests=True))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stop": ["zz"]}
+    with caplog.at_level(logging.INFO, logger="dllm_serve"):
+        assert call(app, "POST", "/v1/chat/completions", json=body).status_code == 200
+    engine.shutdown()
+    assert any("stop=('zz',)" in r.getMessage() for r in caplog.records)

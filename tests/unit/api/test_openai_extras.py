@@ -344,7 +344,13 @@ def test_a_rounded_canvas_returns_at_most_max_tokens(app: FastAPI) -> None:
 
 
 @pytest.mark.parametrize(
-    "fields", [{"max_tokens": 3001}, {"max_completion_tokens": 2049}, {"max_tokens": 16385}]
+    "fields",
+    [
+        {"max_tokens": 3001},
+        {"max_completion_tokens": 2049},
+        {"max_tokens": 16385},
+        {"target_length": 3000},
+    ],
 )
 def test_max_tokens_past_the_context_is_refused(app: FastAPI, fields: dict[str, int]) -> None:
     # No block divides these: they used to be shrunk to a 1,984-token canvas (200) or refused
@@ -352,8 +358,11 @@ def test_max_tokens_past_the_context_is_refused(app: FastAPI, fields: dict[str, 
     response = chat(app, **fields)
     assert response.status_code == 400
     error = response.json()["error"]
-    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
-    assert f"{next(iter(fields.values()))} in the completion canvas" in error["message"]
+    ((field, value),) = fields.items()
+    # The param is the field the client sent (found by QA: max_completion_tokens was named
+    # max_tokens).
+    assert (error["param"], error["code"]) == (field, "context_length_exceeded")
+    assert f"{value} in the completion canvas" in error["message"]
 
 
 def test_long_canvas_is_decoded_in_the_model_block(app: FastAPI) -> None:
