@@ -65,6 +65,9 @@ class RequestSpec:
     unrounded: DecodingParams | None = None
     # The field that set the canvas, which a context-length error names.
     canvas_param: str = "max_tokens"
+    # (error, rounded canvas length): the client's step count does not fit the rounded canvas's
+    # blocks; ``fitted`` raises it when that canvas fits the context, else keeps one block.
+    refused_if_rounded: tuple[APIError, int] | None = None
 
     def fitted(self, prompt_tokens: int, max_length: int) -> RequestSpec:
         """This spec for a prompt of ``prompt_tokens``: a canvas rounded up to whole blocks
@@ -73,6 +76,11 @@ class RequestSpec:
         or, when the client set the step count (which fewer blocks would change), falls back
         to one unrounded block. When max_tokens itself does not fit, the unrounded request is
         returned, so the context check refuses the client's own number."""
+        if self.refused_if_rounded is not None:
+            error, rounded = self.refused_if_rounded
+            if prompt_tokens + rounded <= max_length:
+                raise error
+            return replace(self, refused_if_rounded=None)  # one unrounded block, any steps
         params, unrounded = self.params, self.unrounded
         if unrounded is None or prompt_tokens + params.gen_length <= max_length:
             return self
@@ -188,9 +196,20 @@ def _spec(
         )
         rules = model.canvas_rules(req.decoding_mode)
     block_size = model.block_size if model is not None else None
-    params = decoding_params(
-        req, default_gen_length, default_block_length, round_canvas, rules, block_size
-    )
+    refused = None  # a step count the rounded canvas refuses, decided once the prompt is known
+    try:
+        params = decoding_params(
+            req, default_gen_length, default_block_length, round_canvas, rules, block_size
+        )
+    except APIError as exc:
+        if not (round_canvas and exc.param == "num_denoising_steps" and default_block_length):
+            raise
+        # The rounded canvas's blocks do not divide the client's steps; one unrounded block
+        # (which any step count fits) is what a prompt that leaves no room for the rounding
+        # gets, so refuse only if the rounded canvas turns out to fit (RequestSpec.fitted).
+        params = decoding_params(req, default_gen_length, default_block_length)
+        block = default_block_length
+        refused = (exc, -(-params.gen_length // block) * block)
     unrounded = None
     if params.answer_limit is not None:
         unrounded = decoding_params(req, default_gen_length, default_block_length)
@@ -207,6 +226,7 @@ def _spec(
         info={k: v for k, v in info.items() if v is not None},
         unrounded=unrounded,
         canvas_param=_canvas_param(req),
+        refused_if_rounded=refused,
     )
 
 

@@ -937,7 +937,12 @@ def test_a_canvas_rounded_past_the_block_limit_stays_one_block() -> None:
 
 
 def test_client_steps_must_divide_into_the_rounded_canvas_blocks() -> None:
+    spec = parse_chat_request(body(max_tokens=257, num_denoising_steps=10), JSON, 32, 32, True)
     with pytest.raises(APIError) as info:
-        parse_chat_request(body(max_tokens=257, num_denoising_steps=10), JSON, 32, 32, True)
+        spec.fitted(35, 2048)  # the rounded canvas fits: its 9 blocks do not divide 10 steps
     assert info.value.param == "num_denoising_steps"
     assert "multiple of the number of blocks (9 = canvas 288" in info.value.message
+    # Found by QA: a prompt that leaves no room for the rounding gets one unrounded block,
+    # which any step count fits, so it is not refused on the blocks it will not use.
+    fitted = spec.fitted(2048 - 257, 2048).params
+    assert (fitted.gen_length, fitted.block_length, fitted.steps) == (257, 257, 10)
