@@ -22,16 +22,15 @@ from dllm_serve.api.error_handlers import unavailable
 from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, invalid
 from dllm_serve.api.metrics import Metrics
 from dllm_serve.api.mode_rules import ModelDecoding
-from dllm_serve.api.protocol import ChatCompletionResponse, CompletionResponse
-from dllm_serve.api.streaming import chat_chunks, failure, text_chunks, usage_dict
-from dllm_serve.api.validation import (
-    RequestSpec,
+from dllm_serve.api.prompt_checks import (
     check_context_length,
     check_no_mask_token,
     check_token_ids,
-    parse_chat_request,
-    parse_completion_request,
 )
+from dllm_serve.api.protocol import ChatCompletionResponse, CompletionResponse
+from dllm_serve.api.request_spec import RequestSpec
+from dllm_serve.api.streaming import chat_chunks, failure, text_chunks, usage_dict
+from dllm_serve.api.validation import parse_chat_request, parse_completion_request
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
@@ -290,15 +289,15 @@ class _ModelFacts:
         self.default_block_length: int | None = getattr(loaded, "default_block_length", None)
         self.vocab_size: int = getattr(loaded, "vocab_size", 0) or 0
         self.mask_id: int | None = getattr(loaded, "mask_id", None)
-        # Canvas denoising drops canvas positions past max_tokens, so a long canvas may be
-        # rounded up to whole blocks (api/request_params.py); no other decoding has a canvas.
-        self.round_canvas = getattr(engine, "decoding_mode", None) == "diffusion"
         self.block_size: int | None = getattr(loaded, "block_size", None)
         # The decoding_mode of requests that name none (tri-mode models: --decoding-mode).
         self.default_mode: str | None = getattr(engine, "default_decoding_mode", None)
         self.decoding = ModelDecoding(
             getattr(engine, "decoding_mode", "diffusion"), self.block_size, self.default_mode
         )
+        # Canvas denoising drops canvas positions past max_tokens, so a long canvas may be
+        # rounded up to whole blocks (api/request_params.py); no other decoding has a canvas.
+        self.round_canvas = self.decoding.kind == "diffusion"
 
     def check_stop_token_ids(self, spec: RequestSpec) -> None:
         if spec.params.stop_token_ids:

@@ -44,13 +44,11 @@ def check_decoding_mode(
     requested: str | None,
     block_length: int | None,
     diffusion_fields: Sequence[str],
-    kind: str,
-    block_size: int | None,
-    default_mode: str | None,
+    model: ModelDecoding,
 ) -> None:
     """``requested`` and ``block_length`` are the request's ``decoding_mode`` and
-    ``block_length`` (None: not set); ``kind`` the engine's algorithm kind (see
-    :class:`ModelDecoding`); ``default_mode`` the mode of requests naming none."""
+    ``block_length`` (None: not set), ``diffusion_fields`` the denoising fields it set."""
+    kind, block_size, default_mode = model.kind, model.block_size, model.default_mode
     if kind == TRI_MODE:
         mode = requested or default_mode or ""
         if mode not in TRI_MODES:

@@ -33,8 +33,8 @@ from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
 from dllm_serve.api.errors import REQUEST_ID_HEADER, invalid
+from dllm_serve.api.request_spec import RequestSpec
 from dllm_serve.api.streaming import failure, usage_dict
-from dllm_serve.api.validation import RequestSpec
 from dllm_serve.engine.outputs import RequestOutput
 
 STATIC = Path(__file__).with_name("static")

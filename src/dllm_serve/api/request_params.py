@@ -65,7 +65,7 @@ def decoding_params(
             # No block of about the model's size divides the canvas (1001, 997, ...): round
             # the canvas up to whole blocks and keep max_tokens as the answer's limit. An
             # explicit target_length is a canvas the client chose, so it is never rounded.
-            rounded = -(-gen_length // default_block_length) * default_block_length
+            rounded = round_up_to_blocks(gen_length, default_block_length)
             # Past MAX_STEPS blocks it stays one block, as recommended_block leaves it (and a
             # canvas that long is refused by the context check of nearly every model).
             if gen_length < rounded <= MAX_STEPS * default_block_length:
@@ -128,6 +128,11 @@ def _temperature(req: GenerationRequest) -> float:
     if req.top_k == 1:
         return 0.0  # top_k=1 asks for the most likely token: greedy decoding
     return 0.0 if req.temperature is None else req.temperature
+
+
+def round_up_to_blocks(gen_length: int, block: int) -> int:
+    """The shortest canvas of whole blocks that holds ``gen_length`` positions."""
+    return -(-gen_length // block) * block
 
 
 def recommended_block(gen_length: int, block: int) -> int | None:

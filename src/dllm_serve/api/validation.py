@@ -9,8 +9,6 @@ rejected requests in ``tests/unit/api/test_validation_table.py`` pins this behav
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -26,8 +24,9 @@ from dllm_serve.api.field_rules import (
 from dllm_serve.api.messages import messages_of
 from dllm_serve.api.mode_rules import CANVAS, ModelDecoding, check_decoding_mode
 from dllm_serve.api.protocol import ChatCompletionRequest, CompletionRequest
-from dllm_serve.api.request_params import decoding_params
-from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
+from dllm_serve.api.request_params import decoding_params, round_up_to_blocks
+from dllm_serve.api.request_spec import RequestSpec
+from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 _R = TypeVar("_R", ChatCompletionRequest, CompletionRequest)
@@ -40,62 +39,6 @@ INFORMATIONAL = (
     "parallel_tool_calls",
     "service_tier",
 )
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
-    """A validated chat or text-completion request: what the route hands to the engine.
-
-    Chat requests carry ``messages`` (rendered with the chat template); text completions carry
-    ``prompt`` (a string tokenized as is, or token ids).
-    """
-
-    messages: list[dict[str, str]] | None
-    params: DecodingParams
-    stream: bool
-    include_usage: bool
-    stop: tuple[str, ...] = ()
-    diffusion_fields: tuple[str, ...] = ()  # canvas-denoising fields the client set
-    prompt: str | list[int] | None = None
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats
-    include_stop_str: bool = False  # include_stop_str_in_output
-    info: dict[str, Any] = field(default_factory=dict)  # informational fields the client set
-    # When ``params`` rounded the canvas up to whole blocks: the same request unrounded (one
-    # block of max_tokens), for a prompt that leaves room for max_tokens but not the rounding.
-    unrounded: DecodingParams | None = None
-    # The field that set the canvas, which a context-length error names.
-    canvas_param: str = "max_tokens"
-    # (error, rounded canvas length): the client's step count does not fit the rounded canvas's
-    # blocks; ``fitted`` raises it when that canvas fits the context, else keeps one block.
-    refused_if_rounded: tuple[APIError, int] | None = None
-
-    def fitted(self, prompt_tokens: int, max_length: int) -> RequestSpec:
-        """This spec for a prompt of ``prompt_tokens``: a canvas rounded up to whole blocks
-        that would overflow the context, while max_tokens itself fits, keeps the whole blocks
-        that fit (the answer may then be up to a block shorter than max_tokens, never longer)
-        or, when the client set the step count (which fewer blocks would change), falls back
-        to one unrounded block. When max_tokens itself does not fit, the unrounded request is
-        returned, so the context check refuses the client's own number."""
-        if self.refused_if_rounded is not None:
-            error, rounded = self.refused_if_rounded
-            if prompt_tokens + rounded <= max_length:
-                raise error
-            return replace(self, refused_if_rounded=None)  # one unrounded block, any steps
-        params, unrounded = self.params, self.unrounded
-        if unrounded is None or prompt_tokens + params.gen_length <= max_length:
-            return self
-        block = params.block_length
-        assert block is not None  # resolved by DecodingParams
-        whole = (max_length - prompt_tokens) // block * block
-        fits = prompt_tokens + unrounded.gen_length <= max_length
-        if fits and whole >= block and "num_denoising_steps" not in self.diffusion_fields:
-            steps = whole // block * params.steps_per_block
-            shrunk = replace(params, gen_length=whole, steps=steps, answer_limit=None)
-            return replace(self, params=shrunk, unrounded=None)
-        return replace(self, params=unrounded, unrounded=None)
-
-
-ChatRequestSpec = RequestSpec  # the name the chat route has always used
 
 
 def parse_chat_request(
@@ -186,14 +129,7 @@ def _spec(
     if model is not None:
         # The mode rules first: a field that does not apply to this model is refused as such,
         # before any canvas arithmetic (which would not apply either).
-        check_decoding_mode(
-            req.decoding_mode,
-            req.block_length,
-            diffusion_fields,
-            model.kind,
-            model.block_size,
-            model.default_mode,
-        )
+        check_decoding_mode(req.decoding_mode, req.block_length, diffusion_fields, model)
         rules = model.canvas_rules(req.decoding_mode)
     block_size = model.block_size if model is not None else None
     refused = None  # a step count the rounded canvas refuses, decided once the prompt is known
@@ -208,8 +144,7 @@ def _spec(
         # (which any step count fits) is what a prompt that leaves no room for the rounding
         # gets, so refuse only if the rounded canvas turns out to fit (RequestSpec.fitted).
         params = decoding_params(req, default_gen_length, default_block_length)
-        block = default_block_length
-        refused = (exc, -(-params.gen_length // block) * block)
+        refused = (exc, round_up_to_blocks(params.gen_length, default_block_length))
     unrounded = None
     if params.answer_limit is not None:
         unrounded = decoding_params(req, default_gen_length, default_block_length)
@@ -264,39 +199,6 @@ def _prompt(prompt: Any) -> str | list[int]:
     )
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: int, mask_id: int | None, param: str) -> None:
-    """Token ids sent by the client must be in the vocabulary and never the mask token."""
-    for i, token in enumerate(ids):
-        if not 0 <= token < vocab_size:
-            raise invalid(
-                f"Invalid value for '{param}[{i}]': token id {token} is outside the model's "
-                f"vocabulary (0 to {vocab_size - 1}).",
-                f"{param}[{i}]",
-            )
-        if token == mask_id:
-            raise invalid(
-                f"Invalid value for '{param}[{i}]': token id {token} is the model's mask token.",
-                f"{param}[{i}]",
-            )
-
-
-def check_no_mask_token(ids: Sequence[int], mask_id: int | None, param: str) -> None:
-    """A prompt written as text must not tokenize to the mask token either.
-
-    The mask token marks a position for the model to fill in. The server fills the answer
-    canvas only, so a mask in the prompt would stay a hole the model reads as noise, where the
-    reference loop would fill it; the same token given as an id is refused
-    (:func:`check_token_ids`), and so is its text.
-    """
-    if mask_id is not None and mask_id in ids:
-        raise invalid(
-            f"Invalid value for '{param}': the text contains the model's mask token (id "
-            f"{mask_id}), which marks a position to fill in; only the answer canvas is "
-            "filled in, so a prompt may not contain it.",
-            param,
-        )
-
-
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 
@@ -319,27 +221,6 @@ def _stop(req: GenerationRequest) -> tuple[str, ...]:
         if len(text) > MAX_STOP_CHARS:
             raise invalid(f"Stop strings are limited to {MAX_STOP_CHARS} characters.", param)
     return tuple(stops)
-
-
-def check_context_length(
-    prompt_tokens: int,
-    gen_length: int,
-    max_length: int,
-    prompt_param: str = "messages",
-    canvas_param: str = "max_tokens",
-) -> None:
-    """The prompt plus the canvas must fit the model's context; ``canvas_param`` is the field
-    that set the canvas (``RequestSpec.canvas_param``)."""
-    if prompt_tokens + gen_length > max_length:
-        param = prompt_param if prompt_tokens >= max_length else canvas_param
-        raise invalid(
-            f"This model's maximum context length is {max_length} tokens. However, you "
-            f"requested {prompt_tokens + gen_length} tokens ({prompt_tokens} in the "
-            f"{prompt_param}, {gen_length} in the completion canvas). Please reduce the length "
-            f"of the {prompt_param} or the completion.",
-            param,
-            code="context_length_exceeded",
-        )
 
 
 def _check_content_type(content_type: str | None) -> None:

@@ -58,6 +58,11 @@ class RowSpec:
     def causal(self) -> bool:
         return self.attention is AttentionKind.CAUSAL
 
+    def check(self) -> None:
+        """A row must forward tokens and ask for at least one position's logits."""
+        if not self.tokens or not self.logits_at:
+            raise ValueError("a row needs tokens and at least one requested output")
+
     # Tensor views for tests and simple callers (the runner packs the host lists directly).
     @property
     def input_ids(self) -> torch.Tensor:

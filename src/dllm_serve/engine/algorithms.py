@@ -12,7 +12,14 @@ from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.fast_dllm import FastDLLMDecoder
 from dllm_serve.decoding.isd import ISDecoder
 from dllm_serve.decoding.linear_spec import LinearSpecDecoder
-from dllm_serve.decoding.modes import AR, DEFAULT_TRI_MODE, DIFFUSION, LINEAR_SPEC, model_mode
+from dllm_serve.decoding.modes import (
+    AR,
+    DEFAULT_TRI_MODE,
+    DIFFUSION,
+    LINEAR_SPEC,
+    TRI_MODE,
+    model_mode,
+)
 from dllm_serve.decoding.trimode import TriModeDecoder
 from dllm_serve.engine.tiers import ISD_FAMILIES, BlockSizeTiers
 from dllm_serve.models.families import FastDLLMFamily
@@ -34,41 +41,43 @@ def algorithm_for(
     ``decoding_mode`` (default ``--decoding-mode``, else linear_spec; docs/self-speculation.md).
     Any other model has one mode, and a ``--decoding-mode`` naming another is a ValueError.
     """
-    _check_flags_apply(loaded, config)
     if loaded.family.tri_mode:
-        return _tri_mode(loaded, config, running)
-    algorithm = _one_mode(loaded, config, running)
-    own = model_mode(algorithm.decoding_mode)
-    if config.decoding_mode not in (None, own):
-        raise ValueError(
-            f"--decoding-mode {config.decoding_mode}: model {loaded.name!r} decodes only by "
-            f"'{own}'; omit the flag or set it to '{own}'"
-        )
+        algorithm: DecodingAlgorithm = _tri_mode(loaded, config, running)
+    else:
+        algorithm = _one_mode(loaded, config, running)
+        own = model_mode(algorithm.decoding_mode)
+        if config.decoding_mode not in (None, own):
+            raise ValueError(
+                f"--decoding-mode {config.decoding_mode}: model {loaded.name!r} decodes only by "
+                f"'{own}'; omit the flag or set it to '{own}'"
+            )
+    _check_flags_apply(loaded.name, algorithm.decoding_mode, config)
     return algorithm
 
 
-def _check_flags_apply(loaded: LoadedModel, config: EngineConfig) -> None:
-    """A decoding flag set for a model whose decoding has no use for it is a ValueError at
-    start-up (as a wrong ``--decoding-mode`` is), never a setting that silently does nothing."""
-    family = loaded.family
-    isd = family.name in ISD_FAMILIES and not family.block_diffusion
-    canvas = not (family.tri_mode or family.block_diffusion or isd)
-    if family.tri_mode:
-        kind = "tri-mode"
-    elif family.block_diffusion:
-        kind = "block-diffusion"
-    else:
-        kind = "I-DLM" if isd else "canvas-denoising"
+# The algorithm kinds, as the start-up errors name them.
+_KIND_NAMES = {
+    "diffusion": "canvas-denoising",
+    "block_diffusion": "block-diffusion",
+    "self_speculation": "I-DLM",
+    TRI_MODE: "tri-mode",
+}
+
+
+def _check_flags_apply(name: str, kind: str, config: EngineConfig) -> None:
+    """A decoding flag set for a model whose algorithm (of ``kind``) has no use for it is a
+    ValueError at start-up (as a wrong ``--decoding-mode`` is), never a setting that silently
+    does nothing."""
     unused = []
-    if config.isd_stride != EngineConfig().isd_stride and not isd:
+    if config.isd_stride != EngineConfig().isd_stride and kind != "self_speculation":
         unused.append("--isd-stride (I-DLM models only)")
-    if config.block_size_tiers and not (isd or family.tri_mode):
+    if config.block_size_tiers and kind not in ("self_speculation", TRI_MODE):
         unused.append("--block-size-tiers (I-DLM and tri-mode models only)")
-    if config.kv_cache != "none" and not canvas:
+    if config.kv_cache != "none" and kind != "diffusion":
         unused.append("--kv-cache (LLaDA and Dream: the others always keep an exact KV cache)")
     if unused:
         raise ValueError(
-            f"model {loaded.name!r} ({kind}) has no use for "
+            f"model {name!r} ({_KIND_NAMES.get(kind, kind)}) has no use for "
             + ", ".join(unused)
             + "; omit the flag"
         )

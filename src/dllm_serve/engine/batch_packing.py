@@ -86,10 +86,9 @@ class BatchPacker:
         last_key: tuple[int, AttentionKind, bool] | None = None
         offset = top = 0
         for row in rows:
+            row.check()
             n = len(row.tokens)
             wanted = row.logits_at
-            if n == 0 or not wanted:
-                raise ValueError("a row needs tokens and at least one requested output")
             ids.extend(row.tokens)
             end = row.start + n
             if end > len(arange):

@@ -98,10 +98,9 @@ class EngineSteps:
         for request in group:
             try:
                 spec = self.algorithm.prepare(request.state)
-                if not spec.tokens or not spec.logits_at:
-                    # Checked here, per row, so a decoder bug fails its own request only, not
-                    # every row the batch packer would have refused with it.
-                    raise ValueError("a row needs tokens and at least one requested output")
+                # Checked here, per row, so a decoder bug fails its own request only, not
+                # every row the batch packer would have refused with it.
+                spec.check()
                 specs.append(spec)
                 rows.append(request)
             except Exception as exc:

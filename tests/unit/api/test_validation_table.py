@@ -10,8 +10,9 @@ import pytest
 
 from dllm_serve.api.errors import APIError
 from dllm_serve.api.mode_rules import ModelDecoding
+from dllm_serve.api.prompt_checks import check_context_length
 from dllm_serve.api.protocol import ChatCompletionRequest
-from dllm_serve.api.validation import check_context_length, parse_chat_request
+from dllm_serve.api.validation import parse_chat_request
 from dllm_serve.decoding.params import DecodingParams
 
 MSG = [{"role": "user", "content": "hi"}]
