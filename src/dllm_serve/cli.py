@@ -11,6 +11,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -20,6 +21,8 @@ from dllm_serve.decoding.modes import REQUEST_MODES
 from dllm_serve.engine.tiers import parse_tiers
 
 _DEFAULT = ServerConfig()
+# What a Bearer token can carry: visible ASCII, inner spaces allowed.
+_API_KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
 
 
 def finite_float(text: str) -> float:
@@ -236,6 +239,13 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
         parser.error(
             "--expert-parallel-size must be 1 or equal to --tensor-parallel-size (experts are "
             "split over the tensor-parallel ranks)"
+        )
+    if args.api_key and not _API_KEY.fullmatch(args.api_key):
+        # A client sends the key in an HTTP header, which carries ASCII; a key with other
+        # characters (or spaces at its ends, which the Bearer parsing strips) could never match.
+        parser.error(
+            "--api-key (or DLLM_API_KEY) must be visible ASCII characters, with no spaces at "
+            "either end"
         )
     if args.max_request_bytes < 1:
         parser.error("--max-request-bytes must be >= 1")

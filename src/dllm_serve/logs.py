@@ -25,6 +25,24 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with every non-printable character (line breaks, tabs, ESC, U+2028, ...)
+    written as its Python escape, so a value a client sent (a URL path, a field name) cannot
+    start a forged log line or drive a terminal."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+class TextFormatter(logging.Formatter):
+    """The text format with :func:`escape_controls` applied to the message (one line per
+    record; a traceback still follows on its own lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, request_id, message (+ exc_info)."""
 
@@ -46,7 +64,7 @@ def configure_logging(level: str = "info", fmt: str = "text") -> dict:
     """Configure the root logger, and return a uvicorn ``log_config`` that uses it too."""
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdFilter())
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

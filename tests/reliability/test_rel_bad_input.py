@@ -481,6 +481,40 @@ def test_head_on_health_answers_like_get(http: httpx.Client) -> None:
     assert head.content == b""
 
 
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/models", "/v1/models/{model}", "/v1/dllm/info", "/metrics", "/version", "/docs",
+     "/redoc", "/openapi.json", "/static/playground.js"],
+)  # fmt: skip
+def test_head_answers_wherever_get_does(http: httpx.Client, path: str) -> None:
+    """RFC 9110: HEAD wherever GET is (found by QA: a 405 on every route but two)."""
+    path = path.format(model=http.get("/v1/models").json()["data"][0]["id"])
+    get, head = http.get(path), http.head(path)
+    assert get.status_code == head.status_code == 200, (head.status_code, head.text)
+    assert head.content == b"" and get.content
+    assert head.headers["content-type"] == get.headers["content-type"]
+    assert head.headers.get("x-request-id")
+    if path != "/metrics":  # the other bodies do not change between two calls
+        assert head.headers["content-length"] == get.headers["content-length"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [("PUT", "/v1/models", "GET, HEAD"), ("GET", CHAT, "POST"), ("HEAD", CHAT, "POST"),
+     ("DELETE", "/health", "GET, HEAD")],
+)  # fmt: skip
+def test_405_names_the_allowed_methods(
+    http: httpx.Client, method: str, path: str, allow: str
+) -> None:
+    """RFC 9110 §15.5.6: a 405 carries Allow (found by QA: the envelope dropped it)."""
+    response = http.request(method, path)
+    assert response.status_code == 405
+    assert response.headers["allow"] == allow
+    if method != "HEAD":
+        assert_envelope(response)
+        assert response.json()["error"]["message"] == f"Method Not Allowed: {method} {path}"
+
+
 def test_head_on_the_front_page_answers_like_get(http: httpx.Client) -> None:
     get, head = http.get("/"), http.head("/")
     assert get.status_code == head.status_code == 200

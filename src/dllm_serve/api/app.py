@@ -26,6 +26,7 @@ from dllm_serve.api.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     DrainGate,
+    HeadAsGet,
     RequestIdMiddleware,
 )
 from dllm_serve.api.playground import install_playground
@@ -99,7 +100,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     engine.observer = metrics
     app.state.metrics = metrics
     app.state.started = int(time.time())
-    # Added innermost first: CORS → RequestId → DrainGate → ApiKey → BodyLimit → routes.
+    # Added innermost first: CORS → RequestId → DrainGate → ApiKey → BodyLimit → HeadAsGet →
+    # routes.
+    app.add_middleware(HeadAsGet)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
@@ -123,8 +126,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         )
     install_error_handlers(app)
 
-    # HEAD too: probes and uptime checkers may use it (RFC 9110: HEAD wherever GET is).
-    @app.api_route("/health", methods=["GET", "HEAD"], tags=["ops"])
+    # HEAD is answered wherever GET is (HeadAsGet): probes and uptime checkers use it.
+    @app.get("/health", tags=["ops"])
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive else 503)
 

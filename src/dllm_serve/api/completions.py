@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -43,6 +43,17 @@ if TYPE_CHECKING:
 # The routes were defined in api/app.py; their log lines keep that logger's name.
 logger = logging.getLogger("dllm_serve.api.app")
 
+# Bodies longer than this are parsed in a worker thread: validating megabytes of messages
+# takes seconds, which on the event loop would stall every other connection meanwhile.
+PARSE_OFF_LOOP_BYTES = 1 << 16
+
+
+async def _parsed(parse: Callable[..., RequestSpec], body: bytes, *args: Any) -> RequestSpec:
+    """``parse(body, *args)``, off the event loop for a long body."""
+    if len(body) > PARSE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse, body, *args)
+    return parse(body, *args)
+
 
 def install_completion_routes(
     app: FastAPI,
@@ -72,7 +83,8 @@ def install_completion_routes(
         """A chat request's validated spec and prompt ids (also the trace endpoint's)."""
         # The body is parsed by hand so every malformed input becomes a 400 in the OpenAI
         # envelope (FastAPI would answer 422, and some inputs would never reach pydantic).
-        spec = parse_chat_request(
+        spec = await _parsed(
+            parse_chat_request,
             await request.body(),
             request.headers.get("content-type"),
             engine.default_gen_length,
@@ -107,7 +119,8 @@ def install_completion_routes(
         openapi_extra=_request_body("CompletionRequest"),
     )
     async def completions(request: Request) -> Any:
-        spec = parse_completion_request(
+        spec = await _parsed(
+            parse_completion_request,
             await request.body(),
             request.headers.get("content-type"),
             engine.default_gen_length,

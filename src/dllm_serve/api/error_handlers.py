@@ -42,8 +42,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        message = f"{exc.detail}: {request.method} {request.url.path}"
-        err = APIError(message, status=exc.status_code, code=code)
+        method = getattr(request.state, "method", request.method)  # HEAD is routed as GET
+        message = f"{exc.detail}: {method} {request.url.path}"
+        # Starlette's own headers stay: a 405 names the allowed methods in Allow (HEAD as
+        # well wherever GET is allowed, as HeadAsGet answers it).
+        headers = dict(exc.headers or {})
+        allow = headers.get("Allow", "").split(", ")
+        if "GET" in allow and "HEAD" not in allow:
+            headers["Allow"] = ", ".join([*allow, "HEAD"])
+        err = APIError(message, status=exc.status_code, code=code, headers=headers)
         return error_response(err, rid(request))
 
     @app.exception_handler(RequestValidationError)

@@ -163,3 +163,30 @@ class DrainGate:
             await error_response(error, _request_id(scope))(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class HeadAsGet:
+    """HEAD wherever GET is (RFC 9110 §9.3.2): a HEAD request is routed as a GET, and the
+    body of the answer is dropped while its status and headers (Content-Length included) go
+    out as they are. FastAPI routes answer only the methods they list, and listing HEAD on
+    each route would give every GET two OpenAPI operations with one id. The method the
+    client sent stays in ``scope["state"]["method"]`` for error messages."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+        scope = dict(scope, method="GET")
+        scope.setdefault("state", {})["method"] = "HEAD"
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return  # a streamed body: only its end is sent, empty
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app(scope, receive, headers_only)

@@ -52,8 +52,7 @@ def install_playground(
     app.mount("/static/docs", StaticFiles(directory=DOCS_STATIC), name="docs-static")
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
-    # HEAD too: uptime checkers probe a server's front page with it.
-    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    @app.get("/", include_in_schema=False)
     async def playground() -> FileResponse:
         return FileResponse(STATIC / "playground.html", media_type="text/html")
 

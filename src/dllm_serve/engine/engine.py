@@ -29,6 +29,7 @@ from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 from dllm_serve.engine.request import Request
 from dllm_serve.engine.scheduler import QueueFullError, Scheduler
 from dllm_serve.engine.steps import EngineSteps, Sink
+from dllm_serve.engine.tokenizer_pool import TokenizerPool
 from dllm_serve.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -86,9 +87,9 @@ class AsyncEngine(EngineSteps):
         self._stopping = False
         self._dead: BaseException | None = None
         self._kv_blocked = False  # set by each admission pass (engine/steps.py)
-        self._tokenizer_lock = threading.Lock()
+        self._tokenizers = TokenizerPool(loaded)
         # The engine thread detokenises with its own copy of the tokenizer, so it never waits
-        # for (or blocks) the API's chat templating, which holds the lock above.
+        # for (or blocks) the API's chat templating, which borrows the pool's copies.
         self._detok_tokenizer = copy.deepcopy(loaded.tokenizer)
         self._thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput]]] = {}
@@ -125,13 +126,13 @@ class AsyncEngine(EngineSteps):
 
     # ---- tokenizer (called from worker threads of the event loop) ----------------------------
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        with self._tokenizer_lock:
-            return self.loaded.chat_prompt_ids(messages)
+        with self._tokenizers.borrow() as model:
+            return model.chat_prompt_ids(messages)
 
     def prompt_ids(self, text: str) -> list[int]:
         """A raw prompt's token ids (no chat template; /v1/completions)."""
-        with self._tokenizer_lock:
-            return self.loaded.prompt_ids(text)
+        with self._tokenizers.borrow() as model:
+            return model.prompt_ids(text)
 
     def _decode(self, ids: Sequence[int]) -> str:
         """Engine thread only (its own tokenizer copy; see ``__init__``)."""

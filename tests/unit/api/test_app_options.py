@@ -121,3 +121,33 @@ def test_log_requests_logs_stop_strings(loaded, caplog: pytest.LogCaptureFixture
         assert call(app, "POST", "/v1/chat/completions", json=body).status_code == 200
     engine.shutdown()
     assert any("stop=('zz',)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_path_cannot_forge_a_log_line(loaded, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """Found by QA: a percent-encoded line break in the path of a rejected request started a
+    log line of the client's choosing (the path is logged decoded). Control characters are
+    written escaped; a traceback still gets its own lines."""
+    from dllm_serve.logs import configure_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_logging("info", "text")  # its handler writes to the captured stderr
+        app = build_app(AsyncEngine(loaded), ServerConfig())
+        forged = "/x%0a2026-12-02 14:00:00,000 WARNING [-] dllm_serve: FORGED%0d%1b[2J"
+        response = call(app, "GET", forged, headers={"X-Request-ID": "bad id"})
+        assert response.status_code == 400
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            logging.getLogger("dllm_serve.test").exception("failed\non purpose")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    lines = capsys.readouterr().err.splitlines()
+    rejected = [line for line in lines if "rejected" in line]
+    assert len(rejected) == 1, lines
+    assert "/x\\n2026-12-02 14:00:00,000 WARNING [-] dllm_serve: FORGED\\r\\x1b[2J" in rejected[0]
+    assert not any(line.startswith("2026-12-02 14:00:00") for line in lines)
+    failed = next(i for i, line in enumerate(lines) if "failed\\non purpose" in line)
+    assert lines[failed + 1] == "Traceback (most recent call last):"
