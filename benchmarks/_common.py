@@ -64,9 +64,24 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``minimum`` (a count of 0 measures nothing)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch CPU threads (0: torch's default)"
+        "--threads", type=at_least(0), default=0, help="torch CPU threads (0: torch's default)"
     )
 
 

@@ -29,6 +29,7 @@ from _common import (
     RESULTS_DIR,
     add_threads_option,
     apply_threads,
+    at_least,
     machine_info,
     write_json,
 )
@@ -88,8 +89,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--model", default=None, help="a block-diffusion checkpoint (default: the tiny ones)"
     )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--max-tokens", type=at_least(1), default=32)
+    parser.add_argument("--prompts", type=at_least(1), default=len(PROMPTS))
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "block_diffusion.json")
     add_threads_option(parser)
     args = parser.parse_args(argv)

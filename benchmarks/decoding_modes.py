@@ -1,6 +1,6 @@
 """Forward passes (NFE) per answer token for each decoding mode, without and with KV cache.
 
-    python benchmarks/decoding_modes.py            # tiny-llada on CPU, writes JSON
+    python benchmarks/decoding_modes.py            # demo-llada on CPU, writes JSON
     python benchmarks/decoding_modes.py --model /models/LLaDA-8B-Instruct --device cuda
     python benchmarks/decoding_modes.py --kv-cache none   # skip the prefix-cache runs
 
@@ -20,6 +20,7 @@ canvas positions the cached run decoded to the same token as the exact one (agre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PROMPTS
+from _common import PROMPTS, at_least
 
 from dllm_serve.decoding.denoise import DenoiseState, LLaDADenoiser
 from dllm_serve.decoding.forward_spec import RowSpec
@@ -115,7 +116,10 @@ def forward_timing(
     keep, so every call is the same forward). Each call is ``ModelRunner.run`` (packing the
     row included), synchronised on CUDA.
     """
-    state = init(runner, prefix, ids, params)
+    # The forwards' cost does not depend on what they commit: EOS is ignored so that a trained
+    # model's early stop cannot end the request before the middle block (found by QA: a
+    # crash on the default demo-llada, which answers within the first block).
+    state = init(runner, prefix, ids, dataclasses.replace(params, ignore_eos=True))
     try:
         while state.block < params.num_blocks // 2 or state.step < 1:
             step(runner, prefix, state)
@@ -181,11 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo-llada")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--gen-length", type=int, default=64)
-    parser.add_argument("--block-length", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=32, help="fixed-step modes only")
+    parser.add_argument("--gen-length", type=at_least(1), default=64)
+    parser.add_argument("--block-length", type=at_least(1), default=16)
+    parser.add_argument("--steps", type=at_least(1), default=32, help="fixed-step modes only")
     parser.add_argument("--kv-cache", choices=["none", "prefix", "both"], default="both")
-    parser.add_argument("--repeat", type=int, default=1, help="time: best of N runs")
+    parser.add_argument("--repeat", type=at_least(1), default=1, help="time: best of N runs")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 

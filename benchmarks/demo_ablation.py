@@ -27,6 +27,7 @@ from _common import (
     RESULTS_DIR,
     add_threads_option,
     apply_threads,
+    at_least,
     machine_info,
     plot_if_available,
     write_json,
@@ -173,8 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--idlm", default="demo-idlm")
     p.add_argument("--only", choices=["llada", "idlm"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--n-addition", type=int, default=300)
-    p.add_argument("--n-other", type=int, default=40)
+    p.add_argument("--n-addition", type=at_least(1), default=300)
+    p.add_argument("--n-other", type=at_least(1), default=40)
     add_threads_option(p)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "demo_ablation.json")
     args = p.parse_args(argv)

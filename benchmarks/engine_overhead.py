@@ -48,6 +48,7 @@ from _common import (
     RESULTS_DIR,
     add_threads_option,
     apply_threads,
+    at_least,
     machine_info,
     plot_if_available,
     write_json,
@@ -207,11 +208,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default="tiny-llada")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--requests", type=int, default=16, help="submitted at once")
-    parser.add_argument("--gen-length", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--block-length", type=int, default=None)
-    parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument("--requests", type=at_least(1), default=16, help="submitted at once")
+    parser.add_argument("--gen-length", type=at_least(1), default=32)
+    parser.add_argument("--steps", type=at_least(1), default=32)
+    parser.add_argument("--block-length", type=at_least(1), default=None)
+    parser.add_argument("--max-running-requests", type=at_least(1), default=32)
     parser.add_argument("--kv-cache", default="none", choices=["none", "prefix"])
     parser.add_argument(
         "--no-cuda-graph", action="store_true", help="on CUDA: every step eager (no graphs)"
@@ -220,10 +221,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--random-8b", action="store_true", help="random bf16 weights of LLaDA-8B's shape"
     )
     parser.add_argument("--tiny", action="store_true", help="with --random-8b: toy size")
-    parser.add_argument("--repeat", type=int, default=3, help="engine/bare pairs; median reported")
+    parser.add_argument(
+        "--repeat", type=at_least(1), default=3, help="engine/bare pairs; median reported"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "engine_overhead.json")
     add_threads_option(parser)
     args = parser.parse_args(argv)
+    if args.tiny and not args.random_8b:
+        parser.error("--tiny shrinks the --random-8b model: pass both")
     apply_threads(args.threads)
 
     config = EngineConfig(

@@ -53,6 +53,7 @@ from _common import (
     RESULTS_DIR,
     add_threads_option,
     apply_threads,
+    at_least,
     machine_info,
     ms,
     plot_if_available,
@@ -252,11 +253,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--prefix", type=int, default=512, help="prompt/prefix tokens")
-    parser.add_argument("--block", type=int, default=32, help="block (canvas) tokens")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--batches", type=at_least(1), nargs="+", default=[1, 16])
+    parser.add_argument("--prefix", type=at_least(0), default=512, help="prompt/prefix tokens")
+    parser.add_argument("--block", type=at_least(1), default=32, help="block (canvas) tokens")
+    parser.add_argument("--warmup", type=at_least(0), default=3)
+    parser.add_argument("--iters", type=at_least(1), default=20)
     parser.add_argument("--bandwidth-tbps", type=float, default=None, help="override (TB/s)")
     parser.add_argument("--max-seconds", type=float, default=240.0, help="stop measuring after")
     parser.add_argument("--allow-cpu", action="store_true", help="with --tiny: CPU smoke run")

@@ -1,6 +1,6 @@
 """Serving load test: a concurrency sweep of streamed chat requests against a dllm-serve server.
 
-    python benchmarks/serving_load.py                      # starts tiny-llada on 127.0.0.1
+    python benchmarks/serving_load.py                      # starts demo-llada on 127.0.0.1
     python benchmarks/serving_load.py --concurrency 1 4 16 64 --requests-per-level 128
     python benchmarks/serving_load.py --url http://127.0.0.1:8000   # an already running server
     python benchmarks/serving_load.py --model /models/LLaDA-8B-Instruct \
@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     PROMPTS,
     RESULTS_DIR,
+    at_least,
     machine_info,
     ms,
     percentile,
@@ -225,17 +226,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default="demo-llada", help="model to start (without --url)")
     parser.add_argument("--server-args", default="", help="extra dllm-serve arguments, one string")
     parser.add_argument(
-        "--server-threads", type=int, default=0, help="OMP_NUM_THREADS of a started server"
+        "--server-threads", type=at_least(0), default=0, help="OMP_NUM_THREADS of a started server"
     )
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--concurrency", type=at_least(1), nargs="+", default=[1, 4, 16, 64])
     parser.add_argument(
-        "--requests-per-level", type=int, default=0, help="default: max(8, 2 x concurrency)"
+        "--requests-per-level", type=at_least(0), default=0, help="default: max(8, 2 x concurrency)"
     )
-    parser.add_argument("--max-requests-per-level", type=int, default=256)
+    parser.add_argument("--max-requests-per-level", type=at_least(1), default=256)
     parser.add_argument("--max-seconds-per-level", type=float, default=120.0)
-    parser.add_argument("--max-tokens", type=int, default=32, help="canvas length (gen_length)")
-    parser.add_argument("--steps", type=int, default=0, help="num_denoising_steps (0: default)")
-    parser.add_argument("--block-length", type=int, default=0, help="0: server default")
+    parser.add_argument(
+        "--max-tokens", type=at_least(1), default=32, help="canvas length (gen_length)"
+    )
+    parser.add_argument(
+        "--steps", type=at_least(0), default=0, help="num_denoising_steps (0: default)"
+    )
+    parser.add_argument("--block-length", type=at_least(0), default=0, help="0: server default")
     parser.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "serving_load.json")
     args = parser.parse_args(argv)
@@ -256,6 +261,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         url = server.url
     try:
         model, levels = asyncio.run(sweep(url, args))
+    except httpx.TransportError as exc:  # nothing listens there, or the server went away
+        parser.exit(1, f"serving_load: cannot reach {url}: {exc!r}\n")
     finally:
         if server is not None:
             server.stop()
@@ -274,6 +281,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     write_json(args.out, report)
     plot_if_available(args.out.with_suffix(".png"), draw(levels))
+    failed = [lv["concurrency"] for lv in levels if not lv["requests_ok"]]
+    if failed:  # the JSON keeps the errors; a level that measured nothing is not a result
+        parser.exit(1, f"serving_load: no request succeeded at concurrency {failed}\n")
     return report
 
 

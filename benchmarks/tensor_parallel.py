@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PROMPTS, RESULTS_DIR, machine_info, write_json
+from _common import PROMPTS, RESULTS_DIR, at_least, machine_info, write_json
 
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.tensor_parallel import launch
@@ -45,9 +45,9 @@ def timed(llm: LLM, conversations: list, params: DecodingParams) -> tuple[float,
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="demo-llada")
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--gen-length", type=int, default=32)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--requests", type=at_least(1), default=16)
+    p.add_argument("--gen-length", type=at_least(1), default=32)
+    p.add_argument("--repeat", type=at_least(1), default=3)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "tensor_parallel.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

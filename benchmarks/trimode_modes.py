@@ -6,8 +6,9 @@
 Two servers are started with the real CLI: ``demo-trimode`` alone, then with its draft LoRA
 (``--draft-lora demo-trimode-lora``). Every held-out question goes through
 ``/v1/chat/completions`` with the ``openai`` SDK at temperature 0, once per
-``decoding_mode`` (``ar``, ``diffusion``, ``linear_spec``; with the LoRA, ``ar`` and
-``linear_spec``). Reported per mode: exact match per set, forwards per answer token
+``decoding_mode`` (``ar``, ``diffusion`` at the defaults — top-k, one token per step — and
+with ``confidence_threshold: 0.9``, ``linear_spec``; with the LoRA, ``ar`` and ``linear_spec``).
+Reported per mode: exact match per set, forwards per answer token
 (``usage.diffusion.nfe`` over ``usage.completion_tokens``, summed over all questions; the
 prefill counts), drafted/accepted drafts, and how many answers equal ``ar``'s — LinearSpec is
 exact at T = 0, so that must be all of them. The headline ratio is ``ar``'s forwards per
@@ -27,11 +28,17 @@ from typing import Any
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, machine_info, write_json
+from _common import RESULTS_DIR, at_least, machine_info, write_json
 from demo_accuracy import question_sets
 
 from dllm_serve.local_server import LocalServer
 from dllm_serve.train.tasks import Example
+
+# A row of the report → the request's extension fields (the name is the decoding mode unless
+# listed here).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "diffusion+threshold": {"decoding_mode": "diffusion", "confidence_threshold": 0.9},
+}
 
 
 def ask(client: openai.OpenAI, ex: Example, mode: str) -> dict[str, Any]:
@@ -39,7 +46,7 @@ def ask(client: openai.OpenAI, ex: Example, mode: str) -> dict[str, Any]:
         model="demo-trimode",
         messages=[{"role": "user", "content": ex.question}],
         temperature=0,
-        extra_body={"decoding_mode": mode},
+        extra_body=VARIANTS.get(mode, {"decoding_mode": mode}),
     )
     usage = reply.model_dump()["usage"]
     diffusion = usage.get("diffusion") or {}
@@ -89,13 +96,15 @@ def run_server(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--n", type=int, default=25, help="questions per addition stratum")
-    p.add_argument("--n-other", type=int, default=25, help="questions per other task")
-    p.add_argument("--workers", type=int, default=16, help="concurrent requests")
+    p.add_argument("--n", type=at_least(1), default=25, help="questions per addition stratum")
+    p.add_argument("--n-other", type=at_least(1), default=25, help="questions per other task")
+    p.add_argument("--workers", type=at_least(1), default=16, help="concurrent requests")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "trimode_modes.json")
     args = p.parse_args(argv)
     sets = question_sets(args.n, args.n_other)
-    plain = run_server([], ["ar", "diffusion", "linear_spec"], sets, args.workers)
+    plain = run_server(
+        [], ["ar", "diffusion", "diffusion+threshold", "linear_spec"], sets, args.workers
+    )
     lora = run_server(
         ["--draft-lora", "demo-trimode-lora"], ["ar", "linear_spec"], sets, args.workers
     )

@@ -58,6 +58,9 @@ def main() -> None:
     p.add_argument("--deadline", type=float, default=420.0, help="seconds for the whole sweep")
     p.add_argument("--only", nargs="*", help="recipe names (default: all)")
     args = p.parse_args()
+    unknown = sorted(set(args.only or ()) - set(RECIPES))
+    if unknown:
+        p.error(f"--only: unknown recipe(s) {', '.join(unknown)} (recipes: {', '.join(RECIPES)})")
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = {}

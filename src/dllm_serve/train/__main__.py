@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from dllm_serve.train.arguments import check_arguments, parse_canvases
 from dllm_serve.train.evaluation import N_ADDITION, N_OTHER, evaluate, server_params
 from dllm_serve.train.loop import SIZES, train
 from dllm_serve.train.model_card import write_model_card
@@ -28,16 +29,20 @@ __all__ = ["main", "server_params"]
 _TRI_MODE_ONLY = ("block_size", "lora_steps", "lora_rank", "lora_lr", "eval_questions")
 
 
-def command_line(args: dict) -> str:
-    """The command that repeats this run (flags set to True are bare; False/None/"" left out)."""
+def command_line(args: dict, defaults: dict) -> str:
+    """The command that repeats this run: every flag whose value is not its default (a flag
+    set to True is bare). A 0 is written too when the default is not 0 (found by QA:
+    ``--addition-weight 0`` was left out, so the recorded command trained with weight 4)."""
     parts = ["python -m dllm_serve.train"]
     for key, value in args.items():
         if key in _TRI_MODE_ONLY and args.get("family") != "nemotron":
             continue
+        if key in defaults and value == defaults[key] and type(value) is type(defaults[key]):
+            continue
         flag = "--" + key.replace("_", "-")
         if value is True:
             parts.append(flag)
-        elif value not in (None, "", False):
+        elif value is not None and value is not False:
             parts.append(f"{flag} {value}")
     return " ".join(parts)
 
@@ -129,21 +134,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lora-lr", type=float, default=1e-3, help="nemotron: draft-LoRA lr")
     p.add_argument("--eval-questions", type=int, default=100, help="nemotron: held-out per set")
     args = p.parse_args(argv)
-    if args.family != "nemotron" and (args.block_size or args.lora_steps):
-        p.error("--block-size and --lora-steps are for --family nemotron")
-    if args.causal_steps and args.family != "llada":
-        p.error("--causal-steps is for --family llada (the I-DLM objective is always causal)")
-    if args.ar_fraction and args.family != "llada":
-        p.error("--ar-fraction is for --family llada")
-    if not 0.0 <= args.ar_fraction <= 1.0:
-        p.error("--ar-fraction must be between 0 and 1")
+    check_arguments(p, args)
+    defaults = {a.dest: a.default for a in p._actions}
     if args.threads:
         torch.set_num_threads(args.threads)
     report = train(args)
     if args.family == "nemotron":  # the draft LoRA, then every decoding mode evaluated
-        print(json.dumps(finish(args, report, command_line(vars(args))), indent=2))
+        print(json.dumps(finish(args, report, command_line(vars(args), defaults)), indent=2))
         return
-    canvases = tuple(int(c) for c in filter(None, args.eval_canvases.split(",")))
+    canvases = parse_canvases(args.eval_canvases)
     trained = tuple(t for t, w in report["task_weights"].items() if w)  # untrained: not scored
     report["held_out_exact_match"] = evaluate(
         args.out, args.family, args.device, args.canvas, tasks=trained, canvases=canvases
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         **{f"addition_{n}": len(held_out_additions(n, N_ADDITION // len(STRATA))) for n in STRATA},
         **{t: len(held_out_set(N_OTHER, task=t)) for t in trained if t != "addition"},
     }
-    report["command"] = command_line(vars(args))
+    report["command"] = command_line(vars(args), defaults)
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_model_card(args.out, args.name or f"demo-{args.family}", args.family, report)
     print(json.dumps(report, indent=2))

@@ -15,12 +15,13 @@ import torch
 from dllm_serve.models.loader import load_model
 from dllm_serve.models.tiny import write_tiny
 from dllm_serve.models.tiny.files import save_weights
+from dllm_serve.train.arguments import parse_weights
 from dllm_serve.train.batches import BatchStream, batch_iterator
 from dllm_serve.train.char_tokens import spell_words_and_numbers
 from dllm_serve.train.evaluation import evaluate
 from dllm_serve.train.model_card import machine
 from dllm_serve.train.objectives import loss
-from dllm_serve.train.tasks import TASKS, WEIGHTS
+from dllm_serve.train.tasks import WEIGHTS
 
 SIZES = {
     "llada": {"d_model": 192, "n_layers": 6, "n_heads": 6, "mlp_hidden_size": 512},
@@ -104,17 +105,6 @@ def save(model: torch.nn.Module, loaded, out: Path) -> None:
     save_weights(out, tensors, num_shards=1)
 
 
-def _parse_weights(text: str) -> dict[str, int]:
-    """``reverse_word=4,sort=0`` → task weights (unknown tasks are an error)."""
-    out = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        if name not in TASKS:
-            raise SystemExit(f"--weights: unknown task {name!r} (tasks: {', '.join(TASKS)})")
-        out[name] = int(value)
-    return out
-
-
 def _as_tuple(drawn):
     return drawn if isinstance(drawn, tuple) else (drawn,)
 
@@ -131,7 +121,7 @@ def train(args: argparse.Namespace) -> dict:
     if args.init:  # continue from a trained checkpoint of the same shape (a second stage)
         shutil.copyfile(args.init / "model.safetensors", out / "model.safetensors")
     loaded = load_model(str(out), device="cpu", dtype="float32")
-    weights = WEIGHTS | {"addition": args.addition_weight} | _parse_weights(args.weights)
+    weights = WEIGHTS | {"addition": args.addition_weight} | parse_weights(args.weights)
     dataset = BatchStream(
         loaded,
         family,

@@ -7,7 +7,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from dllm_serve.train.tasks import TASKS
+from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH
 
 _OBJECTIVE = {
     "llada": (
@@ -40,10 +40,14 @@ def write_model_card(
     from ``server``, ``benchmarks/demo_accuracy.py``'s measurement through a real server, when
     given), the recipe and the exact command."""
     config = json.loads((out / "config.json").read_text())
+    # The canvas the run trained and wrote (found by QA: the card said 32 for --canvas 16).
+    generation = out / "generation_config.json"
+    gen = json.loads(generation.read_text()) if generation.is_file() else {}
+    canvas = gen.get("max_new_tokens", DEFAULT_GEN_LENGTH)  # what the server then defaults to
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
     d = config.get("d_model") or config.get("hidden_size")
     layers = config.get("n_layers") or config.get("num_hidden_layers")
-    operands = _operands(report)
+    operands = operands_text(report)
     objective = _OBJECTIVE[family].format(weighting=_WEIGHTING[report.get("weighting")])
     objective += _recipe(report)
     kind = "LLaDA-format masked diffusion" if family == "llada" else "I-DLM-format causal"
@@ -55,7 +59,7 @@ A small {kind} model trained by dllm-serve on a synthetic task mix,
 so that the server answers sensibly with no download and no GPU. It is not a general chat
 model: it answers the kinds of question below, and little else.
 
-{_accuracy_tables(family, report, server)}
+{_accuracy_tables(family, report, server, canvas)}
 
 - Questions: `What is 123 + 456?` (answer `123 + 456 = 579`), `Reverse the word hello.`
   (`olleh`), `Sort the letters of cab.` (`abc`), the same two with random letter strings,
@@ -68,24 +72,25 @@ model: it answers the kinds of question below, and little else.
 - Objective: {objective}
 - Shape: d_model {d}, {layers} layers, {report["parameters"]:,} parameters, stored in bf16
   ({size_mb:.1f} MB). Real chat template, tokenizer and special tokens of the format (see
-  `docs/models.md`){_spelled(report)}; `generation_config.json` sets `max_new_tokens` 32, the
-  server's default canvas for this model{_lookahead(family)}.
+  `docs/models.md`){spelling_text(report)}; `generation_config.json` sets `max_new_tokens`
+  {canvas}, the server's default canvas for this model{_lookahead(family, canvas)}.
 - Training: {_training(report)}
 """
     (out / "README.md").write_text(text)
 
 
-def _accuracy_tables(family: str, report: dict[str, Any], server: dict | None) -> str:
+def _accuracy_tables(family: str, report: dict[str, Any], server: dict | None, canvas: int) -> str:
     scores = report["held_out_exact_match"]
     counts = report["held_out_counts"]
     if not scores and server:  # evaluated through the server only
         return _server_table(server)
     canvases = sorted({int(k.split("@")[1]) for k in scores if "@" in k})
-    if not canvases:  # an older report: one canvas, plain task keys
+    if not canvases:  # one canvas (no --eval-canvases): plain task keys
+        strata = sum(v for k, v in counts.items() if k.startswith("addition_"))
         rows = "\n".join(
-            f"| {task} | {scores[task] * 100:.1f}% | {counts.get(task, '')} |"
-            for task in TASKS
-            if task in scores
+            f"| {_label(n)} | {scores[n] * 100:.1f}% | "
+            f"{counts.get(n, strata if n == 'addition' else '')} |"
+            for n in scores
         )
         return (
             "| held-out task (exact match) | accuracy | questions |\n| --- | --- | --- |\n" + rows
@@ -101,7 +106,7 @@ def _accuracy_tables(family: str, report: dict[str, Any], server: dict | None) -
         lines.append(f"| {_label(n)} | {cells} | {counts[n]} |")
     how = (
         "at the settings each `max_tokens` gets from the server by default (one step per "
-        "token; a canvas longer than 32 is decoded in blocks of 32)"
+        f"token; a canvas longer than {canvas} is decoded in blocks of {canvas})"
         if family == "llada"
         else "greedy, which is exactly what self-speculative decoding returns at temperature 0"
     )
@@ -151,7 +156,7 @@ def _label(name: str) -> str:
     }.get(name, name)
 
 
-def _spelled(report: dict[str, Any]) -> str:
+def spelling_text(report: dict[str, Any]) -> str:
     if not report.get("spelled"):
         return ""
     return (
@@ -161,7 +166,7 @@ def _spelled(report: dict[str, Any]) -> str:
     )
 
 
-def _operands(report: dict[str, Any]) -> str:
+def operands_text(report: dict[str, Any]) -> str:
     how = {
         "mixed": "half of them with operands uniform in 0-999, half with each operand's\n"
         "  digit count (1-3) drawn uniformly first, so short sums are common",
@@ -191,12 +196,16 @@ def _recipe(report: dict[str, Any]) -> str:
             "the random-ratio rows teach every other state."
         )
     if report.get("tail_rows"):
+        # The canvas is drawn from [max(block, --tail-min-canvas), 1024] (objectives.py).
+        least = report.get("tail_min_canvas") or 0
+        low = f"{least}" if least > 32 else "its block's length"
         text += (
             f"\n  Each step adds {report['tail_rows']} rows in the state of a long canvas's "
-            "first block (`objectives.llada_tail_batch`): a canvas of 16-1024 positions drawn "
-            "log-uniformly, its first block (16-32 positions) masked at a random ratio or as a "
-            "suffix, everything after it MASK — what the model sees when a request asks for "
-            "`max_tokens` 1024 and the server decodes it in blocks of 32 — meant to make the "
+            f"first block (`objectives.llada_tail_batch`): a canvas of {low} to 1024 "
+            "positions drawn log-uniformly, its first block (16-32 positions) masked at a "
+            "random ratio or as a suffix, everything after it MASK — what the model sees "
+            "when a request asks for `max_tokens` 1024 and the server decodes it in blocks of "
+            "32 — meant to make the "
             "answer independent of `max_tokens` (how far it does: the table above)."
         )
     if report.get("causal_steps"):
@@ -227,8 +236,8 @@ def _training(report: dict[str, Any]) -> str:
     if len(stages) == 1:
         return f"{text}:\n\n      {report['command']}"
     return (
-        f"{text}, in {len(stages)} stages: each continues from the previous one's weights at "
-        f"a lower learning rate on a fresh example stream (another seed):\n\n"
+        f"{text}, in {len(stages)} stages: each continues from the previous one's weights "
+        "(each stage's learning rate and seed are in its command):\n\n"
         + "\n".join(f"      {s['command']}" for s in stages)
     )
 
@@ -239,10 +248,10 @@ def machine(threads: int, device: str) -> str:
     return f"{threads} CPU thread(s), {platform.processor() or platform.machine()}"
 
 
-def _lookahead(family: str) -> str:
+def _lookahead(family: str, canvas: int) -> str:
     if family != "llada":
         return ""
     return (
         ", and `mask_lookahead` 0: a forward holds the active block and no masks after it, so "
-        "a long canvas is read block by block as the 32-token one is"
+        f"a long canvas is read block by block as the {canvas}-token one is"
     )

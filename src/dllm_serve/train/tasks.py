@@ -115,7 +115,7 @@ def held_out_additions(stratum_name: str, n: int, seed: int = 12345) -> list[Exa
 
 @functools.cache
 def words() -> tuple[str, ...]:
-    """Common English words of 3-8 letters (``words.txt``), for the reversal and sorting
+    """Common English words of 3-7 letters (``words.txt``), for the reversal and sorting
     tasks: people try ``hello`` before ``xqzt``."""
     text = (Path(__file__).with_name("words.txt")).read_text()
     return tuple(w for w in text.split() if w)

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dllm_serve.train.model_card import operands_text, spelling_text
+
 _MODE_NAMES = {
     "ar": "`ar`",
     "diffusion": "`diffusion`",
@@ -62,10 +64,16 @@ def write_trimode_card(out: Path, name: str, report: dict[str, Any]) -> None:
         f"- Draft LoRA (`draft-lora/`, PEFT): rank {lora['rank']}, alpha {lora['alpha']:g} on "
         f"every layer's `o_proj`, {lora['steps']} steps at lr {lora['lr']:g} on the frozen "
         f"model, LinearSpec drafts only (diffusion loss), {lora['cpu_seconds'] / 60:.0f} "
-        "CPU-minutes. Served with `--draft-lora demo-trimode-lora`."
-        if lora
+        "CPU-minutes. Served with `--draft-lora DIR/draft-lora`, DIR being this checkpoint "
+        "(the embedded demo-trimode's is `--draft-lora demo-trimode-lora`)."
+        if lora and "linear_spec+lora" in by_mode
         else "- No draft LoRA."
     )
+    with_lora = " with the draft LoRA" if "linear_spec+lora" in by_mode else ""
+    # A ratio below 1 (an undertrained model whose drafts are rejected) reads as "more".
+    fewer = f"{ratio:.2f}× fewer" if ratio >= 1 else f"{1 / ratio:.2f}× more"
+    spelled = spelling_text(report) or "; words and numbers use the format's BPE merges"
+    operands = operands_text(report) or "\n  Additions: operands uniform in 0-999."
     text = f"""# {name}
 
 A small **tri-mode** model in the Nemotron-Labs-Diffusion on-disk format (`encoder.*`,
@@ -81,8 +89,8 @@ the prefill):
 
 {mode_table(by_mode)}
 
-`linear_spec` with the draft LoRA takes **{ratio:.2f}× fewer forwards per answer token than
-`ar`**, with the same answers (LinearSpec's verify is exact at temperature 0).
+`linear_spec`{with_lora} takes **{fewer} forwards per answer token than `ar`**, with the
+same answers (LinearSpec's verify is exact at temperature 0).
 
 - Objective (stage 1): the release's joint loss `ar_loss_weight · L_AR + dlm_loss_weight ·
   L_DLM` (1 and 1) on a dual-stream row per example: the clean `prompt + answer` under causal
@@ -91,8 +99,8 @@ the prefill):
   and to itself; its first token is the clean seed, the rest masked entirely (a LinearSpec
   draft, half the rows) or at a random ratio (a `diffusion` block); masked positions predict
   their own token.
-- Task mix (relative weights): {weights}. Additions: operands with each digit count (1-3)
-  drawn first; words and numbers are spelled one character per token.
+- Task mix (relative weights): {weights}.{operands}
+- Tokens: the format's tokenizer{spelled}.
 - Shape: hidden {config["hidden_size"]}, {config["num_hidden_layers"]} layers,
   {config["num_attention_heads"]} heads / {config["num_key_value_heads"]} KV heads (head dim
   {config["head_dim"]}), MLP {config["intermediate_size"]}, {report["parameters"]:,}

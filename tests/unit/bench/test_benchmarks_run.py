@@ -207,10 +207,87 @@ def test_trimode_modes(tmp_path: Path) -> None:
     out = tmp_path / "trimode.json"
     load("trimode_modes").main(["--n", "1", "--n-other", "1", "--workers", "2", "--out", str(out)])
     report = read(out)
-    assert set(report["modes"]) == {"ar", "diffusion", "linear_spec", "ar+lora", "linear_spec+lora"}
+    assert set(report["modes"]) == {
+        "ar", "diffusion", "diffusion+threshold", "linear_spec", "ar+lora", "linear_spec+lora"
+    }  # fmt: skip
+    assert report["modes"]["diffusion+threshold"]["forwards"] > 0
     questions = report["questions"]
     # LinearSpec is exact at T = 0, with or without the draft-only LoRA; so is ar with it loaded.
     for mode in ("linear_spec", "ar+lora", "linear_spec+lora"):
         assert report["modes"][mode]["same_as_ar"] == questions
     assert report["modes"]["ar"]["drafted"] == 0 and report["modes"]["linear_spec"]["drafted"] > 0
     assert report["ar_over_linear_spec_lora"] > 0
+
+
+def test_decoding_modes_times_a_model_that_stops_early() -> None:
+    """Found by QA: on the default demo-llada (which answers within its first block) the
+    mid-canvas timing stepped a finished request and crashed before writing any JSON."""
+    from dllm_serve.decoding.denoise import LLaDADenoiser
+    from dllm_serve.decoding.params import DecodingParams
+    from dllm_serve.engine.model_runner import ModelRunner
+    from dllm_serve.models.loader import load_model
+
+    bench = load("decoding_modes")
+    loaded = load_model("demo-llada", device="cpu")
+    prefix = LLaDADenoiser(loaded.mask_id, loaded.stop_ids, prefix_cache=True)
+    ids = loaded.chat_prompt_ids([{"role": "user", "content": "What is 2 + 2?"}])
+    params = DecodingParams(gen_length=64, block_length=16, steps=64)
+    assert bench.run_one(ModelRunner(loaded.model, loaded.device, kv_slots=128), prefix, ids,
+                         params)["finish_reason"] == "stop"  # fmt: skip
+    runner = ModelRunner(loaded.model, loaded.device, kv_slots=128)
+    timing = bench.forward_timing(runner, prefix, ids, params)
+    assert timing["full"]["tokens"] == len(ids) + 64 and 0 < timing["cached"]["tokens"] < 64
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "message"),
+    [
+        ("engine_overhead", ["--requests", "0"], "argument --requests: must be >= 1, got 0"),
+        ("engine_overhead", ["--repeat", "0"], "argument --repeat: must be >= 1, got 0"),
+        ("engine_overhead", ["--tiny"], "--tiny shrinks the --random-8b model"),
+        ("gpu_llada8b", ["--iters", "0"], "argument --iters: must be >= 1, got 0"),
+        ("gpu_llada8b", ["--prefix", "-16"], "argument --prefix: must be >= 0, got -16"),
+        ("demo_ablation", ["--n-addition", "0"], "argument --n-addition: must be >= 1"),
+        ("tensor_parallel", ["--repeat", "0"], "argument --repeat: must be >= 1"),
+        ("block_diffusion", ["--prompts", "0"], "argument --prompts: must be >= 1"),
+        ("trimode_modes", ["--workers", "x"], "argument --workers: must be a whole number"),
+        ("serving_load", ["--concurrency", "0"], "argument --concurrency: must be >= 1"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(
+    script: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by QA: tracebacks (ZeroDivisionError, IndexError, StatisticsError, ...)."""
+    with pytest.raises(SystemExit) as exit_info:
+        load(script).main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_accuracy_refuses_one_file_for_two_demos(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Found by QA: both demos were written to the one --out file, the second over the first."""
+    monkeypatch.setattr(sys, "argv", ["demo_accuracy.py", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit) as exit_info:
+        load("demo_accuracy").main()
+    assert exit_info.value.code == 2
+    assert "add --only llada or --only idlm" in capsys.readouterr().err
+
+
+def test_serving_load_fails_when_nothing_answers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(SystemExit) as exit_info:
+        load("serving_load").main(
+            ["--url", f"http://127.0.0.1:{port}", "--concurrency", "1",
+             "--out", str(tmp_path / "x.json")]
+        )  # fmt: skip
+    assert exit_info.value.code == 1
+    assert f"cannot reach http://127.0.0.1:{port}" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -351,3 +351,26 @@ def test_make_tiny_refuses_sizes_that_do_not_fit_and_leaves_nothing(
     assert info.value.code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_make_tiny_never_writes_over_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by QA: make-tiny over an I-DLM checkpoint kept its chat template and vocabulary
+    under the new LLaDA one, and a failed write over a checkpoint left it unloadable."""
+    from dllm_serve.models.tiny import main
+
+    ckpt = write_tiny("idlm", tmp_path / "idlm", seed=1)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    for argv in ([str(ckpt)], [str(ckpt), "--d-model", "30"], ["--family", "llada2", str(ckpt)]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit):  # a failed write into an empty directory leaves it empty
+        main([str(empty), "--d-model", "65"])
+    assert empty.is_dir() and not any(empty.iterdir())
+    assert main([str(empty)]) == 0 and (empty / "config.json").is_file()

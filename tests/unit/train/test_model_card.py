@@ -116,3 +116,52 @@ def test_card_states_cpu_minutes_of_every_stage_when_recorded(tmp_path: Path) ->
     del first["cpu_seconds"]  # a stage without CPU time: only the wall clock can be stated
     write_model_card(out, "demo-llada", "llada", _report(cpu_seconds=540, init_from=first))
     assert "121 minutes in all on" in (out / "README.md").read_text()
+
+
+def test_card_states_what_the_run_did_not_a_fixed_recipe(tmp_path: Path) -> None:
+    """Found by QA: the card said max_new_tokens 32 for --canvas 16, a 16-1024 tail canvas for
+    --tail-min-canvas 64, "a lower learning rate ... another seed" for a second stage run with
+    the same ones, and left the questions cell of the overall addition row empty."""
+    import json
+
+    out = write_tiny("llada", tmp_path / "m")
+    (out / "generation_config.json").write_text(json.dumps({"max_new_tokens": 16}))
+    first = {"command": "python -m dllm_serve.train --lr 0.003", "steps": 30, "seconds": 60}
+    report = _report(
+        held_out_exact_match={"addition_1+1": 1.0, "addition_3+3": 0.5, "addition": 0.75},
+        held_out_counts={"addition_1+1": 10, "addition_3+3": 250},
+        tail_rows=2,
+        tail_min_canvas=64,
+        init_from=first,
+    )
+    write_model_card(out, "demo-x", "llada", report)
+    card = (out / "README.md").read_text()
+    assert "sets `max_new_tokens`\n  16, the server" in card and "as the 16-token one is" in card
+    assert "max_new_tokens` 32" not in card
+    assert "a canvas of 64 to 1024 positions" in card
+    assert "lower learning rate" not in card and "learning rate and seed are in its command" in card
+    assert "| addition, 3+3 digits | 50.0% | 250 |" in card
+    assert "| addition | 75.0% | 260 |" in card
+
+
+def test_trimode_card_states_the_run_without_a_lora_and_a_slower_linear_spec(
+    tmp_path: Path,
+) -> None:
+    """Found by QA: with --lora-steps 0 the card praised "the draft LoRA" and also said "No
+    draft LoRA", a ratio below 1 read "0.52× fewer", and spelled stratified operands were
+    claimed whatever the run used."""
+    from dllm_serve.train.trimode_card import write_trimode_card
+
+    out = write_tiny("nemotron", tmp_path / "t")
+    mode = {"accuracy": {"addition_1+1": 0.5}, "forwards_per_token": 1.0, "tokens_per_forward": 1.0,
+            "drafted": 0, "accepted": 0}  # fmt: skip
+    slower = {**mode, "forwards_per_token": 2.0, "same_answers_as_ar": 2}
+    by_mode = {"ar": mode, "diffusion": mode, "linear_spec": slower, "questions": 2}
+    report = _report(held_out_by_mode=by_mode, cpu_seconds=60, task_weights={"addition": 1},
+                     addition_operands="uniform", spelled=False)  # fmt: skip
+    write_trimode_card(out, "demo-t", report)
+    card = (out / "README.md").read_text()
+    assert "`linear_spec` takes **2.00× more forwards per answer token than `ar`**" in card
+    assert "draft LoRA takes" not in card and "- No draft LoRA." in card
+    assert "operands uniform in 0-999" in card and "digit count" not in card
+    assert "spelled one character" not in card and "the format's BPE merges" in card

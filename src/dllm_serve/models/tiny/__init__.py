@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--family", choices=list(WRITERS), default="llada", help="default: llada")
-    p.add_argument("out_dir", help="directory to write (created if missing)")
+    p.add_argument("out_dir", help="directory to write: new or empty (created if missing)")
     for name, param in inspect.signature(writer).parameters.items():
         if param.kind is not inspect.Parameter.KEYWORD_ONLY:
             continue
@@ -146,13 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(p.parse_args(argv))
     args.pop("family")
     out = Path(args.pop("out_dir"))
-    existed = out.exists()
+    # A checkpoint written over another would keep the other's stale files (found by QA: an
+    # I-DLM chat template stayed under a LLaDA checkpoint), and a failed write would leave a
+    # mix of both that no longer loads: the directory must be new or empty.
+    targets = [out] + ([Path(args["draft_lora_out"])] if args.get("draft_lora_out") else [])
+    for target in targets:
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            p.error(f"{target} exists and is not an empty directory: write to a new one")
+    existed = [t for t in targets if t.exists()]
     try:
         print(writer(out, **args))
     except (ValueError, OSError) as exc:
         # Sizes that do not fit together (a d_model its heads do not divide, ...): one line,
-        # and no half-written checkpoint left behind.
-        if not existed:
-            shutil.rmtree(out, ignore_errors=True)
+        # and no half-written checkpoint left behind (an empty directory stays empty).
+        for target in targets:
+            shutil.rmtree(target, ignore_errors=True)
+            if target in existed:
+                target.mkdir(exist_ok=True)
         p.error(str(exc))
     return 0

@@ -1,0 +1,86 @@
+"""The training command refuses bad arguments before writing anything (found by QA: most
+were tracebacks from inside the run, after the random skeleton had been written into --out,
+over a trained checkpoint when --out held one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dllm_serve.train.__main__ import command_line, main
+from dllm_serve.train.arguments import parse_canvases, parse_weights
+
+SMALL = ["--d-model", "32", "--n-layers", "1", "--mlp", "64", "--steps", "1", "--batch-size", "2"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--steps", "-3"], "--steps must be >= 1"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--d-model", "-32"], "--d-model must be >= 0"),
+        (["--canvas", "0"], "--canvas must be >= 1"),
+        (["--threads", "-1"], "--threads must be >= 0"),
+        (["--addition-weight", "-1"], "--addition-weight must be >= 0"),
+        (["--lr", "0"], "--lr must be a finite number > 0"),
+        (["--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--weights", "reverse_word"], "--weights: 'reverse_word': write TASK=N"),
+        (["--weights", "reverse_word=-2"], "--weights: 'reverse_word=-2': write TASK=N"),
+        (["--weights", "bogus=1"], "--weights: unknown task 'bogus'"),
+        (["--addition-weight", "0", "--weights", "subtraction=0,reverse=0,sort=0,count=0,lookup=0"],
+         "every task weight is 0"),
+        (["--eval-canvases", "abc"], "--eval-canvases: 'abc' is not a canvas length"),
+        (["--device", "cuda:7"], "use cpu, or cuda on a machine with a GPU"),
+        (["--device", "banana"], "--device"),
+        (["--family", "idlm", "--tail-rows", "2"], "--tail-rows is for --family llada"),
+        (["--family", "idlm", "--lora-steps", "2"], "are for --family nemotron"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    family = [] if "--family" in argv else ["--family", "llada"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*family, *SMALL, *argv, "--out", str(tmp_path / "x")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_checkpoint_is_never_written_over(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--init X --out X`` replaced X's weights with random ones before failing."""
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "model.safetensors").write_bytes(b"weights")
+    (trained / "README.md").write_text("card")
+    for out in (trained, tmp_path / "file"):
+        (tmp_path / "file").write_text("not a directory")
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--family", "llada", *SMALL, "--init", str(trained), "--out", str(out)])
+        assert exit_info.value.code == 2
+        assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert (trained / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in trained.iterdir()) == ["README.md", "model.safetensors"]
+    with pytest.raises(SystemExit):
+        main(["--family", "llada", *SMALL, "--init", str(tmp_path / "none"), "--out", "y"])
+    assert "no model.safetensors there" in capsys.readouterr().err
+
+
+def test_the_recorded_command_keeps_a_zero_that_is_not_the_default() -> None:
+    """Found by QA: ``0 == False``, so ``--addition-weight 0`` was left out of the command."""
+    defaults = {"family": None, "addition_weight": 4, "d_model": 0, "spell": False, "lr": 3e-3}
+    args = {"family": "llada", "addition_weight": 0, "d_model": 0, "spell": True, "lr": 0.001}
+    assert command_line(args, defaults) == (
+        "python -m dllm_serve.train --family llada --addition-weight 0 --spell --lr 0.001"
+    )
+
+
+def test_weights_and_canvases_parse() -> None:
+    assert parse_weights("reverse_word=4,sort_word=0") == {"reverse_word": 4, "sort_word": 0}
+    assert parse_canvases("32, 256,1024") == (32, 256, 1024) and parse_canvases("") == ()
+    with pytest.raises(ValueError, match="not a canvas length"):
+        parse_canvases("32,0")
