@@ -95,9 +95,16 @@ def decoding_params(
     else:
         steps = req.num_denoising_steps
         if steps % num_blocks:
+            # A block the server chose is named as such (found by QA: the message named a
+            # block_length the client never sent).
+            chosen = (
+                ", the block the server chose for this canvas; send block_length to choose another"
+                if auto_block is not None and req.block_length is None
+                else ""
+            )
             raise invalid(
                 f"'num_denoising_steps' ({steps}) must be a multiple of the number of blocks "
-                f"({num_blocks} = canvas {gen_length} / block_length {block_length}).",
+                f"({num_blocks} = canvas {gen_length} / block_length {block_length}{chosen}).",
                 "num_denoising_steps",
             )
     try:

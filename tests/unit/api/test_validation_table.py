@@ -942,7 +942,11 @@ def test_client_steps_must_divide_into_the_rounded_canvas_blocks() -> None:
     with pytest.raises(APIError) as info:
         spec.fitted(35, 2048)  # the rounded canvas fits: its 9 blocks do not divide 10 steps
     assert info.value.param == "num_denoising_steps"
-    assert "multiple of the number of blocks (9 = canvas 288" in info.value.message
+    assert info.value.message == (
+        "'num_denoising_steps' (10) must be a multiple of the number of blocks (9 = canvas 288 "
+        "/ block_length 32, the block the server chose for this canvas; send block_length to "
+        "choose another)."
+    )
     # Found by QA: a prompt that leaves no room for the rounding gets one unrounded block,
     # which any step count fits, so it is not refused on the blocks it will not use.
     fitted = spec.fitted(2048 - 257, 2048).params
