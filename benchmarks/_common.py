@@ -18,6 +18,10 @@ from typing import Any
 
 import torch
 
+from dllm_serve.arg_types import at_least
+
+__all__ = ["at_least"]  # the scripts' count arguments (re-exported for them)
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -62,21 +66,6 @@ def machine_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
-
-
-def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: a whole number >= ``minimum`` (a count of 0 measures nothing)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def add_threads_option(parser: argparse.ArgumentParser) -> None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import re
 import sys
 from collections.abc import Sequence
 
 from dllm_serve import __version__
+from dllm_serve.arg_types import finite_float
 from dllm_serve.config import KV_CACHE_MODES, EngineConfig, ModelConfig, ServerConfig
 from dllm_serve.decoding.modes import REQUEST_MODES
 from dllm_serve.engine.tiers import parse_tiers
@@ -23,18 +23,6 @@ from dllm_serve.engine.tiers import parse_tiers
 _DEFAULT = ServerConfig()
 # What a Bearer token can carry: visible ASCII, inner spaces allowed.
 _API_KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
-
-
-def finite_float(text: str) -> float:
-    """An argparse type: a float that is a real number (``nan`` and ``inf`` parse as floats,
-    and then pass every ``> 0`` check while meaning nothing as seconds or GiB)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

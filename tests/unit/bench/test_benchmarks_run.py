@@ -250,7 +250,7 @@ def test_decoding_modes_times_a_model_that_stops_early() -> None:
         ("demo_ablation", ["--n-addition", "0"], "argument --n-addition: must be >= 1"),
         ("tensor_parallel", ["--repeat", "0"], "argument --repeat: must be >= 1"),
         ("block_diffusion", ["--prompts", "0"], "argument --prompts: must be >= 1"),
-        ("trimode_modes", ["--workers", "x"], "argument --workers: must be a whole number"),
+        ("trimode_modes", ["--workers", "x"], "argument --workers: must be an integer"),
         ("serving_load", ["--concurrency", "0"], "argument --concurrency: must be >= 1"),
     ],
 )

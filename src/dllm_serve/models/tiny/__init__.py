@@ -21,6 +21,7 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+from dllm_serve.arg_types import at_least
 from dllm_serve.models.tiny.bpe import build_tokenizer
 from dllm_serve.models.tiny.llada import CHAT_TEMPLATE, llada_special_tokens, write_tiny_llada
 from dllm_serve.models.tiny.llada2 import write_tiny_llada2
@@ -100,21 +101,6 @@ def _description(family: str) -> str:
     return "\n".join([fill(intro), *formats, fill(outro)])
 
 
-def _at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum`` (sizes >= 1; seeds and 0-means-off >= 0)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``[--family F] DIR [--d-model N ...] [--real-ids]``."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -139,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.add_argument(
                 flag,
-                type=_at_least(min(param.default, 1)),
+                type=at_least(min(param.default, 1)),
                 default=param.default,
                 help=f"default {param.default}",
             )

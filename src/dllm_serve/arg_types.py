@@ -1,0 +1,35 @@
+"""argparse types shared by the command lines (the server, make-tiny, the benchmark scripts):
+a bad value is argparse's one-line error, never a traceback from deep inside a run."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An integer >= ``minimum`` (sizes and counts >= 1; seeds and 0-means-off >= 0)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def finite_float(text: str) -> float:
+    """A float that is a real number (``nan`` and ``inf`` parse as floats, and then pass
+    every ``> 0`` check while meaning nothing as seconds or GiB)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
