@@ -13,12 +13,16 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from dllm_serve import __version__
 from dllm_serve.arg_types import finite_float
 from dllm_serve.config import KV_CACHE_MODES, EngineConfig, ModelConfig, ServerConfig
 from dllm_serve.decoding.modes import REQUEST_MODES
 from dllm_serve.engine.tiers import parse_tiers
+
+if TYPE_CHECKING:
+    from dllm_serve.models.loader import LoadedModel
 
 _DEFAULT = ServerConfig()
 # What a Bearer token can carry: visible ASCII, inner spaces allowed.
@@ -277,6 +281,7 @@ def serve(config: ServerConfig) -> None:
 
     log_config = configure_logging(config.log_level, config.log_format)
     mc = config.model
+    loaded: LoadedModel | None = None
     try:
         if mc.tensor_parallel_size > 1:
             from dllm_serve.engine.tensor_parallel import launch, worker_main
@@ -286,10 +291,19 @@ def serve(config: ServerConfig) -> None:
             rank = multi_node_rank(size)
             if rank:  # a launcher started this process as a worker rank: no API here
                 worker_main(
-                    rank, size, "env://", mc.model, mc.device, mc.dtype, mc.draft_lora, 0, ep
-                )
+                    rank, size, "env://", mc.model, mc.device, mc.dtype, mc.draft_lora, 0, ep,
+                    log=None,  # serve() set it up already
+                )  # fmt: skip
                 return
-            loaded = launch(mc.model, mc.device, mc.dtype, size, mc.draft_lora, expert_parallel=ep)
+            loaded = launch(
+                mc.model,
+                mc.device,
+                mc.dtype,
+                size,
+                mc.draft_lora,
+                expert_parallel=ep,
+                log=(config.log_level, config.log_format),
+            )
         else:
             loaded = load_model(mc.model, device=mc.device, dtype=mc.dtype)
         if mc.draft_lora is not None:
@@ -304,14 +318,14 @@ def serve(config: ServerConfig) -> None:
         message = str(exc)
         if not message.startswith(f"model {mc.model!r}"):
             message = f"cannot load model {mc.model!r}: {message}"
-        sys.exit(f"dllm-serve: {message}")
+        _exit_refused(loaded, f"dllm-serve: {message}")
     logging.getLogger("dllm_serve").info(
         "serving %s from %s on %s (%s)", loaded.name, loaded.path, loaded.device, loaded.dtype
     )
     try:
         engine = AsyncEngine(loaded, config.engine)
     except ValueError as exc:  # e.g. a --decoding-mode the model does not have
-        sys.exit(f"dllm-serve: {exc}")
+        _exit_refused(loaded, f"dllm-serve: {exc}")
     app = build_app(engine, config)
     uv_config = uvicorn.Config(
         app,
@@ -328,6 +342,15 @@ def serve(config: ServerConfig) -> None:
     )
     server = DrainingServer(uv_config, engine, app.state.lifecycle, config.shutdown_timeout)
     server.run()
+
+
+def _exit_refused(loaded: LoadedModel | None, message: str) -> NoReturn:
+    """Exit 1 with ``message``, stopping the tensor-parallel workers first: left to
+    multiprocessing's exit handler, their end was reported as a worker that died (found by
+    QA: a false CRITICAL after a start-up refusal)."""
+    if loaded is not None and loaded.parallel is not None:
+        loaded.parallel.stop(timeout=5)
+    sys.exit(message)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -73,7 +73,14 @@ class LLM:
         self.loaded = loaded
         # Offline callers submit whole datasets at once: queue them all instead of refusing.
         config = engine_config or EngineConfig(max_waiting_requests=1 << 30)
-        self.engine = AsyncEngine(self.loaded, config)
+        try:
+            self.engine = AsyncEngine(self.loaded, config)
+        except BaseException:
+            # Found by QA: a refused config left the tensor-parallel workers and the process
+            # group behind, and every later LLM(tensor_parallel_size=N) in the process failed.
+            if loaded.parallel is not None:
+                loaded.parallel.stop()
+            raise
         self.engine.start()
 
     def generate(

@@ -331,3 +331,93 @@ def test_world_size_must_match_the_flag(tmp_path: Path) -> None:
     env = {**_rank_env(0, free_port()), "WORLD_SIZE": "4"}
     with pytest.raises(RuntimeError, match="WORLD_SIZE=4 in the environment but"):
         RemoteServer.start(["--tensor-parallel-size", "2"], tmp_path / "log", env=env)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [({"RANK": "5"}, "RANK=5 in the environment: it must be 0 to 1"),
+     ({"RANK": "-1"}, "RANK=-1 in the environment: it must be 0 to 1"),
+     ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' in the environment is not an integer")],
+)  # fmt: skip
+def test_a_launcher_environment_out_of_range_is_refused(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
+) -> None:
+    """Found by QA: RANK=5 of 2 hung silently; WORLD_SIZE=abc was a traceback (the server
+    prints this error as one line: cli.serve catches ModelLoadError)."""
+    from dllm_serve.engine.tp_rendezvous import multi_node_rank
+
+    for key, value in {**_rank_env(0, 1), **env}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ModelLoadError, match=message):
+        multi_node_rank(2)
+
+
+def test_a_worker_that_dies_before_joining_fails_rank_0_at_once(tmp_path: Path) -> None:
+    """Found by QA: rank 0 waited ten minutes, silently, for a worker that had died before it
+    joined the group; the usual way there is an offline script without a __main__ guard (the
+    spawned worker re-runs the script and cannot start processes while bootstrapping)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from dllm_serve.llm import LLM\nLLM('tiny-llada', device='cpu', tensor_parallel_size=2)\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert time.monotonic() - started < 120
+    assert "tensor-parallel worker died while the group was starting: rank 1" in done.stderr
+    assert 'needs `if __name__ == "__main__":`' in done.stderr
+
+
+def test_a_frozen_worker_does_not_outlive_the_server(tmp_path: Path) -> None:
+    """Found by QA: rank 0 exited 1 as documented, but a SIGSTOPped worker stayed behind,
+    adopted by init (on a GPU, still holding its memory)."""
+    server = RemoteServer.start(
+        ["--model", "tiny-llada", "--tensor-parallel-size", "2", "--log-format", "json"],
+        tmp_path / "log",
+    )
+    worker = None
+    try:
+        workers = [p for p in _children(server.process.pid)
+                   if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+        assert len(workers) == 1
+        worker = workers[0]
+        os.kill(worker, signal.SIGSTOP)
+        assert server.process.wait(STALE_S + STORE_TIMEOUT_S + FAILURE_GRACE_S + 20) == 1
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # Gone, or at most a zombie until init reaps it: never a stopped process left running.
+        state = (
+            Path(f"/proc/{worker}/stat").read_text().split()[2]
+            if Path(f"/proc/{worker}").exists()
+            else "gone"
+        )
+        assert state in ("gone", "Z"), state
+        log = (tmp_path / "log").read_text()
+        assert "tensor-parallel heartbeat lost" in log
+    finally:
+        if worker is not None and Path(f"/proc/{worker}").exists():
+            os.kill(worker, signal.SIGKILL)
+        server.stop()
+
+
+def test_a_refused_engine_stops_its_workers(tmp_path: Path) -> None:
+    """Found by QA: a config the engine refused left the workers and the process group up, so
+    every later LLM(tensor_parallel_size=2) in the process failed ("initialize the default
+    process group twice"); the server's refusal was followed by a false "worker died"."""
+    from dllm_serve.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"--decoding-mode ar: model 'tiny-llada' decodes only"):
+        LLM("tiny-llada", device="cpu", tensor_parallel_size=2,
+            engine_config=EngineConfig(decoding_mode="ar"))  # fmt: skip
+    with LLM("tiny-llada", device="cpu", tensor_parallel_size=2) as llm:
+        assert llm.generate([[{"role": "user", "content": "Hi"}]], DecodingParams(gen_length=4))
+    log = tmp_path / "refused.log"  # the false report came about half the time
+    with pytest.raises(RuntimeError, match="server exited with 1"):
+        RemoteServer.start(
+            ["--model", "tiny-llada", "--tensor-parallel-size", "2", "--isd-stride", "8"], log
+        )
+    text = log.read_text()
+    assert "--isd-stride" in text and "worker died" not in text, text[-2000:]

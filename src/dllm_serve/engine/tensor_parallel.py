@@ -41,6 +41,7 @@ from dllm_serve.engine.heartbeat import Heartbeat, store_address
 from dllm_serve.engine.tp_rendezvous import agree, device_for, free_port, join, multi_node_rank
 from dllm_serve.engine.vocab_parallel import REDUCE, VocabTraffic
 from dllm_serve.models.checkpoint_files import read_json
+from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.families import family_for
 from dllm_serve.models.hub import resolve_model_path
 from dllm_serve.models.loader import LoadedModel, load_model
@@ -95,6 +96,9 @@ class TensorParallelGroup:
                     "%s; answering 503 and exiting with status 1 in %.1f s", reason, self.grace_s
                 )
         time.sleep(max(0.0, self._exit_at - time.monotonic()))
+        # os._exit skips multiprocessing's clean-up of its children: a frozen worker would
+        # outlive the server (found by QA), holding its GPU memory.
+        _kill(self.workers)
         os._exit(1)
 
     def watch(self) -> None:
@@ -137,6 +141,45 @@ class TensorParallelGroup:
         dist.destroy_process_group()
 
 
+def _kill(workers: list[Any]) -> None:
+    """SIGKILL every worker still running (a stopped or frozen one too)."""
+    for p in workers:
+        if p.is_alive():
+            p.kill()
+
+
+def _watch_start_up(workers: list[Any]) -> threading.Event:
+    """Until the returned event is set, exit with status 1 at once if a worker ends.
+
+    A worker that dies before it joins the group (a bad environment, an offline script
+    without ``if __name__ == "__main__":``, a kill) would otherwise leave rank 0 waiting for
+    it in ``init_process_group`` for the rendezvous timeout, ten minutes, silently (found by
+    QA); the group's own watcher (:meth:`TensorParallelGroup.watch`) takes over after.
+    """
+    joined = threading.Event()
+
+    def run() -> None:
+        while not joined.is_set():
+            ready = wait([p.sentinel for p in workers], timeout=0.5)
+            if not ready or joined.is_set():
+                continue
+            ended = [(i, p) for i, p in enumerate(workers) if p.sentinel in ready]
+            for _, process in ended:
+                process.join(timeout=1.0)
+            dead = ", ".join(f"rank {i + 1} (exit code {p.exitcode})" for i, p in ended)
+            logger.critical(
+                "tensor-parallel worker died while the group was starting: %s (its error is "
+                'above; an offline script needs `if __name__ == "__main__":` around it); '
+                "exiting with status 1",
+                dead,
+            )
+            _kill(workers)
+            os._exit(1)
+
+    threading.Thread(target=run, name="dllm-tp-start-watch", daemon=True).start()
+    return joined
+
+
 def worker_main(
     rank: int,
     size: int,
@@ -147,10 +190,18 @@ def worker_main(
     draft_lora: str | None,
     threads: int,
     expert_parallel: bool = False,
+    log: tuple[str, str] | None = ("warning", "text"),
 ) -> None:
-    """A worker rank: load this rank's shard, then run every forward rank 0 announces."""
-    from dllm_serve.engine.model_runner import INIT, RUN, ModelRunner
+    """A worker rank: load this rank's shard, then run every forward rank 0 announces.
 
+    ``log`` is the server's ``(level, format)``: a spawned worker starts with no logging set
+    up, so its lines would otherwise bypass the server's format (None: already set up).
+    """
+    from dllm_serve.engine.model_runner import INIT, RUN, ModelRunner
+    from dllm_serve.logs import configure_logging
+
+    if log is not None:
+        configure_logging(*log)
     if threads:
         torch.set_num_threads(threads)
     dev = device_for(device, rank)
@@ -204,6 +255,7 @@ def launch(
     draft_lora: str | None = None,
     threads: int = 0,
     expert_parallel: bool = False,
+    log: tuple[str, str] = ("warning", "text"),
 ) -> LoadedModel:
     """Start ``size − 1`` workers and load rank 0's shard; the returned model's ``parallel``
     is the :class:`TensorParallelGroup` its ModelRunner drives. ``draft_lora`` is attached
@@ -214,7 +266,7 @@ def launch(
     config = read_json(resolve_model_path(model) / "config.json")
     shard_config(family_for(config).transformer_config(config), size, 0, expert_parallel)
     if device_for(device, 0).startswith("cuda") and torch.cuda.device_count() < size:
-        raise ValueError(
+        raise ModelLoadError(
             f"--tensor-parallel-size {size} needs {size} GPUs, {torch.cuda.device_count()} seen"
         )
     if multi_node_rank(size) is not None:
@@ -236,6 +288,7 @@ def launch(
                     draft_lora,
                     threads,
                     expert_parallel,
+                    log,
                 ),
                 name=f"dllm-tp-rank{rank}",
                 daemon=True,
@@ -245,10 +298,17 @@ def launch(
         for p in workers:
             p.start()
     dev = device_for(device, 0)
-    shard, control = join(0, size, init_method, dev, expert_parallel)
+    joined = _watch_start_up(workers) if workers else None
+    try:
+        shard, control = join(0, size, init_method, dev, expert_parallel)
+    except BaseException:
+        _kill(workers)  # they would wait for rank 0 in vain
+        raise
     group = TensorParallelGroup(shard, control, workers)
     if workers:
         group.watch()
+    if joined is not None:
+        joined.set()
     address = store_address(init_method)
     group.heartbeat = Heartbeat(0, range(1, size), address, group.lost).start()
     try:

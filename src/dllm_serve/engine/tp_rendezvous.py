@@ -74,7 +74,7 @@ def multi_node_rank(size: int) -> int | None:
     """This process's rank when a launcher (torchrun, a Kubernetes indexed Job) set the
     standard ``WORLD_SIZE`` / ``RANK`` environment, else None; the world must be ``size``."""
     world = os.environ.get("WORLD_SIZE")
-    if world is None or int(world) == 1:
+    if world is None or _env_int("WORLD_SIZE") == 1:
         return None
     if int(world) != size:
         raise ModelLoadError(
@@ -84,7 +84,20 @@ def multi_node_rank(size: int) -> int | None:
     for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
             raise ModelLoadError(f"WORLD_SIZE={world} is set but {key} is not")
-    return int(os.environ["RANK"])
+    rank = _env_int("RANK")
+    # Found by QA: RANK=5 of 2 hung silently, or died in gloo while rank 0 waited for it.
+    if not 0 <= rank < size:
+        raise ModelLoadError(f"RANK={rank} in the environment: it must be 0 to {size - 1}")
+    return rank
+
+
+def _env_int(key: str) -> int:
+    """An integer environment variable of the launcher, or a one-line error naming it."""
+    text = os.environ[key]
+    try:
+        return int(text)
+    except ValueError:
+        raise ModelLoadError(f"{key}={text!r} in the environment is not an integer") from None
 
 
 def join(
