@@ -171,6 +171,7 @@ def install_completion_routes(
                 include_usage=spec.include_usage,
                 continuous_usage=spec.continuous_usage,
                 prompt_tokens=len(prompt_ids),
+                speculative=facts.decoding.self_speculative(spec.params.decoding_mode),
             )
             return EventSourceResponse(chunks, headers={REQUEST_ID_HEADER: request_id})
         text, last = await _collect_unless_disconnected(request, outputs)

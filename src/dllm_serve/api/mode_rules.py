@@ -39,6 +39,13 @@ class ModelDecoding:
             return BLOCK
         return NO_CANVAS
 
+    def self_speculative(self, requested: str | None) -> bool:
+        """Whether a request naming ``requested`` decodes by self-speculation (I-DLM's ISD, a
+        tri-mode model's ``ar`` or ``linear_spec``): its usage carries the draft counters."""
+        if self.kind == "self_speculation":
+            return True
+        return self.kind == TRI_MODE and (requested or self.default_mode) != DIFFUSION
+
 
 def check_decoding_mode(
     requested: str | None,

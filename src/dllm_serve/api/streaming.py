@@ -49,6 +49,9 @@ def _usage(
     }
 
 
+_NO_DRAFTS = {"drafted_tokens": 0, "accepted_drafts": 0, "acceptance_rate": 0.0}
+
+
 def _speculation(output: RequestOutput) -> dict[str, Any]:
     """Self-speculation counters (ISD, LinearSpec, and ar as ISD at stride 1: zero drafts);
     absent for diffusion decoding."""
@@ -92,6 +95,7 @@ async def chat_chunks(
     include_usage: bool,
     continuous_usage: bool = False,
     prompt_tokens: int = 0,
+    speculative: bool = False,
 ) -> AsyncIterator[str]:
     """``chat.completion.chunk`` events: the text is in ``choices[0].delta.content``."""
     async for event in _chunks(
@@ -102,6 +106,7 @@ async def chat_chunks(
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         prompt_tokens=prompt_tokens,
+        speculative=speculative,
         choice=lambda text, finish: {
             "index": 0,
             "delta": {} if finish else {"content": text},
@@ -123,6 +128,7 @@ async def text_chunks(
     include_usage: bool,
     continuous_usage: bool = False,
     prompt_tokens: int = 0,
+    speculative: bool = False,
 ) -> AsyncIterator[str]:
     """``text_completion`` events (/v1/completions): the text is in ``choices[0].text``."""
     async for event in _chunks(
@@ -133,6 +139,7 @@ async def text_chunks(
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         prompt_tokens=prompt_tokens,
+        speculative=speculative,
         choice=lambda text, finish: {
             "index": 0,
             "text": text,
@@ -155,10 +162,13 @@ async def _chunks(
     prompt_tokens: int,
     choice: Callable[[str, str | None], dict[str, Any]],
     first: dict[str, Any] | None,
+    speculative: bool = False,
 ) -> AsyncIterator[str]:
     # Before the first step (the role chunk): nothing generated yet, but the same shape as
-    # every later chunk's usage, so a client can read ``usage.diffusion`` on any chunk.
-    usage: dict[str, Any] | None = _usage(prompt_tokens, 0, canvas_length)
+    # every later chunk's usage, so a client can read ``usage.diffusion`` on any chunk (a
+    # self-speculative request's draft counters included: found by QA, they were missing).
+    drafts = _NO_DRAFTS if speculative else None
+    usage: dict[str, Any] | None = _usage(prompt_tokens, 0, canvas_length, speculation=drafts)
 
     def chunk(choice_body: dict[str, Any]) -> str:
         body: dict[str, Any] = {**head, "model": model, "choices": [choice_body]}

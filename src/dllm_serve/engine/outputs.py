@@ -96,10 +96,15 @@ class IncrementalDetokenizer:
                 self._prefix_ids = list(tokens[self._read_offset :])
                 self._prefix_offset, self._read_offset = self._read_offset, len(tokens)
                 self._prefix_text = None
-        hit = self._find_stop(text)
+        # Until the request ends, a trailing U+FFFD is a character still being completed, not
+        # text: no stop string may match it (found by QA: a stop of "\ufffd" cut there).
+        searched = text if final else text.rstrip("\ufffd")
+        hit = self._find_stop(searched)
+        if hit is not None and not final and self._earlier_stop_pending(searched, hit[0]):
+            hit = None  # the text stays held back (below) until that earlier one resolves
         if hit is not None:
             cut, stop_len = hit
-            self.stop_tokens = self._tokens_through(tokens, cut + stop_len)
+            self.stop_tokens = self._tokens_through(tokens, text, cut + stop_len)
             end = cut + stop_len if self._include_stop else cut
             text, final, self.stopped = text[:end], True, True
         if not final:
@@ -123,14 +128,30 @@ class IncrementalDetokenizer:
         hits = [(i, len(s)) for s in self._stop if (i := text.find(s, start)) >= 0]
         return min(hits, key=lambda hit: hit[0]) if hits else None
 
-    def _tokens_through(self, tokens: Sequence[int], end: int) -> int:
-        """The fewest leading tokens whose text reaches ``end`` (they produced the stop string:
-        the usage counts them, not the tokens committed after it). Decodes O(log n) prefixes,
-        once per request."""
+    def _earlier_stop_pending(self, text: str, start: int) -> bool:
+        """Whether a stop string that would start before ``start`` may still complete: some
+        tail of ``text`` beginning before it is a proper prefix of a stop string. The answer
+        ends before the *first occurrence* of any stop string, so a later-starting one that
+        completed first must wait (found by QA: with stops "= 57" and " 5", where the answer
+        was cut depended on how many tokens each step made final)."""
+        longest = max(map(len, self._stop))
+        for begin in range(max(0, len(text) - longest + 1), start):
+            tail = text[begin:]
+            if any(len(tail) < len(stop) and stop.startswith(tail) for stop in self._stop):
+                return True
+        return False
+
+    def _tokens_through(self, tokens: Sequence[int], text: str, end: int) -> int:
+        """The fewest leading tokens whose text holds ``text[:end]`` (they produced the stop
+        string: the usage counts them, not the tokens committed after it). A prefix that ends
+        inside a multi-byte character decodes it as U+FFFD, which has the right length but
+        not the character (found by QA: a stop ending in such a character was counted short).
+        Decodes O(log n) prefixes, once per request."""
+        target = text[:end]
         lo, hi = 0, len(tokens)
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(self._decode(tokens[:mid])) >= end:
+            if self._decode(tokens[:mid]).startswith(target):
                 hi = mid
             else:
                 lo = mid + 1

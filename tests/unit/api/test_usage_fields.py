@@ -25,6 +25,10 @@ def test_usage_is_the_same_streamed_and_not(model: str, speculative: bool) -> No
             "/v1/chat/completions",
             json={**body, "stream": True, "stream_options": {"include_usage": True}},
         )
+        continuous = client.post(
+            "/v1/chat/completions",
+            json={**body, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        )
     events = [
         json.loads(line.removeprefix("data: "))
         for line in stream.text.splitlines()
@@ -36,6 +40,15 @@ def test_usage_is_the_same_streamed_and_not(model: str, speculative: bool) -> No
     assert fields & ISD_FIELDS == (ISD_FIELDS if speculative else set())
     assert None not in plain["usage"]["diffusion"].values()
     assert plain["system_fingerprint"] is None  # still present, as OpenAI sends it
+    # Every chunk's usage has the same fields, the role chunk's too (found by QA: it lacked
+    # the draft counters of a self-speculative request).
+    chunks = [
+        json.loads(line.removeprefix("data: "))
+        for line in continuous.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert {frozenset(c["usage"]["diffusion"]) for c in chunks} == {frozenset(fields)}
 
 
 def test_a_stop_string_counts_tokens_through_it_not_after_it() -> None:

@@ -136,3 +136,38 @@ def test_include_stop_keeps_the_stop_string_and_counts_the_same_tokens() -> None
         assert second == ("END" if include else "")
         assert detok.stopped and detok.stop_tokens == len(b"Hello END")
         assert detok.update(tokens + list(b"!"), final=True) == ""  # nothing after the stop
+
+
+def test_a_stop_ending_in_a_multibyte_character_counts_all_its_bytes() -> None:
+    """Found by QA: the count stopped at the character's first byte token (its partial decode,
+    U+FFFD, already has the right length), so usage undercounted."""
+    for include in (False, True):
+        detok = IncrementalDetokenizer(byte_decode, stop=("你",), include_stop=include)
+        tokens = list("a你b".encode())  # one token per byte: a, 3 bytes of 你, b
+        assert detok.update(tokens, final=False) == ("a你" if include else "a")
+        assert detok.stopped and detok.stop_tokens == 4
+
+
+def test_a_character_being_completed_never_matches_a_replacement_character_stop() -> None:
+    """Found by QA: a stop of U+FFFD matched the placeholder of a character whose bytes had not
+    all arrived, cutting an answer that holds no invalid byte."""
+    detok = IncrementalDetokenizer(byte_decode, stop=("\ufffd",))
+    tokens = list("a你b".encode())
+    assert detok.update(tokens[:2], final=False) == "a" and not detok.stopped
+    assert detok.update(tokens, final=True) == "你b" and not detok.stopped
+    real = IncrementalDetokenizer(byte_decode, stop=("\ufffd",))  # an invalid byte does stop
+    assert real.update([*b"x", 255, *b"y"], final=False) == "x" and real.stopped
+
+
+def test_overlapping_stops_cut_at_the_first_occurrence_however_the_steps_split() -> None:
+    """Found by QA: with "= 57" and " 5", the answer was cut at " 5" when the step that made
+    "= 5" final came before the one that completed "= 57", else at "= 57"."""
+    answer = list(b"123 + 456 = 579")
+    for size in range(1, len(answer) + 1):
+        detok = IncrementalDetokenizer(byte_decode, stop=("= 57", " 5"))
+        text, sent = "", 0
+        while sent < len(answer) and not detok.stopped:
+            sent = min(sent + size, len(answer))
+            text += detok.update(answer[:sent], final=sent == len(answer))
+        assert text == "123 + 456 ", size
+        assert detok.stop_tokens == len(b"123 + 456 = 57"), size
