@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from dllm_serve.arg_types import at_least
+from dllm_serve.arg_types import at_least, finite_float
 
-__all__ = ["at_least"]  # the scripts' count arguments (re-exported for them)
+# The scripts' count and seconds arguments (re-exported for them).
+__all__ = ["at_least", "finite_float"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

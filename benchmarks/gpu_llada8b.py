@@ -54,6 +54,7 @@ from _common import (
     add_threads_option,
     apply_threads,
     at_least,
+    finite_float,
     machine_info,
     ms,
     plot_if_available,
@@ -258,8 +259,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--block", type=at_least(1), default=32, help="block (canvas) tokens")
     parser.add_argument("--warmup", type=at_least(0), default=3)
     parser.add_argument("--iters", type=at_least(1), default=20)
-    parser.add_argument("--bandwidth-tbps", type=float, default=None, help="override (TB/s)")
-    parser.add_argument("--max-seconds", type=float, default=240.0, help="stop measuring after")
+    parser.add_argument("--bandwidth-tbps", type=finite_float, default=None, help="override (TB/s)")
+    parser.add_argument(
+        "--max-seconds", type=finite_float, default=240.0, help="stop measuring after"
+    )
     parser.add_argument("--allow-cpu", action="store_true", help="with --tiny: CPU smoke run")
     parser.add_argument(
         "--no-cuda-graph", action="store_true", help="run() eagerly for cached steps too"

@@ -38,6 +38,7 @@ from _common import (
     PROMPTS,
     RESULTS_DIR,
     at_least,
+    finite_float,
     machine_info,
     ms,
     percentile,
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--requests-per-level", type=at_least(0), default=0, help="default: max(8, 2 x concurrency)"
     )
     parser.add_argument("--max-requests-per-level", type=at_least(1), default=256)
-    parser.add_argument("--max-seconds-per-level", type=float, default=120.0)
+    parser.add_argument("--max-seconds-per-level", type=finite_float, default=120.0)
     parser.add_argument(
         "--max-tokens", type=at_least(1), default=32, help="canvas length (gen_length)"
     )
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--steps", type=at_least(0), default=0, help="num_denoising_steps (0: default)"
     )
     parser.add_argument("--block-length", type=at_least(0), default=0, help="0: server default")
-    parser.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    parser.add_argument("--timeout", type=finite_float, default=300.0, help="per request, seconds")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "serving_load.json")
     args = parser.parse_args(argv)
 

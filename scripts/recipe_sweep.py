@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from dllm_serve.arg_types import finite_float
+
 COMMON = ["--batch-size", "64", "--addition-weight", "8", "--eval-every", "500", "--threads", "1"]
 GPU_LONG = ["--batch-size", "128", "--workers", "4", "--eval-every", "2000"]
 
@@ -55,7 +57,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--deadline", type=float, default=420.0, help="seconds for the whole sweep")
+    p.add_argument(
+        "--deadline", type=finite_float, default=420.0, help="seconds for the whole sweep"
+    )
     p.add_argument("--only", nargs="*", help="recipe names (default: all)")
     args = p.parse_args()
     unknown = sorted(set(args.only or ()) - set(RECIPES))

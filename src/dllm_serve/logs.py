@@ -10,6 +10,7 @@ import contextvars
 import json
 import logging
 import time
+import unicodedata
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -26,12 +27,16 @@ class RequestIdFilter(logging.Filter):
 
 
 def escape_controls(text: str) -> str:
-    """``text`` with every non-printable character (line breaks, tabs, ESC, U+2028, ...)
-    written as its Python escape, so a value a client sent (a URL path, a field name) cannot
-    start a forged log line or drive a terminal."""
+    """``text`` with every control, format or line-separating character (line breaks, tabs,
+    ESC, U+2028, ...) written as its Python escape, so a value a client sent (a URL path, a
+    field name) cannot start a forged log line or drive a terminal; spaces such as U+00A0
+    stay as they are."""
     if text.isprintable():
         return text
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    return "".join(
+        ch if ch.isprintable() or unicodedata.category(ch) == "Zs" else repr(ch)[1:-1]
+        for ch in text
+    )
 
 
 class TextFormatter(logging.Formatter):

@@ -120,7 +120,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(config.cors_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
             allow_headers=["*"],
             expose_headers=["X-Request-ID"],
         )

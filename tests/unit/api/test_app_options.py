@@ -56,6 +56,10 @@ def test_cors_allows_the_js_sdks_headers_and_covers_every_answer(loaded) -> None
     response = call(app, "OPTIONS", "/v1/chat/completions", headers=headers)
     assert response.status_code == 200
     assert response.headers["access-control-allow-origin"] == "https://app.example.com"
+    # HEAD is answered wherever GET is, so a page may send it with a key (found by QA: its
+    # preflight was refused).
+    head = {**headers, "Access-Control-Request-Method": "HEAD"}
+    assert call(app, "OPTIONS", "/v1/models", headers=head).status_code == 200
     # An answer made by an outer middleware (a bad X-Request-ID) is readable by the page too.
     bad = {"Origin": "https://app.example.com", "X-Request-ID": "x" * 300}
     response = call(app, "POST", "/v1/chat/completions", headers=bad, json={})
@@ -151,3 +155,10 @@ def test_a_path_cannot_forge_a_log_line(loaded, capsys: pytest.CaptureFixture[st
     assert not any(line.startswith("2026-12-02 14:00:00") for line in lines)
     failed = next(i for i, line in enumerate(lines) if "failed\\non purpose" in line)
     assert lines[failed + 1] == "Traceback (most recent call last):"
+
+
+def test_the_log_escape_keeps_spaces_and_escapes_controls() -> None:
+    from dllm_serve.logs import escape_controls
+
+    assert escape_controls("café\xa0日本\u3000x") == "café\xa0日本\u3000x"
+    assert escape_controls("a\nb\u2028c\x1b[2J\td") == "a\\nb\\u2028c\\x1b[2J\\td"
