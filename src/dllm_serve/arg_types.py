@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -33,3 +34,15 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
+
+
+def new_or_empty_dir(text: str) -> Path:
+    """A directory to write a checkpoint into: absent or empty. One written over another
+    checkpoint would keep the other's stale files (found by QA: an I-DLM chat template stayed
+    under a LLaDA checkpoint; ``--init X --out X`` replaced X's weights)."""
+    path = Path(text)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise argparse.ArgumentTypeError(
+            f"{text} exists and is not an empty directory: write to a new one"
+        )
+    return path

@@ -1,4 +1,4 @@
-"""`dllm-serve`: flags → config → model → engine → uvicorn.
+"""`dllm-serve`: the command line, flags → :class:`ServerConfig` (``serving.py`` serves it).
 
 dllm-serve [--model NAME_OR_DIR] [--host H] [--port P] [--device D] [--dtype T] ...
 dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm|nemotron] DIR
@@ -8,21 +8,16 @@ dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm|ne
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn
 
 from dllm_serve import __version__
 from dllm_serve.arg_types import finite_float
 from dllm_serve.config import KV_CACHE_MODES, EngineConfig, ModelConfig, ServerConfig
 from dllm_serve.decoding.modes import REQUEST_MODES
 from dllm_serve.engine.tiers import parse_tiers
-
-if TYPE_CHECKING:
-    from dllm_serve.models.loader import LoadedModel
 
 _DEFAULT = ServerConfig()
 # What a Bearer token can carry: visible ASCII, inner spaces allowed.
@@ -268,91 +263,6 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
     )
 
 
-def serve(config: ServerConfig) -> None:
-    import uvicorn
-
-    from dllm_serve.api.app import build_app
-    from dllm_serve.api.server import DrainingServer
-    from dllm_serve.engine.engine import AsyncEngine
-    from dllm_serve.logs import configure_logging
-    from dllm_serve.models.families import UnsupportedModelError
-    from dllm_serve.models.loader import ModelLoadError, load_model
-    from dllm_serve.models.lora import attach_draft_lora
-
-    log_config = configure_logging(config.log_level, config.log_format)
-    mc = config.model
-    loaded: LoadedModel | None = None
-    try:
-        if mc.tensor_parallel_size > 1:
-            from dllm_serve.engine.tensor_parallel import launch, worker_main
-            from dllm_serve.engine.tp_rendezvous import multi_node_rank
-
-            size, ep = mc.tensor_parallel_size, mc.expert_parallel_size > 1
-            rank = multi_node_rank(size)
-            if rank:  # a launcher started this process as a worker rank: no API here
-                worker_main(
-                    rank, size, "env://", mc.model, mc.device, mc.dtype, mc.draft_lora, 0, ep,
-                    log=None,  # serve() set it up already
-                )  # fmt: skip
-                return
-            loaded = launch(
-                mc.model,
-                mc.device,
-                mc.dtype,
-                size,
-                mc.draft_lora,
-                expert_parallel=ep,
-                log=(config.log_level, config.log_format),
-            )
-        else:
-            loaded = load_model(mc.model, device=mc.device, dtype=mc.dtype)
-        if mc.draft_lora is not None:
-            if not loaded.family.tri_mode:
-                raise ModelLoadError(
-                    f"--draft-lora applies to tri-mode models (Nemotron-Labs-Diffusion); "
-                    f"{loaded.name!r} is a {loaded.family.name} model"
-                )
-            attach_draft_lora(loaded.model, mc.draft_lora)
-    except (ModelLoadError, UnsupportedModelError) as exc:
-        # One line, no traceback; the model's name once (most messages already start with it).
-        message = str(exc)
-        if not message.startswith(f"model {mc.model!r}"):
-            message = f"cannot load model {mc.model!r}: {message}"
-        _exit_refused(loaded, f"dllm-serve: {message}")
-    logging.getLogger("dllm_serve").info(
-        "serving %s from %s on %s (%s)", loaded.name, loaded.path, loaded.device, loaded.dtype
-    )
-    try:
-        engine = AsyncEngine(loaded, config.engine)
-    except ValueError as exc:  # e.g. a --decoding-mode the model does not have
-        _exit_refused(loaded, f"dllm-serve: {exc}")
-    app = build_app(engine, config)
-    uv_config = uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        log_config=log_config,
-        timeout_graceful_shutdown=5,  # connections left after the drain below
-        # Fixed, not auto-detected: with httptools/uvloop installed (uvicorn[standard], or as
-        # dependencies of other packages) uvicorn would switch parser and loop, and the
-        # httptools parser answers some malformed headers with a bare 400 outside the app.
-        http="h11",
-        loop="asyncio",
-    )
-    server = DrainingServer(uv_config, engine, app.state.lifecycle, config.shutdown_timeout)
-    server.run()
-
-
-def _exit_refused(loaded: LoadedModel | None, message: str) -> NoReturn:
-    """Exit 1 with ``message``, stopping the tensor-parallel workers first: left to
-    multiprocessing's exit handler, their end was reported as a worker that died (found by
-    QA: a false CRITICAL after a start-up refusal)."""
-    if loaded is not None and loaded.parallel is not None:
-        loaded.parallel.stop(timeout=5)
-    sys.exit(message)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["make-tiny"]:
@@ -360,4 +270,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         make_tiny(argv[1:])
         return
+    from dllm_serve.serving import serve
+
     serve(parse_config(argv))

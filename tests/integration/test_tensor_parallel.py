@@ -343,7 +343,7 @@ def test_a_launcher_environment_out_of_range_is_refused(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
 ) -> None:
     """Found by QA: RANK=5 of 2 hung silently; WORLD_SIZE=abc was a traceback (the server
-    prints this error as one line: cli.serve catches ModelLoadError)."""
+    prints this error as one line: serving.py catches ModelLoadError)."""
     from dllm_serve.engine.tp_rendezvous import multi_node_rank
 
     for key, value in {**_rank_env(0, 1), **env}.items():

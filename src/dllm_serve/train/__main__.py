@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from dllm_serve.arg_types import new_or_empty_dir
 from dllm_serve.train.arguments import check_arguments, parse_canvases
 from dllm_serve.train.evaluation import N_ADDITION, N_OTHER, evaluate, server_params
 from dllm_serve.train.loop import SIZES, train
@@ -50,7 +51,7 @@ def command_line(args: dict, defaults: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m dllm_serve.train", description=__doc__)
     p.add_argument("--family", choices=sorted(SIZES), required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=new_or_empty_dir, required=True)
     p.add_argument("--steps", type=int, default=6000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)

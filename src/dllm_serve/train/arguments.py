@@ -107,12 +107,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--device {args.device}: use cpu, or cuda on a machine with a GPU")
     if args.init is not None and not (args.init / "model.safetensors").is_file():
         parser.error(f"--init {args.init}: no model.safetensors there")
-    out = args.out
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        parser.error(
-            f"--out {out} exists and is not an empty directory: write each run to a new one "
-            "(a checkpoint written over another keeps the other's stale files)"
-        )
+    out = args.out  # new or empty (its argparse type)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -21,7 +21,7 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-from dllm_serve.arg_types import at_least
+from dllm_serve.arg_types import at_least, new_or_empty_dir
 from dllm_serve.models.tiny.bpe import build_tokenizer
 from dllm_serve.models.tiny.llada import CHAT_TEMPLATE, llada_special_tokens, write_tiny_llada
 from dllm_serve.models.tiny.llada2 import write_tiny_llada2
@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--family", choices=list(WRITERS), default="llada", help="default: llada")
-    p.add_argument("out_dir", help="directory to write: new or empty (created if missing)")
+    p.add_argument(
+        "out_dir",
+        type=new_or_empty_dir,
+        help="directory to write: new or empty (created if missing)",
+    )
     for name, param in inspect.signature(writer).parameters.items():
         if param.kind is not inspect.Parameter.KEYWORD_ONLY:
             continue
@@ -121,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(param.default, bool):
             p.add_argument(flag, action="store_true", help="keep the real special ids and vocab")
         elif param.default is None:  # an optional path (nemotron's --draft-lora-out)
-            p.add_argument(flag, metavar="DIR", default=None, help="also write a draft LoRA here")
+            p.add_argument(
+                flag, metavar="DIR", type=new_or_empty_dir, help="also write a draft LoRA here"
+            )
         else:
             p.add_argument(
                 flag,
@@ -131,14 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     args = vars(p.parse_args(argv))
     args.pop("family")
-    out = Path(args.pop("out_dir"))
-    # A checkpoint written over another would keep the other's stale files (found by QA: an
-    # I-DLM chat template stayed under a LLaDA checkpoint), and a failed write would leave a
-    # mix of both that no longer loads: the directory must be new or empty.
-    targets = [out] + ([Path(args["draft_lora_out"])] if args.get("draft_lora_out") else [])
-    for target in targets:
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            p.error(f"{target} exists and is not an empty directory: write to a new one")
+    out = args.pop("out_dir")  # new or empty (its argparse type), as --draft-lora-out
+    targets = [out] + ([args["draft_lora_out"]] if args.get("draft_lora_out") else [])
     existed = [t for t in targets if t.exists()]
     try:
         print(writer(out, **args))
