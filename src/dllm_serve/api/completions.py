@@ -9,9 +9,10 @@ the submission it shares.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -206,7 +207,7 @@ def install_completion_routes(
         trace: bool = False,
         final_only: bool = False,
         include_stop: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Hand a request to the engine; a full queue is a 429 before any response starts.
 
         With --log-requests the request is logged here and its answer when it ends, whichever
@@ -247,27 +248,27 @@ def install_completion_routes(
     return chat_spec, submit, facts
 
 
-async def _logging_answer(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+async def _logging_answer(
+    outputs: AsyncGenerator[RequestOutput, None],
+) -> AsyncGenerator[RequestOutput, None]:
     """The engine's outputs unchanged; the whole answer is logged when its last one arrives."""
     parts: list[str] = []
     finished = False
     try:
-        async for output in outputs:
-            parts.append(output.delta_text)
-            if output.finished:
-                finished = True
-                logger.info("answer=%r finish_reason=%s", "".join(parts), output.finish_reason)
-            yield output
+        async with contextlib.aclosing(outputs):  # closed early: its request is aborted now
+            async for output in outputs:
+                parts.append(output.delta_text)
+                if output.finished:
+                    finished = True
+                    logger.info("answer=%r finish_reason=%s", "".join(parts), output.finish_reason)
+                yield output
     finally:
         if not finished:
             logger.info("answer=%r finish_reason=None (the response ended first)", "".join(parts))
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            await aclose()  # a response closed early aborts its request now, not at GC
 
 
 async def _collect_unless_disconnected(
-    request: Request, outputs: AsyncIterator[RequestOutput]
+    request: Request, outputs: AsyncGenerator[RequestOutput, None]
 ) -> tuple[str, RequestOutput | None]:
     """Collect the answer; if the client disconnects first, abort the request."""
 

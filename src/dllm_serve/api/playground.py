@@ -20,8 +20,9 @@ Everything these pages load is served by this server.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ STATIC = Path(__file__).with_name("static")
 DOCS_STATIC = Path(fastapi_offline.__file__).with_name("static")
 
 ChatSpec = Callable[[Request], Awaitable[tuple[RequestSpec, list[int]]]]
-Submit = Callable[..., AsyncIterator[RequestOutput]]
+Submit = Callable[..., AsyncGenerator[RequestOutput, None]]
 
 
 def install_playground(
@@ -121,26 +122,27 @@ def install_playground(
 
 
 async def trace_events(
-    outputs: AsyncIterator[RequestOutput], canvas_length: int
-) -> AsyncIterator[dict[str, str]]:
+    outputs: AsyncGenerator[RequestOutput, None], canvas_length: int
+) -> AsyncGenerator[dict[str, str], None]:
     """The engine's outputs as named server-sent events (see the module docstring)."""
     parts: list[str] = []
-    async for output in outputs:
-        for event in output.trace or ():
-            yield {"event": event["type"], "data": json.dumps(event)}
-        if output.delta_text:
-            parts.append(output.delta_text)
-            yield {"event": "delta", "data": json.dumps({"content": output.delta_text})}
-        if not output.finished:
-            continue
-        if output.finish_reason in ("stop", "length"):
-            done = {
-                "content": "".join(parts),
-                "finish_reason": output.finish_reason,
-                "usage": usage_dict(output, canvas_length),
-            }
-            yield {"event": "done", "data": json.dumps(done)}
-        else:
-            status, message, err_type, code = failure(output)
-            error = {"message": message, "type": err_type, "code": code, "status": status}
-            yield {"event": "error", "data": json.dumps({"error": error})}
+    async with contextlib.aclosing(outputs):  # a closed stream aborts its request now
+        async for output in outputs:
+            for event in output.trace or ():
+                yield {"event": event["type"], "data": json.dumps(event)}
+            if output.delta_text:
+                parts.append(output.delta_text)
+                yield {"event": "delta", "data": json.dumps({"content": output.delta_text})}
+            if not output.finished:
+                continue
+            if output.finish_reason in ("stop", "length"):
+                done = {
+                    "content": "".join(parts),
+                    "finish_reason": output.finish_reason,
+                    "usage": usage_dict(output, canvas_length),
+                }
+                yield {"event": "done", "data": json.dumps(done)}
+            else:
+                status, message, err_type, code = failure(output)
+                error = {"message": message, "type": err_type, "code": code, "status": status}
+                yield {"event": "error", "data": json.dumps({"error": error})}

@@ -9,8 +9,9 @@ A failure after the 200 has been sent becomes one ``{"error": ...}`` event follo
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from dllm_serve.engine.outputs import RequestOutput
@@ -85,8 +86,8 @@ def failure(output: RequestOutput) -> tuple[int, str, str, str | None]:
     return 500, f"The request failed in the engine: {output.error}", "server_error", None
 
 
-async def chat_chunks(
-    outputs: AsyncIterator[RequestOutput],
+def chat_chunks(
+    outputs: AsyncGenerator[RequestOutput, None],
     *,
     response_id: str,
     created: int,
@@ -96,9 +97,9 @@ async def chat_chunks(
     continuous_usage: bool = False,
     prompt_tokens: int = 0,
     speculative: bool = False,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """``chat.completion.chunk`` events: the text is in ``choices[0].delta.content``."""
-    async for event in _chunks(
+    return _chunks(
         outputs,
         head={"id": response_id, "object": "chat.completion.chunk", "created": created},
         model=model,
@@ -114,12 +115,11 @@ async def chat_chunks(
             "finish_reason": finish,
         },
         first={"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None},
-    ):
-        yield event
+    )
 
 
-async def text_chunks(
-    outputs: AsyncIterator[RequestOutput],
+def text_chunks(
+    outputs: AsyncGenerator[RequestOutput, None],
     *,
     response_id: str,
     created: int,
@@ -129,9 +129,9 @@ async def text_chunks(
     continuous_usage: bool = False,
     prompt_tokens: int = 0,
     speculative: bool = False,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """``text_completion`` events (/v1/completions): the text is in ``choices[0].text``."""
-    async for event in _chunks(
+    return _chunks(
         outputs,
         head={"id": response_id, "object": "text_completion", "created": created},
         model=model,
@@ -147,12 +147,11 @@ async def text_chunks(
             "finish_reason": finish,
         },
         first=None,
-    ):
-        yield event
+    )
 
 
 async def _chunks(
-    outputs: AsyncIterator[RequestOutput],
+    outputs: AsyncGenerator[RequestOutput, None],
     *,
     head: dict[str, Any],
     model: str,
@@ -163,7 +162,7 @@ async def _chunks(
     choice: Callable[[str, str | None], dict[str, Any]],
     first: dict[str, Any] | None,
     speculative: bool = False,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     # Before the first step (the role chunk): nothing generated yet, but the same shape as
     # every later chunk's usage, so a client can read ``usage.diffusion`` on any chunk (a
     # self-speculative request's draft counters included: found by QA, they were missing).
@@ -178,23 +177,26 @@ async def _chunks(
             body["usage"] = None
         return json.dumps(body, ensure_ascii=False)
 
-    if first is not None:
-        if first.get("finish_reason", None) is None:
-            first = {**first, "finish_reason": None}
-        yield chunk(first)
-    async for output in outputs:
-        usage = usage_dict(output, canvas_length)  # cumulative: everything so far
-        if output.delta_text:
-            yield chunk(choice(output.delta_text, None))
-        if not output.finished:
-            continue
-        if output.finish_reason in ("stop", "length"):
-            yield chunk(choice("", output.finish_reason))
-            if include_usage:
-                final = {**head, "model": model, "choices": [], "usage": usage}
-                yield json.dumps(final, ensure_ascii=False)
-        else:
-            _, message, kind, code = failure(output)
-            error = {"message": message, "type": kind, "param": None, "code": code}
-            yield json.dumps({"error": error}, ensure_ascii=False)
+    # Closed with this generator: a client that went away aborts its request now, not
+    # when the garbage collector finalises the engine's iterator.
+    async with contextlib.aclosing(outputs):
+        if first is not None:
+            if first.get("finish_reason", None) is None:
+                first = {**first, "finish_reason": None}
+            yield chunk(first)
+        async for output in outputs:
+            usage = usage_dict(output, canvas_length)  # cumulative: everything so far
+            if output.delta_text:
+                yield chunk(choice(output.delta_text, None))
+            if not output.finished:
+                continue
+            if output.finish_reason in ("stop", "length"):
+                yield chunk(choice("", output.finish_reason))
+                if include_usage:
+                    final = {**head, "model": model, "choices": [], "usage": usage}
+                    yield json.dumps(final, ensure_ascii=False)
+            else:
+                _, message, kind, code = failure(output)
+                error = {"message": message, "type": kind, "param": None, "code": code}
+                yield json.dumps({"error": error}, ensure_ascii=False)
     yield "[DONE]"

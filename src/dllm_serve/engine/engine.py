@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 
 import torch
 import uuid6
@@ -170,7 +170,7 @@ class AsyncEngine(EngineSteps):
         trace: bool = False,
         final_only: bool = False,
         include_stop: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request now and return the async iterator of its outputs.
 
         Submission is eager, so a full queue raises :class:`QueueFullError` (and a stopped
@@ -211,7 +211,7 @@ class AsyncEngine(EngineSteps):
 
     async def _outputs(
         self, request_id: str, queue: asyncio.Queue[RequestOutput]
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:
@@ -236,12 +236,13 @@ class AsyncEngine(EngineSteps):
                 raise EngineDeadError("the engine is not running")
             # Requests that free running slots will take at the next step are not waiting,
             # unless the queue is held back by the KV pool (then every one of them waits).
+            # Counting this request too, so a limit of 0 means "no queue", not "no requests".
             free_slots = self.config.max_running_requests - len(self.scheduler.running)
             starting = 0 if self._kv_blocked else max(free_slots, 0)
-            waiting = max(self.num_waiting - starting, 0)
-            if waiting >= self.config.max_waiting_requests:
+            waiting = self.num_waiting + 1 - starting
+            if waiting > self.config.max_waiting_requests:
                 raise QueueFullError(
-                    f"{waiting} request(s) already waiting "
+                    f"{waiting - 1} request(s) already waiting "
                     f"(limit {self.config.max_waiting_requests})"
                 )
             self._inbox.append(request)

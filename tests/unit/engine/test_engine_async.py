@@ -216,6 +216,26 @@ def test_full_waiting_queue_refuses_at_once(loaded: LoadedModel) -> None:
         eng.shutdown()
 
 
+def test_no_waiting_queue_still_runs_what_fits(loaded: LoadedModel) -> None:
+    # --max-waiting-requests 0 means "no queue": a request that gets a free slot runs, one
+    # that would have to wait is refused (it had refused every request, even on an idle engine).
+    eng = AsyncEngine(loaded, EngineConfig(max_running_requests=1, max_waiting_requests=0))
+    eng.start()
+    long = DecodingParams(gen_length=64, steps=64)
+
+    async def scenario() -> None:
+        first = eng.generate(prompt(loaded, "a"), long)
+        with pytest.raises(QueueFullError, match=r"^0 request\(s\) already waiting \(limit 0\)$"):
+            eng.generate(prompt(loaded, "b"), long)
+        outs = [o async for o in first]
+        assert outs[-1].finish_reason in ("stop", "length")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        eng.shutdown()
+
+
 def test_concurrent_rows_share_forwards(loaded: LoadedModel) -> None:
     rows: list[int] = []
 

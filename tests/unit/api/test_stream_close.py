@@ -1,0 +1,69 @@
+"""A response stream closed early closes the engine's iterator at once (which aborts the
+request), not when the garbage collector finalises it (found by a code review)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+
+from dllm_serve.api.playground import trace_events
+from dllm_serve.api.streaming import chat_chunks, text_chunks
+from dllm_serve.engine.outputs import RequestOutput
+
+
+def _output(text: str) -> RequestOutput:
+    return RequestOutput(
+        request_id="r",
+        delta_text=text,
+        prompt_tokens=3,
+        completion_tokens=1,
+        nfe=1,
+        committed=1,
+        step=1,
+        block=0,
+    )
+
+
+async def _first_event_then_close(make_stream) -> list[str]:  # type: ignore[no-untyped-def]
+    events: list[str] = []
+
+    async def engine_outputs() -> AsyncGenerator[RequestOutput, None]:
+        try:
+            yield _output("1 + 1")
+            yield _output(" = 2")
+            await asyncio.sleep(3600)  # the rest of the answer never comes
+            yield _output("")
+        finally:
+            events.append("engine iterator closed")
+
+    stream = make_stream(engine_outputs())
+    await stream.__anext__()
+    await stream.__anext__()
+    await stream.aclose()
+    events.append("response closed")
+    return events
+
+
+def test_closing_a_chat_stream_closes_the_engine_iterator_first() -> None:
+    def make(outputs):  # type: ignore[no-untyped-def]
+        return chat_chunks(
+            outputs, response_id="x", created=0, model="m", canvas_length=8, include_usage=False
+        )
+
+    events = asyncio.run(_first_event_then_close(make))
+    assert events == ["engine iterator closed", "response closed"]
+
+
+def test_closing_a_text_stream_closes_the_engine_iterator_first() -> None:
+    def make(outputs):  # type: ignore[no-untyped-def]
+        return text_chunks(
+            outputs, response_id="x", created=0, model="m", canvas_length=8, include_usage=False
+        )
+
+    events = asyncio.run(_first_event_then_close(make))
+    assert events == ["engine iterator closed", "response closed"]
+
+
+def test_closing_a_trace_stream_closes_the_engine_iterator_first() -> None:
+    events = asyncio.run(_first_event_then_close(lambda outputs: trace_events(outputs, 8)))
+    assert events == ["engine iterator closed", "response closed"]
