@@ -80,8 +80,9 @@ def install_completion_routes(
         spec, prompt_ids = await chat_spec(request)
         return await run(request, spec, prompt_ids, "chat")
 
-    async def chat_spec(request: Request) -> tuple[RequestSpec, list[int]]:
-        """A chat request's validated spec and prompt ids (also the trace endpoint's)."""
+    async def chat_spec(request: Request, trace: bool = False) -> tuple[RequestSpec, list[int]]:
+        """A chat request's validated spec and prompt ids (also the trace endpoint's, with
+        ``trace``)."""
         # The body is parsed by hand so every malformed input becomes a 400 in the OpenAI
         # envelope (FastAPI would answer 422, and some inputs would never reach pydantic).
         spec = await _parsed(
@@ -92,6 +93,7 @@ def install_completion_routes(
             facts.default_block_length,
             facts.round_canvas,
             facts.decoding,
+            trace,
         )
         facts.check_stop_token_ids(spec)
         if not engine.is_alive:

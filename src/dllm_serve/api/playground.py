@@ -33,7 +33,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
-from dllm_serve.api.errors import REQUEST_ID_HEADER, invalid
+from dllm_serve.api.errors import REQUEST_ID_HEADER
 from dllm_serve.api.request_spec import RequestSpec
 from dllm_serve.api.streaming import failure, usage_dict
 from dllm_serve.engine.outputs import RequestOutput
@@ -42,7 +42,7 @@ STATIC = Path(__file__).with_name("static")
 # Swagger UI / ReDoc bundles, installed as a dependency rather than copied into this package.
 DOCS_STATIC = Path(fastapi_offline.__file__).with_name("static")
 
-ChatSpec = Callable[[Request], Awaitable[tuple[RequestSpec, list[int]]]]
+ChatSpec = Callable[[Request, bool], Awaitable[tuple[RequestSpec, list[int]]]]
 Submit = Callable[..., AsyncGenerator[RequestOutput, None]]
 
 
@@ -104,15 +104,7 @@ def install_playground(
     @app.post("/v1/dllm/trace", tags=["dllm"])
     async def trace(request: Request) -> EventSourceResponse:
         """A chat completion request answered as a per-step trace (docs/playground.md)."""
-        spec, prompt_ids = await chat_spec(request)
-        body = json.loads(await request.body())
-        if body.get("stream") is False:
-            raise invalid("The trace endpoint always streams; omit 'stream'.", "stream")
-        if spec.include_stop_str:
-            raise invalid(
-                "'include_stop_str_in_output' is not supported by the trace endpoint.",
-                "include_stop_str_in_output",
-            )
+        spec, prompt_ids = await chat_spec(request, trace=True)
         request_id = request.state.request_id
         outputs = submit(request_id, spec, prompt_ids, spec.stop, trace=True)
         return EventSourceResponse(

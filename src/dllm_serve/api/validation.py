@@ -48,6 +48,7 @@ def parse_chat_request(
     default_block_length: int | None = None,
     round_canvas: bool = False,
     model: ModelDecoding | None = None,
+    trace: bool = False,
 ) -> RequestSpec:
     """Validate a chat request body (docs/api-contract.md); ``default_gen_length`` is the
     model's canvas for requests that set no ``max_tokens``, ``default_block_length`` its
@@ -55,12 +56,31 @@ def parse_chat_request(
     ``round_canvas`` whether such a canvas may be rounded up to whole blocks
     (``request_params.decoding_params``), and ``model`` what the served model's decoding
     accepts (the mode rules of ``api/mode_rules.py`` run first; None: canvas denoising, with
-    no mode check)."""
+    no mode check). ``trace``: the body of the trace endpoint, which refuses the streaming
+    fields it has no use for first (it always streams, in its own events)."""
     req = _load(ChatCompletionRequest, raw, content_type)
+    if trace:
+        _check_trace_fields(req)
     messages = messages_of(req)
     return _spec(
         req, default_gen_length, default_block_length, round_canvas, model, messages=messages
     )
+
+
+def _check_trace_fields(req: ChatCompletionRequest) -> None:
+    if req.stream is False:
+        raise invalid("The trace endpoint always streams; omit 'stream'.", "stream")
+    if req.stream_options is not None:
+        raise invalid(
+            "'stream_options' is not supported by the trace endpoint: its done event always "
+            "carries the usage.",
+            "stream_options",
+        )
+    if req.include_stop_str_in_output:
+        raise invalid(
+            "'include_stop_str_in_output' is not supported by the trace endpoint.",
+            "include_stop_str_in_output",
+        )
 
 
 def parse_completion_request(

@@ -132,6 +132,13 @@ def test_self_speculation_trace_rounds_add_up_to_the_usage() -> None:
     [
         ({"stream": False}, "stream", "The trace endpoint always streams; omit 'stream'."),
         (
+            # Found by a code review: accepted with stream: true, and then did nothing.
+            {"stream": True, "stream_options": {"include_usage": False}},
+            "stream_options",
+            "'stream_options' is not supported by the trace endpoint: its done event always "
+            "carries the usage.",
+        ),
+        (
             {"stop": ["x"], "include_stop_str_in_output": True},
             "include_stop_str_in_output",
             "'include_stop_str_in_output' is not supported by the trace endpoint.",
