@@ -106,6 +106,7 @@ class ISDecoder:
             stop_ids=stop_ids,
             pending=list(prompt),
             device=torch.device(device),
+            max_stride=self.max_stride,
         )
 
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:

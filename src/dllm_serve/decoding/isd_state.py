@@ -29,11 +29,9 @@ class ISDState(SelfSpecState):
     draft_q: torch.Tensor | None = None
     next_q: torch.Tensor | None = None  # this round's draft distributions, kept if all accepted
     round_shape: tuple[int, int] = (0, 1)  # (K specs, N stride) of the prepared round
-
-    @property
-    def accepted_per_round(self) -> float:
-        """Mean accepted drafts per round."""
-        return self.accepted_drafts / self.rounds if self.rounds else 0.0
+    # The widest stride a round may use (the largest tier's): the stride itself follows the
+    # engine's load, so the scheduler budgets the widest row the next round can be.
+    max_stride: int = field(default=1, kw_only=True)
 
     @property
     def is_prefill(self) -> bool:
@@ -42,5 +40,8 @@ class ISDState(SelfSpecState):
 
     @property
     def row_length(self) -> int:
-        """Tokens this request's next row puts in a forward (at most ``len(pending)`` + 2N−2)."""
-        return len(self.pending) + len(self.specs) + self.round_shape[1] - 1
+        """At most the tokens this request's next row puts in a forward: ``pending``, the specs
+        a stride of N verifies (at most N − 1) and N − 1 masks, at the widest N that is left
+        (exact without tiers, whose stride is the widest)."""
+        n = max(1, min(self.max_stride, self.params.gen_length - self.generated))
+        return len(self.pending) + min(len(self.specs), n - 1) + n - 1

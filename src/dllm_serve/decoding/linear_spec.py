@@ -70,6 +70,9 @@ class LinearSpecState(SelfSpecState):
     phase: str = PREFILL
     seed: int = -1
     width: int = 0  # the block B of the current round (seed + drafts)
+    # The widest block a round may use (the largest tier's): the block itself follows the
+    # engine's load, so the scheduler budgets the widest draft row the next round can be.
+    max_block: int = 1
 
     @property
     def is_prefill(self) -> bool:
@@ -77,7 +80,13 @@ class LinearSpecState(SelfSpecState):
 
     @property
     def row_length(self) -> int:
-        return len(self.prompt_ids) if self.phase == PREFILL else max(self.width, 1)
+        """At most the tokens of the next row: the prompt, a draft row of the widest block that
+        is left (exact without tiers), or the verify row of this round's block."""
+        if self.phase == PREFILL:
+            return len(self.prompt_ids)
+        if self.phase == DRAFT:
+            return max(1, min(self.max_block, self.params.gen_length - self.generated))
+        return max(self.width, 1)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -135,6 +144,7 @@ class LinearSpecDecoder:
             params=params,
             generator=new_generator(params, device),
             stop_ids=stop_ids,
+            max_block=self.max_block,
         )
 
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:

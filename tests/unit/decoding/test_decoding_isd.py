@@ -372,3 +372,31 @@ def test_engine_pool_holds_one_request_at_the_context_limit(idlm: LoadedModel) -
     params = DecodingParams(gen_length=48)
     need = engine.algorithm.kv_tokens(idlm.max_length - params.gen_length, params)
     assert need <= engine.runner.pool.slots
+
+
+@pytest.mark.parametrize("stride", [1, 4, 8])
+def test_scheduled_row_length_is_the_row_prepared(idlm: LoadedModel, stride: int) -> None:
+    # Found by a code review: the prefill row was budgeted without its N − 1 masks, so a
+    # forward of prefills could exceed --max-tokens-per-forward by N − 1 per row.
+    decoder = ISDecoder(idlm.mask_id, idlm.stop_ids, stride=stride)
+    runner = new_runner(idlm)
+    assert runner.pool is not None
+    params = DecodingParams(gen_length=18, steps=18, ignore_eos=True)
+    state = admit(runner, decoder, PROMPTS[0], params)
+    rounds = 0
+    with torch.inference_mode():
+        while not state.finished:
+            budgeted = state.row_length
+            row = decoder.prepare(state)
+            assert budgeted == len(row.tokens), f"round {rounds}"
+            decoder.commit([state], decoder.sample([state], runner.run([row])).tolist())
+            rounds += 1
+    assert rounds > 1
+    runner.pool.free(state.kv)
+
+
+def test_row_length_with_tiers_is_the_widest_row(idlm: LoadedModel) -> None:
+    # The stride follows the load, so the budget is the widest stride's row.
+    decoder = ISDecoder(idlm.mask_id, idlm.stop_ids, stride=2, max_stride=8)
+    state = decoder.init_state(PROMPTS[0], DecodingParams(gen_length=18, steps=18), "cpu")
+    assert state.row_length == len(PROMPTS[0]) + 8 - 1

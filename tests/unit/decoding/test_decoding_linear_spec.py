@@ -179,3 +179,24 @@ def test_rows_draft_bidirectionally_in_the_draft_view_and_verify_causally(
     assert verify.attention is AttentionKind.CAUSAL and not verify.draft
     assert verify.tokens == [state.seed, *state.specs] and verify.logits_at == [0, 1, 2, 3]
     assert nemotron.mask_id not in state.specs
+
+
+@pytest.mark.parametrize("gen_length", [3, 16])
+def test_scheduled_row_length_is_the_row_prepared(nemotron: LoadedModel, gen_length: int) -> None:
+    # Found by a code review: a draft row was budgeted at the previous round's width (1 after
+    # the prefill), so the scheduler under-counted it by up to B − 1 tokens.
+    decoder = LinearSpecDecoder(nemotron.mask_id, nemotron.stop_ids, block_size=4)
+    runner = ModelRunner(nemotron.model, CPU, kv_slots=256)
+    params = DecodingParams(gen_length=gen_length, steps=gen_length, ignore_eos=True)
+    state = admit(runner, decoder, PROMPTS[0], params)
+    forwards = 0
+    with torch.inference_mode():
+        while not state.finished:
+            budgeted = state.row_length
+            row = decoder.prepare(state)
+            assert budgeted == len(row.tokens), f"forward {forwards} ({state.phase})"
+            decoder.commit([state], decoder.sample([state], runner.run([row])).tolist())
+            forwards += 1
+    assert forwards > 2
+    assert runner.pool is not None
+    runner.pool.free(state.kv)
