@@ -27,14 +27,14 @@ from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.observer import EngineObserver, NullObserver
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 from dllm_serve.engine.request import Request
-from dllm_serve.engine.scheduler import QueueFullError, Scheduler
+from dllm_serve.engine.scheduler import KVCapacityError, QueueFullError, Scheduler
 from dllm_serve.engine.steps import EngineSteps, Sink
 from dllm_serve.engine.tokenizer_pool import TokenizerPool
 from dllm_serve.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "KVCapacityError", "QueueFullError"]
 
 
 class EngineDeadError(RuntimeError):
@@ -231,15 +231,17 @@ class AsyncEngine(EngineSteps):
             yield
 
     def _submit(self, request: Request) -> None:
+        pool = self.runner.pool
+        if pool is not None and (need := self.kv_need(request)) > pool.slots:
+            raise KVCapacityError(
+                f"the request needs {need} KV-cache slots (its prompt, max tokens and decoding "
+                f"scratch), but the KV cache holds {pool.slots}"
+            )
         with self._cond:
             if self._dead is not None or self._stopping or not self._thread.is_alive():
                 raise EngineDeadError("the engine is not running")
-            # Requests that free running slots will take at the next step are not waiting,
-            # unless the queue is held back by the KV pool (then every one of them waits).
             # Counting this request too, so a limit of 0 means "no queue", not "no requests".
-            free_slots = self.config.max_running_requests - len(self.scheduler.running)
-            starting = 0 if self._kv_blocked else max(free_slots, 0)
-            waiting = self.num_waiting + 1 - starting
+            waiting = self.num_waiting + 1 - self._starting(request)
             if waiting > self.config.max_waiting_requests:
                 raise QueueFullError(
                     f"{waiting - 1} request(s) already waiting "
@@ -247,6 +249,26 @@ class AsyncEngine(EngineSteps):
                 )
             self._inbox.append(request)
             self._cond.notify_all()
+
+    def _starting(self, request: Request) -> int:
+        """How many of the queue (``request`` last) the next admission pass can start: as many
+        as there are free running slots, in order, while their K/V fits the free pool. So a
+        burst that reaches an idle engine counts as waiting as soon as the pool holds it back,
+        not only after an admission pass has seen it blocked (found by QA)."""
+        free_slots = self.config.max_running_requests - len(self.scheduler.running)
+        if self._kv_blocked or free_slots <= 0:
+            return 0
+        pool = self.runner.pool
+        if pool is None:
+            return free_slots
+        room, starting = pool.free_slots, 0
+        # A snapshot: the engine thread pops from ``waiting`` without this lock.
+        for queued in [*self.scheduler.waiting, *self._inbox, request][:free_slots]:
+            room -= self.kv_need(queued)
+            if room < 0:
+                break
+            starting += 1
+        return starting
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its row and state are freed before the next step."""

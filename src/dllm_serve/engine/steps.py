@@ -49,26 +49,25 @@ class EngineSteps:
     _detok_tokenizer: Any
     _kv_blocked: bool  # the head of the queue waits for KV-pool room, not for a running slot
 
+    def kv_need(self, request: Request) -> int:
+        """KV-pool slots ``request`` reserves when it starts (0: no pool)."""
+        if self.runner.pool is None:
+            return 0
+        return self.algorithm.kv_tokens(len(request.prompt_ids), request.params)
+
     def _admit(self) -> None:
         """Start waiting requests, in order, while slots and KV budget allow.
 
         A request whose worst-case KV does not fit now waits (and so does everyone behind it:
-        first come, first served); one that could never fit the whole pool fails at once.
+        first come, first served); one that could never fit the whole pool was refused at
+        submission (``KVCapacityError``).
         """
         pool = self.runner.pool
         self._kv_blocked = False
         for request in self.scheduler.admit():
-            need = self.algorithm.kv_tokens(len(request.prompt_ids), request.params)
+            need = self.kv_need(request)
             span = None
             if need and pool is not None:
-                if need > pool.slots:
-                    self._fail(
-                        request,
-                        "error",
-                        f"the request needs {need} KV slots but the KV pool holds {pool.slots}; "
-                        "raise --kv-cache-memory",
-                    )
-                    continue
                 span = pool.allocate(need)
                 if span is None:
                     self.scheduler.requeue(request)

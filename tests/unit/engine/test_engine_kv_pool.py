@@ -13,7 +13,7 @@ from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 from dllm_serve.engine.request import Request
-from dllm_serve.engine.scheduler import QueueFullError
+from dllm_serve.engine.scheduler import KVCapacityError, QueueFullError
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.tiny import write_tiny_idlm
@@ -91,14 +91,38 @@ def test_requests_waiting_for_kv_count_against_the_waiting_limit(idlm: LoadedMod
         engine._submit(request(engine, "c", outs))
 
 
-def test_a_request_that_can_never_fit_fails_clearly(idlm: LoadedModel) -> None:
-    engine = AsyncEngine(idlm, EngineConfig(kv_cache_memory=gib_for(idlm, 16)))
+def test_a_burst_counts_as_waiting_as_soon_as_the_pool_holds_it_back(idlm: LoadedModel) -> None:
+    # Found by QA: before an admission pass had seen the pool blocked, every free running slot
+    # counted as starting, so a burst on an idle server queued up to max_running − 1 requests
+    # past --max-waiting-requests.
+    need = AsyncEngine(idlm, EngineConfig()).algorithm.kv_tokens(len(PROMPT), PARAMS)
+    config = EngineConfig(
+        max_running_requests=4,
+        max_waiting_requests=1,
+        kv_cache_memory=gib_for(idlm, need + need // 2),  # room for one request at a time
+    )
+    engine = AsyncEngine(idlm, config)
+    engine._thread = SimpleNamespace(is_alive=lambda: True)  # type: ignore[assignment]
     outs: list[RequestOutput] = []
-    engine.scheduler.waiting.append(request(engine, "big", outs))
-    engine._admit()
-    assert engine.num_running == 0 and engine.num_waiting == 0
-    assert outs[-1].finish_reason == "error"
-    assert "KV pool holds 16" in (outs[-1].error or "") and "--kv-cache-memory" in outs[-1].error
+    engine._submit(request(engine, "a", outs))  # starts at the next pass
+    engine._submit(request(engine, "b", outs))  # waits for a's KV
+    with pytest.raises(QueueFullError, match=r"^1 request\(s\) already waiting \(limit 1\)"):
+        engine._submit(request(engine, "c", outs))
+    assert engine.num_waiting == 2  # a and b, before any admission pass
+
+
+def test_a_request_that_can_never_fit_is_refused_at_submission(idlm: LoadedModel) -> None:
+    engine = AsyncEngine(idlm, EngineConfig(kv_cache_memory=gib_for(idlm, 16)))
+    engine._thread = SimpleNamespace(is_alive=lambda: True)  # type: ignore[assignment]
+    outs: list[RequestOutput] = []
+    need = engine.algorithm.kv_tokens(len(PROMPT), PARAMS)
+    with pytest.raises(KVCapacityError) as refused:
+        engine._submit(request(engine, "big", outs))
+    assert str(refused.value) == (
+        f"the request needs {need} KV-cache slots (its prompt, max tokens and decoding "
+        "scratch), but the KV cache holds 16"
+    )
+    assert engine.num_waiting == 0 and not outs
 
 
 def test_the_pool_returns_to_idle_after_concurrent_isd_requests(idlm: LoadedModel) -> None:
