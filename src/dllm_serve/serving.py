@@ -54,6 +54,7 @@ def serve(config: ServerConfig) -> None:
 def _load(config: ServerConfig) -> LoadedModel | None:
     """The served model (rank 0's shard under tensor parallelism), its draft LoRA attached;
     None when a launcher started this process as a worker rank (it ran the worker's loop)."""
+    from dllm_serve.engine.tp_rendezvous import multi_node_rank
     from dllm_serve.models.families import UnsupportedModelError
     from dllm_serve.models.loader import ModelLoadError, load_model
     from dllm_serve.models.lora import attach_draft_lora
@@ -61,12 +62,13 @@ def _load(config: ServerConfig) -> LoadedModel | None:
     mc = config.model
     loaded: LoadedModel | None = None
     try:
+        # Whatever the size: a launcher's WORLD_SIZE with --tensor-parallel-size 1 (forgotten)
+        # would otherwise have every rank load the whole model and open the API port.
+        rank = multi_node_rank(mc.tensor_parallel_size)
         if mc.tensor_parallel_size > 1:
             from dllm_serve.engine.tensor_parallel import launch, worker_main
-            from dllm_serve.engine.tp_rendezvous import multi_node_rank
 
             size, ep = mc.tensor_parallel_size, mc.expert_parallel_size > 1
-            rank = multi_node_rank(size)
             if rank:  # a launcher started this process as a worker rank: no API here
                 worker_main(
                     rank, size, "env://", mc.model, mc.device, mc.dtype, mc.draft_lora, 0, ep,

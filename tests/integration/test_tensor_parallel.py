@@ -327,10 +327,30 @@ def test_ranks_with_different_checkpoints_are_refused(tmp_path: Path) -> None:
         assert "ranks disagree on the checkpoint" in (tmp_path / log).read_text()
 
 
-def test_world_size_must_match_the_flag(tmp_path: Path) -> None:
-    env = {**_rank_env(0, free_port()), "WORLD_SIZE": "4"}
-    with pytest.raises(RuntimeError, match="WORLD_SIZE=4 in the environment but"):
-        RemoteServer.start(["--tensor-parallel-size", "2"], tmp_path / "log", env=env)
+@pytest.mark.parametrize(("world", "flags"), [("4", ["--tensor-parallel-size", "2"]), ("2", [])])
+def test_world_size_must_match_the_flag(tmp_path: Path, world: str, flags: list[str]) -> None:
+    # Without the flag too (found by QA): each launched rank had served the whole model.
+    size = flags[-1] if flags else "1"
+    env = {**_rank_env(0, free_port()), "WORLD_SIZE": world}
+    match = f"WORLD_SIZE={world} in the environment but --tensor-parallel-size {size}"
+    with pytest.raises(RuntimeError, match=match):
+        RemoteServer.start(flags, tmp_path / "log", env=env)
+
+
+@pytest.mark.parametrize(("world", "device"), [(None, "cuda:1"), ("1", "cuda:1"), ("2", "cuda:3")])
+def test_local_rank_is_the_launchers_only(
+    monkeypatch: pytest.MonkeyPatch, world: str | None, device: str
+) -> None:
+    """Found by QA: workers the server spawns inherit its environment, so a LOCAL_RANK left by
+    a pod spec put every one of them on the same GPU."""
+    from dllm_serve.engine.tp_rendezvous import device_for
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    assert device_for("cuda", 1) == device
 
 
 @pytest.mark.parametrize(

@@ -134,8 +134,11 @@ class TensorParallelGroup:
             dist.broadcast_object_list([(STOP,)], src=0, group=self.control)
         except Exception:  # a worker already gone: nothing to tell it
             logger.warning("could not send stop to the tensor-parallel workers", exc_info=True)
+        # One deadline for all: joined one after another with ``timeout`` each, seven hung
+        # workers would hold the exit for 70 s, past the pod's grace period.
+        deadline = time.monotonic() + timeout
         for p in self.workers:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
         dist.destroy_process_group()

@@ -33,10 +33,13 @@ def free_port() -> int:
 
 
 def device_for(device: str, rank: int) -> str:
-    """One GPU per rank on CUDA (``cuda:LOCAL_RANK`` when a launcher set it, else
+    """One GPU per rank on CUDA (``cuda:LOCAL_RANK`` when a launcher started the ranks, else
     ``cuda:rank``); every rank on ``cpu`` otherwise."""
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
-        return f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
+        # Only a launcher's LOCAL_RANK: workers this server spawns inherit its environment, and
+        # a LOCAL_RANK left there by a pod spec would put every one of them on the same GPU.
+        launched = os.environ.get("WORLD_SIZE", "1") != "1"
+        return f"cuda:{os.environ.get('LOCAL_RANK', rank) if launched else rank}"
     return "cpu"
 
 

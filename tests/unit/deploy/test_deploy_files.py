@@ -96,8 +96,9 @@ def env_values(instructions: list[tuple[str, str]]) -> dict[str, str]:
 def container_argv(instructions: list[tuple[str, str]], args: list[str]) -> list[str]:
     """The server's argv when the container runs with `args` after the image name (or CMD)."""
     entrypoint = exec_form(only(instructions, "ENTRYPOINT"))
-    assert entrypoint[0] == "dllm-serve"
-    return entrypoint[1:] + args
+    # An init process first (found by QA: as PID 1 the server ignored SIGTERM while loading).
+    assert entrypoint[:3] == ["tini", "--", "dllm-serve"], entrypoint
+    return entrypoint[3:] + args
 
 
 def test_parser_joins_continuations_and_drops_comments() -> None:
