@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -22,20 +22,13 @@ from sse_starlette import EventSourceResponse
 from dllm_serve.api.error_handlers import unavailable
 from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, invalid
 from dllm_serve.api.metrics import Metrics
-from dllm_serve.api.mode_rules import ModelDecoding
-from dllm_serve.api.prompt_checks import (
-    check_context_length,
-    check_no_mask_token,
-    check_token_ids,
-)
 from dllm_serve.api.protocol import ChatCompletionResponse, CompletionResponse
+from dllm_serve.api.request_pipeline import ModelFacts, chat_request, completion_request
 from dllm_serve.api.request_spec import RequestSpec
 from dllm_serve.api.streaming import chat_chunks, failure, text_chunks, usage_dict
-from dllm_serve.api.validation import parse_chat_request, parse_completion_request
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine, KVCapacityError, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
-from dllm_serve.models.errors import ChatTemplateError
 
 if TYPE_CHECKING:
     from dllm_serve.api.app import Lifecycle
@@ -44,17 +37,6 @@ if TYPE_CHECKING:
 # The routes were defined in api/app.py; their log lines keep that logger's name.
 logger = logging.getLogger("dllm_serve.api.app")
 
-# Bodies longer than this are parsed in a worker thread: validating megabytes of messages
-# takes seconds, which on the event loop would stall every other connection meanwhile.
-PARSE_OFF_LOOP_BYTES = 1 << 16
-
-
-async def _parsed(parse: Callable[..., RequestSpec], body: bytes, *args: Any) -> RequestSpec:
-    """``parse(body, *args)``, off the event loop for a long body."""
-    if len(body) > PARSE_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(parse, body, *args)
-    return parse(body, *args)
-
 
 def install_completion_routes(
     app: FastAPI,
@@ -62,10 +44,10 @@ def install_completion_routes(
     config: ServerConfig,
     lifecycle: Lifecycle,
     metrics: Metrics,
-) -> tuple[ChatSpec, Submit, _ModelFacts]:
+) -> tuple[ChatSpec, Submit, ModelFacts]:
     """Add the two OpenAI generation routes; returns the chat validation, the submission and
     the model facts the playground reuses."""
-    facts = _ModelFacts(engine)
+    facts = ModelFacts(engine)
 
     @app.post(
         "/v1/chat/completions",
@@ -82,37 +64,12 @@ def install_completion_routes(
 
     async def chat_spec(request: Request, trace: bool = False) -> tuple[RequestSpec, list[int]]:
         """A chat request's validated spec and prompt ids (also the trace endpoint's, with
-        ``trace``)."""
+        ``trace``), from a worker thread: validating megabytes of messages or tokenizing a
+        long prompt takes seconds, which on the event loop would stall every connection."""
         # The body is parsed by hand so every malformed input becomes a 400 in the OpenAI
         # envelope (FastAPI would answer 422, and some inputs would never reach pydantic).
-        spec = await _parsed(
-            parse_chat_request,
-            await request.body(),
-            request.headers.get("content-type"),
-            engine.default_gen_length,
-            facts.default_block_length,
-            facts.round_canvas,
-            facts.decoding,
-            trace,
-        )
-        facts.check_stop_token_ids(spec)
-        if not engine.is_alive:
-            raise unavailable()
-        assert spec.messages is not None
-        try:
-            prompt_ids = await asyncio.to_thread(engine.chat_prompt_ids, spec.messages)
-        except ChatTemplateError as exc:
-            raise invalid(f"{exc}.", "messages") from None
-        check_no_mask_token(prompt_ids, facts.mask_id, "messages")
-        spec = spec.fitted(len(prompt_ids), engine.max_length)
-        check_context_length(
-            len(prompt_ids),
-            spec.params.gen_length,
-            engine.max_length,
-            "messages",
-            spec.canvas_param,
-        )
-        return spec, prompt_ids
+        body, content_type = await request.body(), request.headers.get("content-type")
+        return await asyncio.to_thread(chat_request, facts, body, content_type, trace)
 
     @app.post(
         "/v1/completions",
@@ -122,31 +79,8 @@ def install_completion_routes(
         openapi_extra=_request_body("CompletionRequest"),
     )
     async def completions(request: Request) -> Any:
-        spec = await _parsed(
-            parse_completion_request,
-            await request.body(),
-            request.headers.get("content-type"),
-            engine.default_gen_length,
-            facts.default_block_length,
-            facts.round_canvas,
-            facts.decoding,
-        )
-        facts.check_stop_token_ids(spec)
-        if not engine.is_alive:
-            raise unavailable()
-        if isinstance(spec.prompt, str):
-            prompt_ids = await asyncio.to_thread(engine.prompt_ids, spec.prompt)
-            check_no_mask_token(prompt_ids, facts.mask_id, "prompt")
-        else:
-            assert spec.prompt is not None
-            check_token_ids(spec.prompt, facts.vocab_size, facts.mask_id, "prompt")
-            prompt_ids = spec.prompt
-        if not prompt_ids:
-            raise invalid("'prompt' is empty: it must hold at least one token.", "prompt")
-        spec = spec.fitted(len(prompt_ids), engine.max_length)
-        check_context_length(
-            len(prompt_ids), spec.params.gen_length, engine.max_length, "prompt", spec.canvas_param
-        )
+        body, content_type = await request.body(), request.headers.get("content-type")
+        spec, prompt_ids = await asyncio.to_thread(completion_request, facts, body, content_type)
         return await run(request, spec, prompt_ids, "text")
 
     async def run(request: Request, spec: RequestSpec, prompt_ids: list[int], kind: str) -> Any:
@@ -304,32 +238,6 @@ async def _collect_unless_disconnected(
             work.cancel()  # raises inside engine.generate(), whose finally aborts the request
             await asyncio.gather(work, return_exceptions=True)
     return work.result() if not work.cancelled() else ("", None)
-
-
-class _ModelFacts:
-    """What the API layer reads from the loaded model: block, vocabulary, mask id, tokenizer."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        loaded = getattr(engine, "loaded", None)
-        self.default_block_length: int | None = getattr(loaded, "default_block_length", None)
-        self.vocab_size: int = getattr(loaded, "vocab_size", 0) or 0
-        self.mask_id: int | None = getattr(loaded, "mask_id", None)
-        self.block_size: int | None = getattr(loaded, "block_size", None)
-        # The decoding_mode of requests that name none (tri-mode models: --decoding-mode).
-        self.default_mode: str | None = getattr(engine, "default_decoding_mode", None)
-        self.decoding = ModelDecoding(
-            getattr(engine, "decoding_mode", "diffusion"), self.block_size, self.default_mode
-        )
-        # Canvas denoising drops canvas positions past max_tokens, so a long canvas may be
-        # rounded up to whole blocks (api/request_params.py); no other decoding has a canvas.
-        self.round_canvas = self.decoding.kind == "diffusion"
-
-    def check_stop_token_ids(self, spec: RequestSpec) -> None:
-        if spec.params.stop_token_ids:
-            check_token_ids(
-                spec.params.stop_token_ids, self.vocab_size, self.mask_id, "stop_token_ids"
-            )
 
 
 def _info(spec: RequestSpec) -> str:

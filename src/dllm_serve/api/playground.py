@@ -34,8 +34,10 @@ from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
 from dllm_serve.api.errors import REQUEST_ID_HEADER
+from dllm_serve.api.request_pipeline import ModelFacts
 from dllm_serve.api.request_spec import RequestSpec
 from dllm_serve.api.streaming import failure, usage_dict
+from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import RequestOutput
 
 STATIC = Path(__file__).with_name("static")
@@ -47,7 +49,7 @@ Submit = Callable[..., AsyncGenerator[RequestOutput, None]]
 
 
 def install_playground(
-    app: FastAPI, engine: Any, chat_spec: ChatSpec, submit: Submit, facts: Any
+    app: FastAPI, engine: AsyncEngine, chat_spec: ChatSpec, submit: Submit, facts: ModelFacts
 ) -> None:
     # The more specific mount first: /static/docs would otherwise fall into /static.
     app.mount("/static/docs", StaticFiles(directory=DOCS_STATIC), name="docs-static")
@@ -90,7 +92,7 @@ def install_playground(
             "model": engine.model_name,
             "decoding_mode": engine.decoding_mode,
             # Tri-mode models: the mode of requests that name none (--decoding-mode).
-            "default_decoding_mode": getattr(engine, "default_decoding_mode", None),
+            "default_decoding_mode": engine.default_decoding_mode,
             "default_max_tokens": engine.default_gen_length,
             # The block a request may name: a canvas model's recommended one, a block
             # model's trained one (the only one it accepts); none without denoising.
