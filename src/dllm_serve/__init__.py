@@ -1,6 +1,7 @@
 """dllm-serve: an OpenAI-compatible serving engine for diffusion LLMs.
 
-``LLM`` and ``DecodingParams`` are imported lazily so that ``import dllm_serve`` (and the
+``LLM`` (with its ``Completion`` and ``InvalidRequestError``) and ``DecodingParams`` are
+imported lazily so that ``import dllm_serve`` (and the
 CLI's ``--help``) does not pay for torch.
 """
 
@@ -9,18 +10,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "DecodingParams", "__version__"]
+__all__ = ["LLM", "Completion", "DecodingParams", "InvalidRequestError", "__version__"]
 
 if TYPE_CHECKING:
     from dllm_serve.decoding.params import DecodingParams
-    from dllm_serve.llm import LLM
+    from dllm_serve.llm import LLM, Completion, InvalidRequestError
 
 
 def __getattr__(name: str) -> Any:
-    if name == "LLM":
-        from dllm_serve.llm import LLM
+    if name in ("LLM", "Completion", "InvalidRequestError"):
+        from dllm_serve import llm
 
-        return LLM
+        return getattr(llm, name)
     if name == "DecodingParams":
         from dllm_serve.decoding.params import DecodingParams
 

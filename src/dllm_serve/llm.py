@@ -1,16 +1,26 @@
 """Offline API: the same engine as the server, without HTTP, for scripts and benchmarks.
 
-from dllm_serve import LLM, DecodingParams
-with LLM("tiny-llada") as llm:
-    [out] = llm.generate([[{"role": "user", "content": "Hi"}]], DecodingParams(gen_length=32))
-    print(out.text, out.finish_reason, out.nfe)
+from dllm_serve import LLM
+with LLM("demo-llada") as llm:
+    [out] = llm.chat([[{"role": "user", "content": "What is 2 + 2?"}]], max_tokens=64)
+    print(out.text, out.finish_reason, out.nfe)          # 2 + 2 = 4 stop ...
+
+:meth:`LLM.chat` and :meth:`LLM.complete` take the HTTP API's request fields and apply its
+rules, defaults and canvas fitting (``api/request_pipeline.py``): what the server would refuse
+with a 400 raises :class:`InvalidRequestError`. :meth:`LLM.generate` and
+:meth:`LLM.generate_ids` take engine-level :class:`DecodingParams` as given.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import concurrent.futures
+import dataclasses
+import json
+import weakref
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import uuid6
 
@@ -19,6 +29,17 @@ from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.models.loader import LoadedModel, load_model
+
+_T = TypeVar("_T")
+
+
+class InvalidRequestError(ValueError):
+    """What the HTTP API answers with a 400: ``param`` is the field at fault, ``code`` the
+    stable reason (``unsupported_parameter``, ``context_length_exceeded``, …) or None."""
+
+    def __init__(self, message: str, param: str | None, code: str | None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +72,32 @@ class LLM:
         engine_config: EngineConfig | None = None,
         tensor_parallel_size: int = 1,
         expert_parallel: bool = False,
+        draft_lora: str | None = None,
     ) -> None:
+        """``draft_lora``: a tri-mode model's draft-only LoRA (the server's ``--draft-lora``).
+        ``engine_config``'s waiting limit is lifted: offline callers submit whole datasets."""
+        size = tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if expert_parallel and tensor_parallel_size == 1:
+            raise ValueError("expert_parallel needs tensor_parallel_size > 1")
         if tensor_parallel_size > 1:  # worker processes hold the other shards
             from dllm_serve.engine.tensor_parallel import launch
 
             loaded = launch(
-                model, device, dtype, tensor_parallel_size, expert_parallel=expert_parallel
+                model,
+                device,
+                dtype,
+                tensor_parallel_size,
+                draft_lora=draft_lora,
+                expert_parallel=expert_parallel,
             )
         else:
             loaded = load_model(model, device=device, dtype=dtype)
+            if draft_lora is not None:
+                from dllm_serve.models.lora import attach_draft_lora
+
+                attach_draft_lora(loaded.model, draft_lora)
         self._start(loaded, engine_config)
 
     @classmethod
@@ -71,8 +109,9 @@ class LLM:
 
     def _start(self, loaded: LoadedModel, engine_config: EngineConfig | None) -> None:
         self.loaded = loaded
-        # Offline callers submit whole datasets at once: queue them all instead of refusing.
-        config = engine_config or EngineConfig(max_waiting_requests=1 << 30)
+        # Offline callers submit whole datasets at once: queue them all instead of refusing
+        # (found by QA: any engine_config brought back the server's limit of 256).
+        config = dataclasses.replace(engine_config or EngineConfig(), max_waiting_requests=1 << 30)
         try:
             self.engine = AsyncEngine(self.loaded, config)
         except BaseException:
@@ -82,14 +121,62 @@ class LLM:
                 loaded.parallel.stop()
             raise
         self.engine.start()
+        # Stops the engine thread (which keeps the weights alive) when the LLM is collected
+        # without close(); it holds the engine, never the LLM.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+        from dllm_serve.api.request_pipeline import ModelFacts
+
+        self._facts = ModelFacts(self.engine)
+
+    def chat(
+        self, conversations: Sequence[Sequence[dict[str, Any]]], **fields: Any
+    ) -> list[Completion]:
+        """One chat completion per conversation, with the HTTP API's request fields
+        (``max_tokens``, ``temperature``, ``seed``, ``stop``, ``num_denoising_steps``,
+        ``decoding_mode``, …: docs/api.md) shared by all, and its rules, defaults and canvas
+        fitting. A request the server would refuse raises :class:`InvalidRequestError`."""
+        from dllm_serve.api.request_pipeline import chat_request
+
+        return self._requests(chat_request, "messages", conversations, fields)
+
+    def complete(self, prompts: Sequence[str | Sequence[int]], **fields: Any) -> list[Completion]:
+        """One text completion per raw prompt (a string, no chat template, or token ids), as
+        ``/v1/completions`` does; fields and rules as in :meth:`chat`."""
+        from dllm_serve.api.request_pipeline import completion_request
+
+        return self._requests(completion_request, "prompt", prompts, fields)
+
+    def _requests(
+        self, pipeline: Any, field: str, items: Sequence[Any], fields: dict[str, Any]
+    ) -> list[Completion]:
+        from dllm_serve.api.errors import APIError
+
+        if field in fields or "stream" in fields:
+            raise ValueError(f"pass the {field} as the first argument; streaming is HTTP only")
+        specs = []
+        for i, item in enumerate(items):
+            try:
+                body = json.dumps({field: item, **fields}).encode()
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"request {i} is not JSON: {exc}") from None
+            try:
+                specs.append(pipeline(self._facts, body, "application/json"))
+            except APIError as exc:
+                error = exc.body()["error"]
+                raise InvalidRequestError(
+                    f"request {i}: {error['message']}", error["param"], error["code"]
+                ) from None
+        requests = [(ids, spec.params, spec.stop, spec.include_stop_str) for spec, ids in specs]
+        return self._blocking(self._run(requests))
 
     def generate(
         self,
         conversations: Sequence[Sequence[dict[str, str]]],
         params: DecodingParams | Sequence[DecodingParams] | None = None,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
     ) -> list[Completion]:
-        """Generate one completion per conversation (``params`` per conversation or shared)."""
+        """Generate one completion per conversation (``params`` per conversation or shared),
+        with engine-level parameters taken as given; :meth:`chat` applies the API's rules."""
         if params is None:  # the server's defaults: the model's canvas, and its steps
             length = self.engine.default_gen_length
             # A block model's steps are per block: one token per step in its trained block.
@@ -107,15 +194,35 @@ class LLM:
     def generate_ids(
         self,
         prompts: Sequence[Sequence[int]],
-        params: Sequence[DecodingParams],
-        stop: Sequence[str] = (),
+        params: DecodingParams | Sequence[DecodingParams],
+        stop: str | Sequence[str] = (),
     ) -> list[Completion]:
-        """Generate from prompt token ids (already templated), one ``params`` per prompt."""
+        """Generate from prompt token ids (already templated), ``params`` per prompt or
+        shared; the parameters are taken as given (no API defaults or canvas fitting)."""
+        if isinstance(params, DecodingParams):
+            params = [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError("give one DecodingParams per prompt")
+            raise ValueError("give one DecodingParams per prompt, or a single one")
+        if isinstance(stop, str):  # one stop string, as the API accepts it
+            stop = [stop]
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             self._check(i, prompt, p)
-        return asyncio.run(self._run([list(p) for p in prompts], list(params), tuple(stop)))
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError("stop strings must be non-empty strings")
+        stops = tuple(stop)
+        requests = [(list(p), q, stops, False) for p, q in zip(prompts, params, strict=True)]
+        return self._blocking(self._run(requests))
+
+    @staticmethod
+    def _blocking(work: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``work`` to the end; from inside a running event loop (Jupyter, async code),
+        on a thread of its own, since that loop cannot be re-entered."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(work)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, work).result()
 
     def _check(self, i: int, prompt: Sequence[int], params: DecodingParams) -> None:
         """What the server checks before a request runs, as a ValueError here (not a failed
@@ -142,8 +249,10 @@ class LLM:
             )
 
     async def _run(
-        self, prompts: list[list[int]], params: list[DecodingParams], stop: tuple[str, ...]
+        self, requests: list[tuple[list[int], DecodingParams, tuple[str, ...], bool]]
     ) -> list[Completion]:
+        """Every (prompt ids, params, stop strings, include_stop) submitted together."""
+
         async def collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
             parts, last = [], None
             async for output in outputs:
@@ -164,13 +273,15 @@ class LLM:
             )
 
         engine = self.engine
-        ids = [str(uuid6.uuid7()) for _ in prompts]
+        ids = [str(uuid6.uuid7()) for _ in requests]
         streams = []
         try:
             with engine.submitting_together():  # the first step admits the whole batch
-                for prompt, p, request_id in zip(prompts, params, ids, strict=True):
+                for (prompt, p, stop, include), request_id in zip(requests, ids, strict=True):
                     streams.append(
-                        engine.generate(prompt, p, request_id, stop=stop, final_only=True)
+                        engine.generate(
+                            prompt, p, request_id, stop=stop, final_only=True, include_stop=include
+                        )
                     )
         except BaseException:
             for request_id in ids[: len(streams)]:  # never started, so never aborted by them
@@ -179,7 +290,7 @@ class LLM:
         return list(await asyncio.gather(*(collect(s) for s in streams)))
 
     def close(self) -> None:
-        self.engine.shutdown()
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self

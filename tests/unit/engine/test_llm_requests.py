@@ -1,0 +1,145 @@
+"""The offline LLM's chat/complete run the HTTP API's own request pipeline (found by QA: the
+offline API had applied none of the API's rules beyond prompt checks, so fields the server
+refuses ran silently; roles were not normalised; a bare stop string became one stop per
+character), and its lifecycle: collected without close(), called from a running event loop,
+any engine_config, a draft LoRA."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from dllm_serve import InvalidRequestError
+from dllm_serve.api.app import build_app
+from dllm_serve.config import EngineConfig
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.llm import LLM
+from dllm_serve.models.loader import load_model
+
+QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
+BRIEF = [{"role": "developer", "content": "Be brief."}, *QUESTION]
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    with LLM("demo-llada", device="cpu", dtype="float32") as model:
+        yield model
+
+
+def http(body: dict, path: str = "/v1/chat/completions") -> dict:
+    engine = AsyncEngine(load_model("demo-llada", device="cpu", dtype="float32"))
+    with TestClient(build_app(engine)) as client:
+        return client.post(path, json=body).json()
+
+
+@pytest.mark.parametrize(
+    ("messages", "fields"),
+    [(QUESTION, {"max_tokens": 1024}), (BRIEF, {}), (QUESTION, {"stop": "+ 2"})],
+)
+def test_chat_answers_what_the_server_answers(llm: LLM, messages: list, fields: dict) -> None:
+    [out] = llm.chat([messages], **fields)
+    reply = http({"messages": messages, **fields})
+    assert out.text == reply["choices"][0]["message"]["content"]
+    assert out.finish_reason == reply["choices"][0]["finish_reason"]
+    usage = reply["usage"]
+    assert (out.prompt_tokens, out.completion_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert out.nfe == usage["diffusion"]["nfe"]
+
+
+def test_complete_answers_what_the_server_answers(llm: LLM) -> None:
+    [out] = llm.complete(["What is 2 + 2?"], max_tokens=16, ignore_eos=True)
+    reply = http(
+        {"prompt": "What is 2 + 2?", "max_tokens": 16, "ignore_eos": True}, "/v1/completions"
+    )
+    assert out.text == reply["choices"][0]["text"]
+    assert out.completion_tokens == reply["usage"]["completion_tokens"] == 16
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"decoding_mode": "ar"}, "decoding_mode", "not_applicable"),
+        ({"stop": [""]}, "stop[0]", None),
+        ({"seed": 2**64}, "seed", None),
+        ({"max_tokens": 1000, "num_denoising_steps": 1000}, "num_denoising_steps", None),
+        ({"top_p": 0.5}, "top_p", "unsupported_parameter"),
+        ({"max_tokens": 4096}, "max_tokens", "context_length_exceeded"),
+    ],
+)
+def test_chat_refuses_what_the_server_refuses(
+    llm: LLM, fields: dict, param: str, code: str | None
+) -> None:
+    reply = http({"messages": QUESTION, **fields})
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.chat([QUESTION], **fields)
+    assert str(refused.value) == f"request 0: {reply['error']['message']}"
+    assert (refused.value.param, refused.value.code) == (param, code)
+    assert (reply["error"]["param"], reply["error"]["code"]) == (param, code)
+
+
+def test_generate_takes_one_stop_string_and_shared_params(llm: LLM) -> None:
+    params = DecodingParams(gen_length=32, steps=32)
+    ids = llm.engine.chat_prompt_ids(QUESTION)
+    [whole] = llm.generate_ids([ids], params)
+    [cut] = llm.generate_ids([ids], params, stop="+ 2")
+    assert whole.text == "2 + 2 = 4" and cut.text == "2 "
+    with pytest.raises(ValueError, match="stop strings must be non-empty strings"):
+        llm.generate_ids([ids], params, stop=[""])
+
+
+def test_chat_works_inside_a_running_event_loop(llm: LLM) -> None:
+    async def notebook_cell() -> str:
+        return llm.chat([QUESTION])[0].text
+
+    assert asyncio.run(notebook_cell()) == "2 + 2 = 4"
+
+
+def test_an_llm_collected_without_close_stops_its_engine() -> None:
+    def engines() -> int:
+        return sum(t.name == "dllm-engine" for t in threading.enumerate())
+
+    before = engines()
+    model = LLM("tiny-llada", device="cpu", dtype="float32")
+    assert engines() == before + 1
+    del model
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while engines() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engines() == before
+
+
+def test_any_engine_config_queues_a_whole_dataset() -> None:
+    with LLM("tiny-llada", device="cpu", engine_config=EngineConfig(max_waiting_requests=2)) as m:
+        outs = m.generate_ids([[11, 12, 13]] * 8, DecodingParams(gen_length=4, steps=4))
+    assert len(outs) == 8 and all(o.finish_reason in ("stop", "length") for o in outs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
+        ({"expert_parallel": True}, "expert_parallel needs tensor_parallel_size > 1"),
+    ],
+)
+def test_constructor_refuses_what_the_cli_refuses(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny-llada", device="cpu", **kwargs)
+
+
+def test_draft_lora_is_attached_offline() -> None:
+    with LLM("demo-trimode", device="cpu", draft_lora="demo-trimode-lora") as model:
+        [out] = model.chat([[{"role": "user", "content": "What is 12 + 34?"}]])
+        loaded = model.loaded
+    assert out.text == "12 + 34 = 46"
+    assert any("lora" in name.lower() for name, _ in loaded.model.named_modules())
