@@ -54,7 +54,7 @@ class Metrics:
         )
         self.ttfc = Histogram(
             "dllm:time_to_first_content_seconds",
-            "Arrival to the first non-empty text delta.",
+            "Arrival to the first answer token made final (the first text delta of a stream).",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

@@ -70,8 +70,9 @@ def _request_id(scope: Scope) -> str | None:
     return scope.get("state", {}).get("request_id")
 
 
-# Paths that stay open without an API key and while draining: probes and scrapers use them.
-OPS_PATHS = ("/health", "/metrics", "/version")
+# Operations endpoints that stay open while draining, for scrapers; /health turns 503 instead,
+# so probes take the pod out of rotation. (Outside /v1 they never need the API key.)
+OPEN_WHILE_DRAINING = ("/metrics", "/version")
 
 
 class ApiKeyMiddleware:
@@ -152,7 +153,7 @@ class DrainGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and self.is_draining() and path not in OPS_PATHS[1:]:
+        if scope["type"] == "http" and self.is_draining() and path not in OPEN_WHILE_DRAINING:
             error = APIError(
                 "The server is shutting down; retry on another replica.",
                 status=503,

@@ -3,9 +3,9 @@
 A step of the engine is ``prepare`` (host: one :class:`RowSpec` per row) → the ModelRunner's
 forward → ``sample`` (device: tensor in, tensor out, batched over rows, nothing read back) →
 one device→host copy (``tolist``) by the engine → ``commit`` (host: apply, count, detect the
-end). LLaDA-style denoising (``denoise.py``), block diffusion (``block_diffusion.py``) and
-I-DLM self-speculation (``isd.py``) implement it; the next modes (LinearSpec) plug in the same
-way.
+end). LLaDA-style denoising (``denoise.py``), block diffusion (``block_diffusion.py``, and
+``causal_diffusion.py`` over a causal prefix), I-DLM self-speculation (``isd.py``), LinearSpec
+(``linear_spec.py``) and the tri-mode dispatcher over them (``trimode.py``) implement it.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class DecodeState(Protocol):
 class DecodingAlgorithm(Protocol):
     """One decoding mode, batched over the rows of a step."""
 
-    decoding_mode: str  # "diffusion" | "block_diffusion" | "self_speculation": fields that apply
+    # "diffusion" | "block_diffusion" | "self_speculation" | "tri_mode": which fields apply
+    decoding_mode: str
 
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str

@@ -8,7 +8,6 @@ from dllm_serve.decoding.modes import REQUEST_MODES
 
 BLOCK_SCHEDULES = ("uniform", "front_loaded", "cosine")
 CONFIDENCE_METRICS = ("top1_prob", "entropy_inverse")
-COMMIT_MODES = ("topk", "threshold", "local_leap")
 DEFAULT_GEN_LENGTH = 128  # canvas of a request without max_tokens, unless the model sets one
 DEFAULT_STEPS = 128  # docs/api-contract.md; capped at the canvas
 

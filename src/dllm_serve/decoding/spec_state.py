@@ -63,11 +63,6 @@ class SelfSpecState:
         """Tokens produced per forward (``committed / nfe``; 1 for AR)."""
         return self.committed / self.nfe if self.nfe else 0.0
 
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted specs / verified specs (0 before any spec was verified)."""
-        return self.accepted_drafts / self.drafted if self.drafted else 0.0
-
     def answer_tokens(self) -> list[int]:
         """The accepted answer so far, stop id excluded (every token is final: stream it)."""
         return list(self.emitted)

@@ -30,7 +30,7 @@ from dllm_serve.engine.request import Request
 from dllm_serve.engine.scheduler import KVCapacityError, QueueFullError, Scheduler
 from dllm_serve.engine.steps import EngineSteps, Sink
 from dllm_serve.engine.tokenizer_pool import TokenizerPool
-from dllm_serve.models.loader import LoadedModel
+from dllm_serve.models.loader import LoadedModel, decode_answer
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +136,7 @@ class AsyncEngine(EngineSteps):
 
     def _decode(self, ids: Sequence[int]) -> str:
         """Engine thread only (its own tokenizer copy; see ``__init__``)."""
-        return self._detok_tokenizer.decode(
-            list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        return decode_answer(self._detok_tokenizer, ids)
 
     # ---- requests --------------------------------------------------------------------------
     @property

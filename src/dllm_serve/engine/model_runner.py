@@ -167,10 +167,14 @@ class ModelRunner:
     def _collective_failed(self, exc: BaseException) -> NoReturn:
         # A collective failed: a rank is gone (or the network between ranks). The group
         # cannot recover mid-step, so the whole server stops, visibly, never hangs: rank 0
-        # answers 503 for the group's grace period first; a worker exits at once.
+        # answers 503 for the group's grace period first; a worker exits at once. An out-of-
+        # memory error lands here too (the peers would wait for this rank's collective), and
+        # is named as such so that nobody looks for a network fault.
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        what = "step ran out of memory" if oom else "collective failed"
         if self.parallel is not None:
-            self.parallel.fail(f"tensor-parallel collective failed: {exc}")
-        logger.critical("tensor-parallel collective failed: %s; exiting", exc)
+            self.parallel.fail(f"tensor-parallel {what}: {exc}")
+        logger.critical("tensor-parallel %s: %s; exiting", what, exc)
         os._exit(1)
 
     def close(self) -> None:

@@ -6,17 +6,10 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from dllm_serve.decoding.algorithm import DecodeState
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
-
-
-class RequestStatus(StrEnum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclass(eq=False)
@@ -34,7 +27,6 @@ class Request:
     sink: Callable[[RequestOutput], None]
     detokenizer: IncrementalDetokenizer
     arrival_time: float = field(default_factory=time.monotonic)
-    status: RequestStatus = RequestStatus.WAITING
     state: DecodeState | None = None  # created on admission, on the engine thread
     first_content_time: float | None = None
     deadline: float | None = None  # time.monotonic() past which the request times out

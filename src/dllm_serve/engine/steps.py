@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from dllm_serve.engine import trace
 from dllm_serve.engine.outputs import RequestOutput
-from dllm_serve.engine.request import Request, RequestStatus
+from dllm_serve.engine.request import Request
 
 if TYPE_CHECKING:
     from dllm_serve.decoding.algorithm import DecodingAlgorithm
@@ -84,7 +84,6 @@ class EngineSteps:
                 self._fail_exc(request, exc, "admission")
                 continue
             request.state.kv = span
-            request.status = RequestStatus.RUNNING
             self.scheduler.run(request)
 
     def _forward(self, group: list[Request]) -> None:
@@ -169,8 +168,6 @@ class EngineSteps:
             count = detok.stop_tokens if detok.stop_tokens is not None else count
         if delta and request.first_content_time is None:
             self._first_content(request)
-        if finished:
-            request.status = RequestStatus.FINISHED
         if delta or finished or events is not None:
             output = request.output(delta, count, finish_reason if finished else None, None, events)
             self._send(request, output)
@@ -184,7 +181,6 @@ class EngineSteps:
         self._fail(request, "error", f"{type(exc).__name__}: {exc}")
 
     def _fail(self, request: Request, reason: str, error: str | None = None) -> None:
-        request.status = RequestStatus.FINISHED
         state = request.state
         answer = len(state.answer_tokens()) if state is not None else 0
         self._send(request, request.output("", answer, reason, error))

@@ -18,7 +18,6 @@ stride never reallocates.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 ISD_FAMILIES = ("sdar",)  # families served by self-speculation (I-DLM)
@@ -74,8 +73,3 @@ def parse_tiers(text: str) -> tuple[tuple[int, int], ...]:
             raise ValueError(f"block-size tier {item!r} is not THRESHOLD:STRIDE") from None
     BlockSizeTiers(1, tuple(tiers))  # validate
     return tuple(tiers)
-
-
-def format_tiers(tiers: Sequence[tuple[int, int]]) -> str:
-    """Inverse of :func:`parse_tiers` (for logs and ``--help`` defaults)."""
-    return ",".join(f"{t}:{s}" for t, s in tiers)

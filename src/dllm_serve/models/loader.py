@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,11 +111,15 @@ class LoadedModel:
         # The template inserts BOS itself; letting the tokenizer add specials would double it.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` without special tokens, spaces exactly as generated."""
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        return decode_answer(self.tokenizer, ids)
+
+
+def decode_answer(tokenizer: Any, ids: Sequence[int]) -> str:
+    """An answer's text: special tokens (EOS padding, stop ids) dropped, spaces exactly as
+    generated (no clean-up). The engine decodes with its own copy of the tokenizer."""
+    return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.outputs import IncrementalDetokenizer
-from dllm_serve.engine.request import Request, RequestStatus
+from dllm_serve.engine.request import Request
 from dllm_serve.engine.scheduler import Scheduler
 
 
@@ -16,7 +16,6 @@ def request(name: str, prompt: int, canvas: int, single: bool = False) -> Reques
         params=DecodingParams(gen_length=canvas, steps=canvas, force_single_batch=single),
         sink=lambda out: None,
         detokenizer=IncrementalDetokenizer(lambda ids: ""),
-        status=RequestStatus.RUNNING,
     )
 
 

@@ -12,14 +12,14 @@ from dllm_serve.decoding.isd import ISDecoder
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import RequestOutput
-from dllm_serve.engine.tiers import BlockSizeTiers, format_tiers, parse_tiers
+from dllm_serve.engine.tiers import BlockSizeTiers, parse_tiers
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.tiny import write_tiny_idlm
 
 
 def test_parse_and_select_tiers() -> None:
     tiers = parse_tiers(" 1:8, 8:4,32:2 ")
-    assert tiers == ((1, 8), (8, 4), (32, 2)) and format_tiers(tiers) == "1:8,8:4,32:2"
+    assert tiers == ((1, 8), (8, 4), (32, 2))
     table = BlockSizeTiers(6, tiers)
     assert [table.stride_for(n) for n in (0, 1, 7, 8, 31, 32, 500)] == [6, 8, 8, 4, 4, 2, 2]
     assert table.max_stride == 8  # the KV reservation is sized for this
