@@ -13,7 +13,7 @@ from dllm_serve.cli import parse_config
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.engine.engine import AsyncEngine, KVCapacityError
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.models.kv_pool import KVPool
@@ -127,7 +127,7 @@ def test_no_cache_engine_holds_nothing(loaded: LoadedModel) -> None:
 
 def test_kv_cache_memory_bounds_the_pool(loaded: LoadedModel) -> None:
     """``--kv-cache-memory`` sizes the pool: a request whose span does not fit next to the
-    running one waits for it, one that could never fit fails at once."""
+    running one waits for it, one that could never fit is refused at submission."""
     cfg = loaded.model.config
     per_slot = KVPool.bytes_per_slot(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.float32)
     gib = 40 * per_slot / (1 << 30)  # room for 40 slots
@@ -145,9 +145,9 @@ def test_kv_cache_memory_bounds_the_pool(loaded: LoadedModel) -> None:
             return await asyncio.gather(*(collect(engine, p, fits) for p in prompts))
 
         results = asyncio.run(scenario())
-        bad = asyncio.run(collect(engine, [5, 17, 8], too_big))
-        assert bad[-1].finish_reason == "error" and "KV" in (bad[-1].error or "")
-        assert engine.kv_cache_bytes == 0 and pool.used == 0
+        with pytest.raises(KVCapacityError, match=r"needs 67 KV-cache slots .* holds 40$"):
+            asyncio.run(collect(engine, [5, 17, 8], too_big))
+        assert engine.kv_cache_bytes == 0 and pool.used == 0 and engine.num_waiting == 0
     finally:
         engine.shutdown()
     for prompt, outs in zip(prompts, results, strict=True):
