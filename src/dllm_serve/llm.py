@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import weakref
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import uuid6
 
@@ -29,6 +30,10 @@ from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.models.loader import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from dllm_serve.api.request_pipeline import ModelFacts
+    from dllm_serve.api.request_spec import RequestSpec
 
 _T = TypeVar("_T")
 
@@ -124,9 +129,14 @@ class LLM:
         # Stops the engine thread (which keeps the weights alive) when the LLM is collected
         # without close(); it holds the engine, never the LLM.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    @functools.cached_property
+    def _facts(self) -> ModelFacts:
+        # The API's request pipeline is imported on first use only: generate() and the
+        # benchmarks run where the web stack (fastapi, pydantic) is not installed.
         from dllm_serve.api.request_pipeline import ModelFacts
 
-        self._facts = ModelFacts(self.engine)
+        return ModelFacts(self.engine)
 
     def chat(
         self, conversations: Sequence[Sequence[dict[str, Any]]], **fields: Any
@@ -147,8 +157,13 @@ class LLM:
         return self._requests(completion_request, "prompt", prompts, fields)
 
     def _requests(
-        self, pipeline: Any, field: str, items: Sequence[Any], fields: dict[str, Any]
+        self,
+        pipeline: Callable[[ModelFacts, bytes, str | None], tuple[RequestSpec, list[int]]],
+        field: str,
+        items: Sequence[Any],
+        fields: dict[str, Any],
     ) -> list[Completion]:
+        """Each item as the body ``{field: item, **fields}`` through the API's pipeline."""
         from dllm_serve.api.errors import APIError
 
         if field in fields or "stream" in fields:
@@ -182,14 +197,8 @@ class LLM:
             # A block model's steps are per block: one token per step in its trained block.
             steps = self.loaded.block_size or min(DEFAULT_STEPS, length)
             params = DecodingParams(gen_length=length, steps=steps)
-        if isinstance(params, DecodingParams):
-            per_row = [params] * len(conversations)
-        else:
-            per_row = list(params)
-            if len(per_row) != len(conversations):
-                raise ValueError("give one DecodingParams per conversation, or a single one")
         prompts = [self.engine.chat_prompt_ids(list(c)) for c in conversations]
-        return self.generate_ids(prompts, per_row, stop)
+        return self.generate_ids(prompts, params, stop)
 
     def generate_ids(
         self,

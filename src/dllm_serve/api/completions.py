@@ -20,14 +20,14 @@ from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
 
 from dllm_serve.api.error_handlers import unavailable
-from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, invalid
+from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError
 from dllm_serve.api.metrics import Metrics
 from dllm_serve.api.protocol import ChatCompletionResponse, CompletionResponse
 from dllm_serve.api.request_pipeline import ModelFacts, chat_request, completion_request
 from dllm_serve.api.request_spec import RequestSpec
 from dllm_serve.api.streaming import chat_chunks, failure, text_chunks, usage_dict
 from dllm_serve.config import ServerConfig
-from dllm_serve.engine.engine import AsyncEngine, KVCapacityError, QueueFullError
+from dllm_serve.engine.engine import AsyncEngine, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -169,15 +169,6 @@ def install_completion_routes(
                 final_only=final_only,
                 include_stop=include_stop,
             )
-        except KVCapacityError as exc:
-            # Like a prompt past the context: retrying cannot help, so a 400 the client can
-            # act on, not a 500 that SDKs retry.
-            raise invalid(
-                f"This server cannot run the request: {exc}. Please reduce the length of the "
-                f"prompt or the completion (the server's operator can raise --kv-cache-memory).",
-                spec.canvas_param,
-                code="context_length_exceeded",
-            ) from None
         except QueueFullError as exc:
             metrics.rejected.labels("queue_full").inc()
             logger.info("rejected: status=429 code=rate_limit_exceeded (%s)", exc)

@@ -9,6 +9,9 @@ connection). Every refusal is an :class:`~dllm_serve.api.errors.APIError`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from dllm_serve.api.error_handlers import unavailable
 from dllm_serve.api.errors import invalid
 from dllm_serve.api.mode_rules import ModelDecoding
@@ -16,6 +19,7 @@ from dllm_serve.api.prompt_checks import check_context_length, check_no_mask_tok
 from dllm_serve.api.request_spec import RequestSpec
 from dllm_serve.api.validation import parse_chat_request, parse_completion_request
 from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.engine.kv_budget import KVCapacityError
 from dllm_serve.models.errors import ChatTemplateError
 
 
@@ -37,11 +41,31 @@ class ModelFacts:
         # rounded up to whole blocks (api/request_params.py); no other decoding has a canvas.
         self.round_canvas = self.decoding.kind == "diffusion"
 
-    def check_stop_token_ids(self, spec: RequestSpec) -> None:
+    def parse(
+        self,
+        parser: Callable[..., RequestSpec],
+        raw: bytes,
+        content_type: str | None,
+        **extra: Any,
+    ) -> RequestSpec:
+        """``parser`` (``api/validation.py``) on a body, with this model's defaults and
+        decoding rules; then its stop token ids are checked, and that the engine runs."""
+        spec = parser(
+            raw,
+            content_type,
+            **extra,
+            default_gen_length=self.engine.default_gen_length,
+            default_block_length=self.default_block_length,
+            round_canvas=self.round_canvas,
+            model=self.decoding,
+        )
         if spec.params.stop_token_ids:
             check_token_ids(
                 spec.params.stop_token_ids, self.vocab_size, self.mask_id, "stop_token_ids"
             )
+        if not self.engine.is_alive:
+            raise unavailable()
+        return spec
 
 
 def chat_request(
@@ -50,18 +74,7 @@ def chat_request(
     """A chat completion body's spec and templated prompt ids (``trace``: the trace
     endpoint's body, which refuses the streaming fields it has no use for)."""
     engine = facts.engine
-    spec = parse_chat_request(
-        raw,
-        content_type,
-        engine.default_gen_length,
-        facts.default_block_length,
-        facts.round_canvas,
-        facts.decoding,
-        trace,
-    )
-    facts.check_stop_token_ids(spec)
-    if not engine.is_alive:
-        raise unavailable()
+    spec = facts.parse(parse_chat_request, raw, content_type, trace=trace)
     assert spec.messages is not None
     try:
         prompt_ids = engine.chat_prompt_ids(spec.messages)
@@ -76,17 +89,7 @@ def completion_request(
 ) -> tuple[RequestSpec, list[int]]:
     """A text completion body's spec and prompt ids (a string tokenized as is, or ids)."""
     engine = facts.engine
-    spec = parse_completion_request(
-        raw,
-        content_type,
-        engine.default_gen_length,
-        facts.default_block_length,
-        facts.round_canvas,
-        facts.decoding,
-    )
-    facts.check_stop_token_ids(spec)
-    if not engine.is_alive:
-        raise unavailable()
+    spec = facts.parse(parse_completion_request, raw, content_type)
     if isinstance(spec.prompt, str):
         prompt_ids = engine.prompt_ids(spec.prompt)
         check_no_mask_token(prompt_ids, facts.mask_id, "prompt")
@@ -103,9 +106,20 @@ def _fitted(
     spec: RequestSpec, prompt_ids: list[int], engine: AsyncEngine, prompt_param: str
 ) -> tuple[RequestSpec, list[int]]:
     """The spec fitted to the prompt's length (``RequestSpec.fitted``), which must then leave
-    room for the canvas in the model's context."""
+    room for the canvas in the model's context, and whose K/V must fit the whole KV pool."""
     spec = spec.fitted(len(prompt_ids), engine.max_length)
     check_context_length(
         len(prompt_ids), spec.params.gen_length, engine.max_length, prompt_param, spec.canvas_param
     )
+    try:
+        engine.kv.check(len(prompt_ids), spec.params)
+    except KVCapacityError as exc:
+        # Like a prompt past the context: retrying cannot help, so a 400 the client can act
+        # on, not a 5xx that SDKs retry.
+        raise invalid(
+            f"This server cannot run the request: {exc}. Please reduce the length of the "
+            f"prompt or the completion (the server's operator can raise --kv-cache-memory).",
+            spec.canvas_param,
+            code="context_length_exceeded",
+        ) from None
     return spec, prompt_ids

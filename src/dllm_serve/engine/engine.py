@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Iterator, Sequence
+from itertools import islice
 
 import torch
 import uuid6
@@ -23,11 +24,12 @@ import uuid6
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
 from dllm_serve.engine.algorithms import algorithm_for, default_mode
+from dllm_serve.engine.kv_budget import KVBudget, KVCapacityError, pool_slots
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.observer import EngineObserver, NullObserver
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 from dllm_serve.engine.request import Request
-from dllm_serve.engine.scheduler import KVCapacityError, QueueFullError, Scheduler
+from dllm_serve.engine.scheduler import QueueFullError, Scheduler
 from dllm_serve.engine.steps import EngineSteps, Sink
 from dllm_serve.engine.tokenizer_pool import TokenizerPool
 from dllm_serve.models.loader import LoadedModel, decode_answer
@@ -59,26 +61,16 @@ class AsyncEngine(EngineSteps):
         # apply to the model's mode, and a request's decoding_mode the model does not have.
         self.decoding_mode = self.algorithm.decoding_mode
         self.default_decoding_mode = default_mode(self.algorithm)
-        # Slots a request of the longest context needs (0: the algorithm keeps no K/V).
-        longest = self.algorithm.kv_tokens(loaded.max_length - 1, DecodingParams(gen_length=1))
-        kv_slots = 0
-        if longest:
-            # Room for every running request at the longest context, unless memory says less.
-            most = self.config.max_running_requests * longest
-            kv_slots = ModelRunner.pool_slots(
-                loaded.model, loaded.device, self.config.kv_cache_memory, most
-            )
-            if kv_slots < 1:
-                raise ValueError("--kv-cache-memory leaves no room for a single KV slot")
         self.runner = ModelRunner(
             loaded.model,
             loaded.device,
-            kv_slots=kv_slots,
+            kv_slots=pool_slots(loaded, self.config, self.algorithm),
             parallel=loaded.parallel,
             cuda_graph=self.config.cuda_graph and loaded.device.type == "cuda",
             graph_max_rows=self.config.max_running_requests,
             mask_id=loaded.mask_id,
         )
+        self.kv = KVBudget(self.runner.pool, self.algorithm)
         self.scheduler = Scheduler(self.config)
         self._cond = threading.Condition()
         self._inbox: deque[Request] = deque()
@@ -145,14 +137,8 @@ class AsyncEngine(EngineSteps):
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the KV pool held by running requests (0 when idle or without a pool).
-
-        Read from other threads (metrics scrape): one integer read under the GIL.
-        """
-        pool = self.runner.pool
-        if pool is None:
-            return 0
-        return pool.used * (pool.nbytes // pool.slots)
+        """Bytes of the KV pool held by running requests (read by the metrics scrape)."""
+        return self.kv.reserved_bytes
 
     @property
     def num_waiting(self) -> int:
@@ -229,12 +215,7 @@ class AsyncEngine(EngineSteps):
             yield
 
     def _submit(self, request: Request) -> None:
-        pool = self.runner.pool
-        if pool is not None and (need := self.kv_need(request)) > pool.slots:
-            raise KVCapacityError(
-                f"the request needs {need} KV-cache slots (its prompt, max tokens and decoding "
-                f"scratch), but the KV cache holds {pool.slots}"
-            )
+        self.kv.check(len(request.prompt_ids), request.params)
         with self._cond:
             if self._dead is not None or self._stopping or not self._thread.is_alive():
                 raise EngineDeadError("the engine is not running")
@@ -256,17 +237,10 @@ class AsyncEngine(EngineSteps):
         free_slots = self.config.max_running_requests - len(self.scheduler.running)
         if self._kv_blocked or free_slots <= 0:
             return 0
-        pool = self.runner.pool
-        if pool is None:
-            return free_slots
-        room, starting = pool.free_slots, 0
-        # A snapshot: the engine thread pops from ``waiting`` without this lock.
-        for queued in [*self.scheduler.waiting, *self._inbox, request][:free_slots]:
-            room -= self.kv_need(queued)
-            if room < 0:
-                break
-            starting += 1
-        return starting
+        # A snapshot of the head only (``islice`` runs in C, so the engine thread, which pops
+        # from ``waiting`` without this lock, cannot change it midway).
+        head = [*islice(self.scheduler.waiting, free_slots), *islice(self._inbox, free_slots)]
+        return self.kv.startable([*head, request][:free_slots])
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its row and state are freed before the next step."""

@@ -13,11 +13,6 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at its limit; the request is refused (HTTP 429)."""
 
 
-class KVCapacityError(ValueError):
-    """The request's worst-case K/V is larger than the whole KV pool: it could never run, so
-    it is refused at submission (HTTP 400) instead of failing when it reaches the queue's head."""
-
-
 class Scheduler:
     """Owns ``waiting`` (FIFO) and ``running``; engine thread only.
 

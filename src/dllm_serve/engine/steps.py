@@ -21,6 +21,7 @@ from dllm_serve.engine.request import Request
 
 if TYPE_CHECKING:
     from dllm_serve.decoding.algorithm import DecodingAlgorithm
+    from dllm_serve.engine.kv_budget import KVBudget
     from dllm_serve.engine.model_runner import ModelRunner
     from dllm_serve.engine.observer import EngineObserver
     from dllm_serve.engine.scheduler import Scheduler
@@ -47,13 +48,8 @@ class EngineSteps:
     observer: EngineObserver
     _outbox: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput]]]
     _detok_tokenizer: Any
+    kv: KVBudget
     _kv_blocked: bool  # the head of the queue waits for KV-pool room, not for a running slot
-
-    def kv_need(self, request: Request) -> int:
-        """KV-pool slots ``request`` reserves when it starts (0: no pool)."""
-        if self.runner.pool is None:
-            return 0
-        return self.algorithm.kv_tokens(len(request.prompt_ids), request.params)
 
     def _admit(self) -> None:
         """Start waiting requests, in order, while slots and KV budget allow.
@@ -65,7 +61,7 @@ class EngineSteps:
         pool = self.runner.pool
         self._kv_blocked = False
         for request in self.scheduler.admit():
-            need = self.kv_need(request)
+            need = self.kv.need(len(request.prompt_ids), request.params)
             span = None
             if need and pool is not None:
                 span = pool.allocate(need)

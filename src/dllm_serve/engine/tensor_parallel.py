@@ -139,8 +139,7 @@ class TensorParallelGroup:
         deadline = time.monotonic() + timeout
         for p in self.workers:
             p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
+        _kill(self.workers)
         dist.destroy_process_group()
 
 

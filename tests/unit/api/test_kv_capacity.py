@@ -4,12 +4,14 @@ of the queue); one that fits still runs."""
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 
 from dllm_serve.api.app import build_app
 from dllm_serve.config import EngineConfig, ServerConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.llm import LLM, InvalidRequestError
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import load_model
 
@@ -42,3 +44,17 @@ def test_a_request_larger_than_the_kv_pool_is_a_400() -> None:
     }
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "2 + 2 = 4"
     assert 'dllm:requests_rejected_total{reason="context_length_exceeded"} 1.0' in metrics
+
+
+def test_the_offline_chat_refuses_it_as_the_server_does() -> None:
+    loaded = load_model("demo-idlm", device="cpu", dtype="float32")
+    cfg = loaded.model.config
+    per_slot = KVPool.bytes_per_slot(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, loaded.dtype)
+    config = EngineConfig(kv_cache_memory=SLOTS * per_slot / 2**30)
+    with LLM.from_loaded(loaded, config) as llm:
+        with pytest.raises(InvalidRequestError) as refused:
+            llm.chat([[{"role": "user", "content": "What is 2 + 2?"}]], max_tokens=200)
+        [ok] = llm.chat([[{"role": "user", "content": "What is 2 + 2?"}]], max_tokens=16)
+    assert (refused.value.param, refused.value.code) == ("max_tokens", "context_length_exceeded")
+    assert f"but the KV cache holds {SLOTS}" in str(refused.value)
+    assert ok.text == "2 + 2 = 4"

@@ -46,9 +46,9 @@ def test_every_body_is_parsed_in_a_worker_thread(
     original = getattr(pipeline, parser)
     threads: list[threading.Thread] = []
 
-    def recording(*args: object) -> object:
+    def recording(*args: object, **kwargs: object) -> object:
         threads.append(threading.current_thread())
-        return original(*args)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, parser, recording)
     for text in ("hi", "a" * (1 << 16)):

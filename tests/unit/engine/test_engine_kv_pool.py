@@ -11,9 +11,10 @@ import pytest
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.engine.kv_budget import KVCapacityError
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 from dllm_serve.engine.request import Request
-from dllm_serve.engine.scheduler import KVCapacityError, QueueFullError
+from dllm_serve.engine.scheduler import QueueFullError
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.tiny import write_tiny_idlm

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -143,3 +145,23 @@ def test_draft_lora_is_attached_offline() -> None:
         loaded = model.loaded
     assert out.text == "12 + 34 = 46"
     assert any("lora" in name.lower() for name, _ in loaded.model.named_modules())
+
+
+def test_generate_needs_no_web_stack() -> None:
+    # The GPU session's benchmarks drive LLM.generate on a machine without fastapi or
+    # pydantic: only chat()/complete() may import the API's request pipeline.
+    script = (
+        "import sys\n"
+        "for m in ('fastapi', 'pydantic', 'uvicorn', 'sse_starlette', 'starlette'):\n"
+        "    sys.modules[m] = None\n"
+        "from dllm_serve.decoding.params import DecodingParams\n"
+        "from dllm_serve.llm import LLM\n"
+        "with LLM('tiny-llada', device='cpu') as llm:\n"
+        "    [out] = llm.generate_ids([[11, 12, 13]], DecodingParams(gen_length=8, steps=8))\n"
+        "print(out.completion_tokens)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().isdigit()
