@@ -38,8 +38,7 @@ def device_for(device: str, rank: int) -> str:
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
         # Only a launcher's LOCAL_RANK: workers this server spawns inherit its environment, and
         # a LOCAL_RANK left there by a pod spec would put every one of them on the same GPU.
-        launched = os.environ.get("WORLD_SIZE", "1") != "1"
-        return f"cuda:{os.environ.get('LOCAL_RANK', rank) if launched else rank}"
+        return f"cuda:{os.environ.get('LOCAL_RANK', rank) if _launched() else rank}"
     return "cpu"
 
 
@@ -76,9 +75,9 @@ def agree(model: str, size: int, control: Any) -> None:
 def multi_node_rank(size: int) -> int | None:
     """This process's rank when a launcher (torchrun, a Kubernetes indexed Job) set the
     standard ``WORLD_SIZE`` / ``RANK`` environment, else None; the world must be ``size``."""
-    world = os.environ.get("WORLD_SIZE")
-    if world is None or _env_int("WORLD_SIZE") == 1:
+    if not _launched():
         return None
+    world = os.environ["WORLD_SIZE"]
     if int(world) != size:
         raise ModelLoadError(
             f"WORLD_SIZE={world} in the environment but --tensor-parallel-size {size}: every "
@@ -92,6 +91,11 @@ def multi_node_rank(size: int) -> int | None:
     if not 0 <= rank < size:
         raise ModelLoadError(f"RANK={rank} in the environment: it must be 0 to {size - 1}")
     return rank
+
+
+def _launched() -> bool:
+    """Whether a launcher started the ranks: ``WORLD_SIZE`` set, and above 1."""
+    return "WORLD_SIZE" in os.environ and _env_int("WORLD_SIZE") != 1
 
 
 def _env_int(key: str) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 
+import pytest
+
 from dllm_serve.api.playground import trace_events
 from dllm_serve.api.streaming import chat_chunks, text_chunks
 from dllm_serve.engine.outputs import RequestOutput
@@ -44,19 +46,10 @@ async def _first_event_then_close(make_stream) -> list[str]:  # type: ignore[no-
     return events
 
 
-def test_closing_a_chat_stream_closes_the_engine_iterator_first() -> None:
+@pytest.mark.parametrize("chunks", [chat_chunks, text_chunks])
+def test_closing_a_completion_stream_closes_the_engine_iterator_first(chunks) -> None:  # type: ignore[no-untyped-def]
     def make(outputs):  # type: ignore[no-untyped-def]
-        return chat_chunks(
-            outputs, response_id="x", created=0, model="m", canvas_length=8, include_usage=False
-        )
-
-    events = asyncio.run(_first_event_then_close(make))
-    assert events == ["engine iterator closed", "response closed"]
-
-
-def test_closing_a_text_stream_closes_the_engine_iterator_first() -> None:
-    def make(outputs):  # type: ignore[no-untyped-def]
-        return text_chunks(
+        return chunks(
             outputs, response_id="x", created=0, model="m", canvas_length=8, include_usage=False
         )
 
