@@ -99,11 +99,22 @@ class LLM:
             )
         else:
             loaded = load_model(model, device=device, dtype=dtype)
-            if draft_lora is not None:
-                from dllm_serve.models.lora import attach_draft_lora
-
-                attach_draft_lora(loaded.model, draft_lora)
+        if draft_lora is not None:
+            # Rank 0's shard too (found by QA: under tensor parallelism only the workers had
+            # it, so drafts ran half an adapter); a model that does not draft is refused.
+            self._attach(loaded, draft_lora)
         self._start(loaded, engine_config)
+
+    @staticmethod
+    def _attach(loaded: LoadedModel, draft_lora: str) -> None:
+        from dllm_serve.models.lora import attach_served_draft_lora
+
+        try:
+            attach_served_draft_lora(loaded, draft_lora)
+        except BaseException:
+            if loaded.parallel is not None:
+                loaded.parallel.stop()
+            raise
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, engine_config: EngineConfig | None = None) -> LLM:

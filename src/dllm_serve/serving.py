@@ -57,7 +57,7 @@ def _load(config: ServerConfig) -> LoadedModel | None:
     from dllm_serve.engine.tp_rendezvous import multi_node_rank
     from dllm_serve.models.families import UnsupportedModelError
     from dllm_serve.models.loader import ModelLoadError, load_model
-    from dllm_serve.models.lora import attach_draft_lora
+    from dllm_serve.models.lora import attach_served_draft_lora
 
     mc = config.model
     loaded: LoadedModel | None = None
@@ -87,12 +87,7 @@ def _load(config: ServerConfig) -> LoadedModel | None:
         else:
             loaded = load_model(mc.model, device=mc.device, dtype=mc.dtype)
         if mc.draft_lora is not None:
-            if not loaded.family.tri_mode:
-                raise ModelLoadError(
-                    f"--draft-lora applies to tri-mode models (Nemotron-Labs-Diffusion); "
-                    f"{loaded.name!r} is a {loaded.family.name} model"
-                )
-            attach_draft_lora(loaded.model, mc.draft_lora)
+            attach_served_draft_lora(loaded, mc.draft_lora)
     except (ModelLoadError, UnsupportedModelError) as exc:
         # One line, no traceback; the model's name once (most messages already start with it).
         message = str(exc)

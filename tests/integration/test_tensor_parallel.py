@@ -42,19 +42,18 @@ def generate(
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     traffic = None
     if size == 1:
-        llm = LLM(model, device="cpu", dtype="float32")
-        if lora:
-            from dllm_serve.models.lora import attach_draft_lora
-
-            attach_draft_lora(llm.loaded.model, lora)
+        llm = LLM(model, device="cpu", dtype="float32", draft_lora=lora)
+    elif lora:
+        # The public path: LLM attaches the adapter to rank 0, the workers their own shares
+        # (found by QA: rank 0 had none, so TP 2 drafted with half an adapter).
+        llm = LLM(model, device="cpu", dtype="float32", tensor_parallel_size=size,
+                  draft_lora=lora)  # fmt: skip
+        # Rank 0's shard carries its share (random weights accept too few drafts for the
+        # tokens alone to show a missing share).
+        assert all(layer.attn.draft_lora is not None for layer in llm.loaded.model.layers)
+        traffic = llm.loaded.parallel.traffic
     else:
-        loaded = launch(
-            model, "cpu", "float32", size, draft_lora=lora, threads=1, expert_parallel=ep
-        )
-        if lora:
-            from dllm_serve.models.lora import attach_draft_lora
-
-            attach_draft_lora(loaded.model, lora)
+        loaded = launch(model, "cpu", "float32", size, threads=1, expert_parallel=ep)
         traffic = loaded.parallel.traffic
         llm = LLM.from_loaded(loaded)
     with llm:

@@ -22,6 +22,7 @@ import torch
 import uuid6
 
 from dllm_serve.config import EngineConfig
+from dllm_serve.decoding.modes import TRI_MODE
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
 from dllm_serve.engine.algorithms import algorithm_for, default_mode
 from dllm_serve.engine.kv_budget import KVBudget, KVCapacityError, pool_slots
@@ -169,6 +170,15 @@ class AsyncEngine(EngineSteps):
         detokenising or a hand-off. It has no effect with ``stop`` strings (matched step by
         step, so a stop string ends decoding early) or ``trace``.
         """
+        if params.decoding_mode not in (None, self.default_decoding_mode) and (
+            self.decoding_mode != TRI_MODE
+        ):
+            # A single-mode model decodes every request its one way; naming another mode must
+            # not silently decode by this one (found by QA: 'ar' on I-DLM ran ISD).
+            raise ValueError(
+                f"decoding_mode {params.decoding_mode!r}: model {self.loaded.name!r} decodes "
+                f"only by {self.default_decoding_mode!r}"
+            )
         if params.answer_limit is not None and self.decoding_mode != "diffusion":
             # Only canvas denoising drops canvas positions past a limit (the API sets one
             # for no other model): elsewhere it would be a field that silently does nothing.

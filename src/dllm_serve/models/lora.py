@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,9 @@ from torch import nn
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.hub import EMBEDDED_ADAPTERS
 from dllm_serve.models.transformer import DecoderTransformer
+
+if TYPE_CHECKING:
+    from dllm_serve.models.loader import LoadedModel
 
 _KEY = re.compile(
     r"base_model\.model\.encoder\.layers\.(\d+)\.self_attn\.o_proj\.lora_([AB])\.weight"
@@ -147,6 +150,18 @@ def attach_draft_lora(model: DecoderTransformer, path: str | Path) -> int:
             a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype), scale
         )
     return len(layers)
+
+
+def attach_served_draft_lora(loaded: LoadedModel, path: str | Path) -> int:
+    """:func:`attach_draft_lora` on a loaded model (rank 0's shard under tensor parallelism:
+    the workers attach their own), after checking that it drafts: only tri-mode models do, and
+    on any other the adapter would load and never be used."""
+    if not loaded.family.tri_mode:
+        raise ModelLoadError(
+            f"the draft LoRA (--draft-lora) applies to tri-mode models "
+            f"(Nemotron-Labs-Diffusion); {loaded.name!r} is a {loaded.family.name} model"
+        )
+    return attach_draft_lora(loaded.model, path)
 
 
 def _noop() -> None:

@@ -36,6 +36,23 @@ def test_dispatch_reads_use_regular_causal() -> None:
         family_for({**config, "use_regular_causal": False, "block_size": 0})
 
 
+@pytest.mark.parametrize("value", ["false", "true", 0, 1])
+def test_use_regular_causal_must_be_a_boolean(value: object) -> None:
+    # Found by QA: the string "false" is truthy, so it had loaded SDAR as I-DLM silently.
+    config = json.loads(FIXTURE.read_text())
+    with pytest.raises(ValueError, match=f"use_regular_causal must be true .* got {value!r}"):
+        family_for({**config, "use_regular_causal": value})
+
+
+def test_block_causal_qwen3_names_its_conflict() -> None:
+    # Found by QA: it was refused as a Qwen3 config "without mask_token_id", which it carries.
+    config = {**json.loads(FIXTURE.read_text()), "model_type": "qwen3"}
+    config["architectures"] = ["Qwen3ForCausalLM"]
+    assert "mask_token_id" in config
+    with pytest.raises(ValueError, match="model_type 'qwen3' with use_regular_causal: false"):
+        family_for({**config, "use_regular_causal": False})
+
+
 @pytest.fixture(scope="module")
 def sdar_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SDAR block-diffusion checkpoint (``make-tiny --family sdar``)."""

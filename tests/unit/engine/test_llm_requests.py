@@ -23,6 +23,7 @@ from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.llm import LLM
+from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.loader import load_model
 
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -145,6 +146,25 @@ def test_draft_lora_is_attached_offline() -> None:
         loaded = model.loaded
     assert out.text == "12 + 34 = 46"
     assert any("lora" in name.lower() for name, _ in loaded.model.named_modules())
+
+
+def test_a_draft_lora_on_a_model_that_does_not_draft_is_refused() -> None:
+    # Found by QA: I-DLM took the adapter and never used it (the server refused it).
+    with pytest.raises(ModelLoadError, match=r"applies to tri-mode models .*'demo-idlm' is a"):
+        LLM("demo-idlm", device="cpu", draft_lora="demo-trimode-lora")
+
+
+@pytest.mark.parametrize(("model", "own"), [("demo-idlm", "isd"), ("tiny-llada", "diffusion")])
+def test_a_mode_a_single_mode_model_lacks_is_refused(model: str, own: str) -> None:
+    # Found by QA: generate_ids with decoding_mode "ar" on I-DLM decoded by ISD silently.
+    with LLM(model, device="cpu") as llm:
+        for mode in {"ar", "linear_spec", "diffusion", "isd"} - {own}:
+            params = DecodingParams(gen_length=4, steps=4, decoding_mode=mode)
+            with pytest.raises(ValueError, match=f"decoding_mode '{mode}'.* only by '{own}'"):
+                llm.generate_ids([[11, 12, 13]], params)
+        [out] = llm.generate_ids([[11, 12, 13]], DecodingParams(gen_length=4, steps=4,
+                                                                decoding_mode=own))  # fmt: skip
+    assert out.nfe >= 1 and out.finish_reason in ("stop", "length")
 
 
 def test_generate_needs_no_web_stack() -> None:

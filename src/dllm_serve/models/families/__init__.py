@@ -117,6 +117,12 @@ def family_for(config: Mapping[str, Any]) -> Family:
             f"(architectures {archs!r}); a Fast-dLLM v2 checkpoint says model_type "
             f"'Fast_dLLM_Qwen'. Supported model types: {supported}"
         )
+    if is_qwen3_config(config) and config.get("use_regular_causal") is False:
+        raise UnsupportedModelError(
+            "config.json says model_type 'qwen3' with use_regular_causal: false (block-causal "
+            "attention): an SDAR block-diffusion checkpoint says model_type 'sdar'. "
+            f"Supported model types: {supported}"
+        )
     if is_qwen3_config(config):
         raise UnsupportedModelError(
             "this is a plain (autoregressive) Qwen3 config; an I-DLM checkpoint stored as qwen3 "

@@ -118,6 +118,12 @@ def is_sdar_block_config(config: Mapping[str, Any]) -> bool:
     """
     explicit = config.get("use_regular_causal")
     if explicit is not None:
+        if not isinstance(explicit, bool):
+            # Found by QA: the string "false" is truthy, so it had loaded SDAR as I-DLM.
+            raise UnsupportedModelError(
+                f"config.json use_regular_causal must be true (I-DLM, strictly causal) or "
+                f"false (SDAR block diffusion), got {explicit!r}"
+            )
         return explicit is False
     return any(key in config for key in SDAR_RELEASE_KEYS)
 
