@@ -8,13 +8,14 @@ dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm|ne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
 from collections.abc import Sequence
 
 from dllm_serve import __version__
-from dllm_serve.arg_types import finite_float
+from dllm_serve.arg_types import finite_float, port
 from dllm_serve.config import KV_CACHE_MODES, EngineConfig, ModelConfig, ServerConfig
 from dllm_serve.decoding.modes import REQUEST_MODES
 from dllm_serve.engine.tiers import parse_tiers
@@ -22,6 +23,20 @@ from dllm_serve.engine.tiers import parse_tiers
 _DEFAULT = ServerConfig()
 # What a Bearer token can carry: visible ASCII, inner spaces allowed.
 _API_KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+# A browser's Origin header: scheme://host[:port], nothing after.
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+")
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def flag_names(message: str) -> str:
+    """An :class:`EngineConfig` error with its field names written as the flags that set
+    them (``max_running_requests`` → ``--max-running-requests``)."""
+
+    def flag(match: re.Match[str]) -> str:
+        word = match.group()
+        return "--" + word.replace("_", "-") if word in _ENGINE_FIELDS else word
+
+    return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", flag, message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bind address (default: %(default)s)",
     )
     parser.add_argument(
-        "--port", type=int, default=_DEFAULT.port, help="port (default: %(default)s)"
+        "--port", type=port, default=_DEFAULT.port, help="port, 0-65535 (default: %(default)s)"
     )
     parser.add_argument(
         "--device",
@@ -186,8 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=finite_float,
         default=None,
         metavar="GIB",
-        help="GiB preallocated for the KV pool (I-DLM and tri-mode models, or --kv-cache "
-        "prefix); a request is admitted only when its worst-case KV fits, else it waits "
+        help="GiB preallocated for the KV pool (models that keep K/V: I-DLM, block-diffusion "
+        "and tri-mode models, LLaDA/Dream with --kv-cache prefix); a request is admitted "
+        "only when its worst-case KV fits, else it waits "
         "(default: 90%% of the GPU memory left after the weights, minus 1 GiB; 1 GiB on CPU; "
         "never more than --max-running-requests full contexts)",
     )
@@ -219,7 +235,19 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
             cuda_graph=args.cuda_graph,
         )
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(flag_names(str(exc)))
+    if not args.host.strip():
+        # An unset "$HOST" would otherwise bind every interface (uvicorn reads "" as any).
+        parser.error("--host must not be empty (127.0.0.1: this machine only; 0.0.0.0: all)")
+    cors_origins = tuple(o.strip() for o in args.cors_origins.split(",") if o.strip())
+    for origin in cors_origins:
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            # A browser's Origin header is exactly scheme://host[:port]: any other form
+            # (no scheme, a path, a trailing slash) could never match one.
+            parser.error(
+                f"--cors-origins: {origin!r} is not an origin; write scheme://host[:port] with "
+                "no path or trailing slash, e.g. https://app.example.com"
+            )
     if args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size must be >= 1")
     if args.expert_parallel_size not in (1, args.tensor_parallel_size):
@@ -250,7 +278,7 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
         max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout,
         shutdown_timeout=args.shutdown_timeout,
-        cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+        cors_origins=cors_origins,
         model=ModelConfig(
             model=args.model,
             device=args.device,

@@ -45,8 +45,11 @@ class EngineConfig:
     cuda_graph: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_running_requests < 1 or self.max_tokens_per_forward < 1:
-            raise ValueError("engine limits must be >= 1")
+        # Messages name the field; the CLI turns the name into its flag (cli.flag_names).
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.max_tokens_per_forward < 1:
+            raise ValueError("max_tokens_per_forward must be >= 1")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.isd_stride < 1:

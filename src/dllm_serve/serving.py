@@ -26,13 +26,14 @@ def serve(config: ServerConfig) -> None:
     loaded = _load(config)
     if loaded is None:  # this process was a launcher-started worker rank, now done
         return
-    logging.getLogger("dllm_serve").info(
-        "serving %s from %s on %s (%s)", loaded.name, loaded.path, loaded.device, loaded.dtype
-    )
     try:
         engine = AsyncEngine(loaded, config.engine)
     except ValueError as exc:  # e.g. a --decoding-mode the model does not have
         _exit_refused(loaded, f"dllm-serve: {exc}")
+    # After the engine: a refused flag must not be preceded by "serving" (found by QA).
+    logging.getLogger("dllm_serve").info(
+        "serving %s from %s on %s (%s)", loaded.name, loaded.path, loaded.device, loaded.dtype
+    )
     app = build_app(engine, config)
     uv_config = uvicorn.Config(
         app,

@@ -356,7 +356,9 @@ def test_local_rank_is_the_launchers_only(
     ("env", "message"),
     [({"RANK": "5"}, "RANK=5 in the environment: it must be 0 to 1"),
      ({"RANK": "-1"}, "RANK=-1 in the environment: it must be 0 to 1"),
-     ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' in the environment is not an integer")],
+     ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' in the environment is not an integer"),
+     ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' in the environment is not an integer"),
+     ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port")],
 )  # fmt: skip
 def test_a_launcher_environment_out_of_range_is_refused(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str

@@ -33,11 +33,23 @@ def pool_slots(loaded: LoadedModel, config: EngineConfig, algorithm: DecodingAlg
     request at the longest context, unless ``--kv-cache-memory`` (or free memory) says less."""
     longest = algorithm.kv_tokens(loaded.max_length - 1, DecodingParams(gen_length=1))
     if not longest:
+        if config.kv_cache_memory is not None:  # found by QA: it was silently ignored
+            raise ValueError(
+                f"model {loaded.name!r} keeps no KV cache, so it has no use for "
+                "--kv-cache-memory (LLaDA and Dream keep one with --kv-cache prefix); omit the flag"
+            )
         return 0
     most = config.max_running_requests * longest
     slots = ModelRunner.pool_slots(loaded.model, loaded.device, config.kv_cache_memory, most)
-    if slots < 1:
-        raise ValueError("--kv-cache-memory leaves no room for a single KV slot")
+    # The smallest request (one prompt token, one answer token, the decoding's scratch): a
+    # pool that cannot hold it would start healthy and refuse every request (found by QA).
+    smallest = algorithm.kv_tokens(1, DecodingParams(gen_length=1))
+    if slots < smallest:
+        raise ValueError(
+            f"--kv-cache-memory leaves room for {slots} KV slots, fewer than the smallest "
+            f"request needs ({smallest}: one prompt token, one answer token and the decoding's "
+            "scratch)"
+        )
     return slots
 
 

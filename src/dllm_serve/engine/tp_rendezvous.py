@@ -86,6 +86,8 @@ def multi_node_rank(size: int) -> int | None:
     for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
             raise ModelLoadError(f"WORLD_SIZE={world} is set but {key} is not")
+    if not 0 < _env_int("MASTER_PORT") < 65536:  # found by QA: torch's traceback otherwise
+        raise ModelLoadError(f"MASTER_PORT={os.environ['MASTER_PORT']} is not a TCP port")
     rank = _env_int("RANK")
     # Found by QA: RANK=5 of 2 hung silently, or died in gloo while rank 0 waited for it.
     if not 0 <= rank < size:

@@ -18,6 +18,7 @@ position it was computed at.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +55,18 @@ class KVPool:
         # ``scratch_slots`` after it belong to no request: the padding rows of a captured
         # graph (engine/cuda_graphs.py) write and read their K/V there.
         shape = (n_layers, slots + 1 + scratch_slots, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        try:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, the allocator's on CPU
+            if not isinstance(exc, torch.OutOfMemoryError) and "memory" not in str(exc):
+                raise
+            gib = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 2**30
+            # One line at start-up (found by QA: a torch traceback), naming the size's flag.
+            raise ValueError(
+                f"the KV pool ({slots} slots, {gib:.1f} GiB) does not fit in {device} memory; "
+                "lower --kv-cache-memory (or --max-running-requests)"
+            ) from None
         self.slots = slots
         self.zero_slot = slots
         self.scratch_start = slots + 1

@@ -160,3 +160,29 @@ def test_the_pool_returns_to_idle_after_concurrent_isd_requests(idlm: LoadedMode
     assert max(seen_used) > 0 and spans_exact and all(spans_exact)
     assert pool.used == 0 and pool.largest_free_span == pool.slots
     assert engine.kv_cache_bytes == 0
+
+
+def test_a_pool_smaller_than_the_smallest_request_is_refused_at_start(idlm: LoadedModel) -> None:
+    # Found by QA: such a server started healthy and answered every request with a 400.
+    algorithm = AsyncEngine(idlm).algorithm
+    smallest = algorithm.kv_tokens(1, DecodingParams(gen_length=1))
+    message = f"room for {smallest - 1} KV slots, fewer than the smallest request needs \\("
+    with pytest.raises(ValueError, match=message):
+        AsyncEngine(idlm, EngineConfig(kv_cache_memory=gib_for(idlm, smallest - 1)))
+    AsyncEngine(idlm, EngineConfig(kv_cache_memory=gib_for(idlm, smallest)))
+
+
+def test_kv_cache_memory_is_refused_where_there_is_no_pool(tmp_path: Path) -> None:
+    # Found by QA: LLaDA without --kv-cache prefix ignored it silently.
+    llada = load_model("tiny-llada", device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="keeps no KV cache, so it has no use for --kv-cache-"):
+        AsyncEngine(llada, EngineConfig(kv_cache_memory=0.5))
+    engine = AsyncEngine(llada, EngineConfig(kv_cache="prefix", kv_cache_memory=0.5))
+    assert engine.runner.pool is not None
+
+
+def test_a_pool_that_cannot_be_allocated_is_one_clear_error() -> None:
+    # Found by QA: the allocator's traceback; 2**40 slots of 8 KiB cannot exist anywhere.
+    message = r"the KV pool \(1099511627776 slots, .* GiB\) does not fit in cpu memory; lower"
+    with pytest.raises(ValueError, match=message):
+        KVPool(2, 4, 256, 1 << 40)
