@@ -257,10 +257,10 @@ def test_invalid_request_id_header_is_400_with_a_fresh_id(srv: RemoteServer, val
 
 @pytest.mark.parametrize("header", [b"X-Request-ID: a\x01b", b"X-Junk: a\x00b", b"X-Junk: a\rb"])
 def test_control_characters_in_headers(srv: RemoteServer, header: bytes) -> None:
-    """The HTTP parser (h11, inside uvicorn) refuses these before the app runs: a plain 400.
-
-    That answer cannot carry the envelope (no ASGI app sees the request); what matters here is
-    that it is a 400 and that the server keeps serving.
+    """A NUL or CR in a header value is refused by the HTTP parser (h11, inside uvicorn)
+    before the app runs, a plain 400 without the envelope; other control bytes reach the app,
+    which refuses them in X-Request-ID with its JSON 400. Either way: a 400, and the server
+    keeps serving.
     """
     status, _, payload = raw_post(srv.port, header)
     assert status == 400, payload

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from dllm_serve.api.errors import APIError, invalid
+from dllm_serve.api.errors import CONTRACT_REF, APIError, invalid
 from dllm_serve.api.field_rules import (
     DIFFUSION_ONLY,
     check_commit_rule,
@@ -104,7 +104,7 @@ def parse_completion_request(
     if req.logprobs is not None:
         raise invalid(
             "'logprobs' is not supported by diffusion decoding: log probabilities are "
-            "deferred. Omit it.",
+            f"deferred. Omit it; {CONTRACT_REF}.",
             "logprobs",
             code="unsupported_parameter",
         )
@@ -132,7 +132,6 @@ def _spec(
     reject_autoregressive_fields(req)
     reject_noop_fields(req)
     reject_unavailable_fields(req)
-    check_commit_rule(req)
     stream = bool(req.stream)
     options = req.stream_options
     if options is not None and not stream:
@@ -151,6 +150,9 @@ def _spec(
         # before any canvas arithmetic (which would not apply either).
         check_decoding_mode(req.decoding_mode, req.block_length, diffusion_fields, model)
         rules = model.canvas_rules(req.decoding_mode)
+    # After the mode rules (found by QA: a local_leap_* field on I-DLM was told to set
+    # use_local_leap, which the mode rules then refused as not_applicable).
+    check_commit_rule(req)
     block_size = model.block_size if model is not None else None
     refused = None  # a step count the rounded canvas refuses, decided once the prompt is known
     try:

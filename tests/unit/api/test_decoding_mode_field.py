@@ -117,3 +117,24 @@ def test_unknown_modes_are_a_400_from_the_schema() -> None:
     with pytest.raises(APIError) as info:
         parse_completion_request(raw, JSON)
     assert (info.value.status, info.value.param) == (400, "decoding_mode")
+
+
+@pytest.mark.parametrize(
+    ("kind", "default", "fields"),
+    [("self_speculation", "isd", {}), ("tri_mode", "linear_spec", {"decoding_mode": "ar"})],
+)
+def test_a_local_leap_setting_where_no_denoising_runs_is_not_applicable(
+    kind: str, default: str, fields: dict
+) -> None:
+    # Found by QA: it was told to set use_local_leap (code null), which then was refused.
+    got = error(kind, 4, default, local_leap_radius=4, **fields)
+    assert got["error"]["code"] == "not_applicable"
+    assert got["error"]["param"] == "local_leap_radius"
+    assert got["error"]["message"].startswith(
+        "'local_leap_radius' configures diffusion denoising, but this "
+    )
+    # Where denoising runs, the LocalLeap switch rule still applies.
+    switch = error("diffusion", None, "diffusion", local_leap_radius=4)
+    assert switch["error"]["message"] == (
+        "'local_leap_radius' configures LocalLeap; set 'use_local_leap': true to use it."
+    )
