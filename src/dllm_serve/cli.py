@@ -23,8 +23,8 @@ from dllm_serve.engine.tiers import parse_tiers
 _DEFAULT = ServerConfig()
 # What a Bearer token can carry: visible ASCII, inner spaces allowed.
 _API_KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
-# A browser's Origin header: scheme://host[:port], nothing after.
-_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+")
+# A browser's Origin header: scheme://host[:port] (an IPv6 host in brackets), nothing after.
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(?:\[[0-9a-f:.]+\]|[a-z0-9._~%-]+)(?::[0-9]{1,5})?")
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
@@ -236,14 +236,16 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
         )
     except ValueError as exc:
         parser.error(flag_names(str(exc)))
-    if not args.host.strip():
+    host = args.host.strip()  # " 127.0.0.1" would fail only after the model loaded
+    if not host:
         # An unset "$HOST" would otherwise bind every interface (uvicorn reads "" as any).
         parser.error("--host must not be empty (127.0.0.1: this machine only; 0.0.0.0: all)")
     cors_origins = tuple(o.strip() for o in args.cors_origins.split(",") if o.strip())
     for origin in cors_origins:
-        if origin != "*" and not _ORIGIN.fullmatch(origin):
-            # A browser's Origin header is exactly scheme://host[:port]: any other form
-            # (no scheme, a path, a trailing slash) could never match one.
+        if origin not in ("*", "null") and not _ORIGIN.fullmatch(origin):
+            # A browser's Origin header is exactly scheme://host[:port] in lower case (or
+            # "null", from file:// pages and sandboxed frames): any other form (no scheme, a
+            # path, a trailing slash, a wildcard, capitals) could never match one.
             parser.error(
                 f"--cors-origins: {origin!r} is not an origin; write scheme://host[:port] with "
                 "no path or trailing slash, e.g. https://app.example.com"
@@ -269,7 +271,7 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")
     return ServerConfig(
-        host=args.host,
+        host=host,
         port=args.port,
         log_level=args.log_level,
         log_format=args.log_format,

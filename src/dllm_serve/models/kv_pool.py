@@ -59,14 +59,15 @@ class KVPool:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
         except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, the allocator's on CPU
-            if not isinstance(exc, torch.OutOfMemoryError) and "memory" not in str(exc):
-                raise
+            cpu_oom = "DefaultCPUAllocator: can't allocate memory" in str(exc)
+            if not (isinstance(exc, torch.OutOfMemoryError) or cpu_oom):
+                raise  # a device fault is not a sizing problem
             gib = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 2**30
             # One line at start-up (found by QA: a torch traceback), naming the size's flag.
             raise ValueError(
                 f"the KV pool ({slots} slots, {gib:.1f} GiB) does not fit in {device} memory; "
                 "lower --kv-cache-memory (or --max-running-requests)"
-            ) from None
+            ) from exc
         self.slots = slots
         self.zero_slot = slots
         self.scratch_start = slots + 1

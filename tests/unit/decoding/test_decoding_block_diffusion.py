@@ -40,8 +40,10 @@ def test_dispatch_reads_use_regular_causal() -> None:
 def test_use_regular_causal_must_be_a_boolean(value: object) -> None:
     # Found by QA: the string "false" is truthy, so it had loaded SDAR as I-DLM silently.
     config = json.loads(FIXTURE.read_text())
-    with pytest.raises(ValueError, match=f"use_regular_causal must be true .* got {value!r}"):
-        family_for({**config, "use_regular_causal": value})
+    qwen3 = {**config, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    for form in (config, qwen3):  # I-DLM is published under both model types
+        with pytest.raises(ValueError, match=f"use_regular_causal must be true .* got {value!r}"):
+            family_for({**form, "use_regular_causal": value})
 
 
 def test_block_causal_qwen3_names_its_conflict() -> None:

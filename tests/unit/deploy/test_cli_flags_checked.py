@@ -32,6 +32,9 @@ def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--cors-origins", "app.example.com"], "--cors-origins: 'app.example.com' is not an"),
         (["--cors-origins", "https://a.example/"], "--cors-origins: 'https://a.example/' is"),
         (["--cors-origins", "https://a.example/app"], "'https://a.example/app' is not an"),
+        (["--cors-origins", "http://*.example.com"], "'http://*.example.com' is not an"),
+        (["--cors-origins", "https://App.example.com"], "'https://App.example.com' is not an"),
+        (["--cors-origins", "https://a.example:abc"], "'https://a.example:abc' is not an"),
     ],
 )
 def test_a_bad_flag_is_refused_by_name(
@@ -41,10 +44,19 @@ def test_a_bad_flag_is_refused_by_name(
 
 
 def test_good_values_parse() -> None:
-    origins = "https://app.example.com, http://localhost:5173,*"
-    config = parse_config(["--port", "0", "--host", "0.0.0.0", "--cors-origins", origins])
-    assert config.port == 0 and config.host == "0.0.0.0"
-    assert config.cors_origins == ("https://app.example.com", "http://localhost:5173", "*")
+    origins = [
+        "https://app.example.com",
+        "http://localhost:5173",
+        "http://[::1]:8080",
+        "https://xn--bcher-kva.example",
+        "chrome-extension://abcdef",
+        "null",  # file:// pages and sandboxed frames send it
+        "*",
+    ]
+    argv = ["--port", "0", "--host", " 0.0.0.0 ", "--cors-origins", ", ".join(origins)]
+    config = parse_config(argv)
+    assert config.port == 0 and config.host == "0.0.0.0"  # padding stripped, not bound as is
+    assert config.cors_origins == tuple(origins)
     assert parse_config(["--port", "65535"]).port == 65535
 
 

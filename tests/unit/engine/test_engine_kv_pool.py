@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
@@ -186,3 +187,16 @@ def test_a_pool_that_cannot_be_allocated_is_one_clear_error() -> None:
     message = r"the KV pool \(1099511627776 slots, .* GiB\) does not fit in cpu memory; lower"
     with pytest.raises(ValueError, match=message):
         KVPool(2, 4, 256, 1 << 40)
+
+
+def test_a_device_fault_while_allocating_the_pool_is_not_called_a_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review: any error mentioning "memory" (an illegal memory access) was reported
+    # as a pool too large, its cause hidden.
+    def fault(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch, "zeros", fault)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        KVPool(2, 4, 256, 8)

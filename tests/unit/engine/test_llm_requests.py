@@ -167,6 +167,15 @@ def test_a_mode_a_single_mode_model_lacks_is_refused(model: str, own: str) -> No
     assert out.nfe >= 1 and out.finish_reason in ("stop", "length")
 
 
+def test_a_mode_a_tri_mode_model_lacks_is_refused_before_the_engine() -> None:
+    # Found by review: 'isd' on a tri-mode model failed inside the engine thread.
+    with LLM("demo-trimode", device="cpu") as llm:
+        params = DecodingParams(gen_length=4, steps=4, decoding_mode="isd")
+        message = "decoding_mode 'isd'.* only by 'ar' or 'diffusion' or 'linear_spec'$"
+        with pytest.raises(ValueError, match=message):
+            llm.generate_ids([[11, 12, 13]], params)
+
+
 def test_generate_needs_no_web_stack() -> None:
     # The GPU session's benchmarks drive LLM.generate on a machine without fastapi or
     # pydantic: only chat()/complete() may import the API's request pipeline.

@@ -25,6 +25,7 @@ from dllm_serve.models.families.qwen import (
     SDARBlockFamily,
     SDARFamily,
     is_qwen3_config,
+    regular_causal,
 )
 
 __all__ = [
@@ -117,7 +118,7 @@ def family_for(config: Mapping[str, Any]) -> Family:
             f"(architectures {archs!r}); a Fast-dLLM v2 checkpoint says model_type "
             f"'Fast_dLLM_Qwen'. Supported model types: {supported}"
         )
-    if is_qwen3_config(config) and config.get("use_regular_causal") is False:
+    if is_qwen3_config(config) and regular_causal(config) is False:
         raise UnsupportedModelError(
             "config.json says model_type 'qwen3' with use_regular_causal: false (block-causal "
             "attention): an SDAR block-diffusion checkpoint says model_type 'sdar'. "

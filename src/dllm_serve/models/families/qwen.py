@@ -116,16 +116,22 @@ def is_sdar_block_config(config: Mapping[str, Any]) -> bool:
     (:data:`SDAR_RELEASE_KEYS`), which I-DLM's do not. Neither: I-DLM (its config class's
     default).
     """
-    explicit = config.get("use_regular_causal")
+    explicit = regular_causal(config)
     if explicit is not None:
-        if not isinstance(explicit, bool):
-            # Found by QA: the string "false" is truthy, so it had loaded SDAR as I-DLM.
-            raise UnsupportedModelError(
-                f"config.json use_regular_causal must be true (I-DLM, strictly causal) or "
-                f"false (SDAR block diffusion), got {explicit!r}"
-            )
         return explicit is False
     return any(key in config for key in SDAR_RELEASE_KEYS)
+
+
+def regular_causal(config: Mapping[str, Any]) -> bool | None:
+    """``use_regular_causal`` of ``config`` (None: absent); a value that is not a JSON boolean
+    is refused (found by QA: the string "false" is truthy, so it had loaded SDAR as I-DLM)."""
+    value = config.get("use_regular_causal")
+    if value is not None and not isinstance(value, bool):
+        raise UnsupportedModelError(
+            f"config.json use_regular_causal must be true (I-DLM, strictly causal) or false "
+            f"(SDAR block diffusion), got {value!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -141,7 +147,7 @@ class SDARFamily(QwenFamily):
         return (
             is_qwen3_config(config)
             and "mask_token_id" in config
-            and config.get("use_regular_causal") is not False
+            and regular_causal(config) is not False
         )
 
 
