@@ -29,6 +29,7 @@ from dllm_serve.api.middleware import (
     HeadAsGet,
     RequestIdMiddleware,
 )
+from dllm_serve.api.openapi_docs import error_responses, without_validation_errors
 from dllm_serve.api.playground import install_playground
 from dllm_serve.api.protocol import (
     ChatCompletionRequest,
@@ -127,7 +128,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     install_error_handlers(app)
 
     # HEAD is answered wherever GET is (HeadAsGet): probes and uptime checkers use it.
-    @app.get("/health", tags=["ops"])
+    @app.get(
+        "/health",
+        tags=["ops"],
+        response_class=Response,  # an empty body, no content type
+        responses={200: {"description": "serving"}, 503: {"description": "not serving"}},
+    )
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive else 503)
 
@@ -144,11 +150,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             id=engine.model_name, created=app.state.started, max_model_len=engine.max_length
         )
 
-    @app.get("/v1/models", response_model=ModelList, tags=["openai"])
+    @app.get(
+        "/v1/models", response_model=ModelList, tags=["openai"], responses=error_responses(401)
+    )
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, tags=["openai"])
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=ModelCard,
+        tags=["openai"],
+        responses=error_responses(401, 404),
+    )
     async def retrieve_model(model_id: str) -> ModelCard:
         if model_id != engine.model_name:
             raise APIError(
@@ -178,6 +191,6 @@ def _register_request_schema(app: FastAPI) -> None:
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(defs.pop("$defs", {}))
             components[model.__name__] = defs
-        return schema
+        return without_validation_errors(schema)
 
     app.openapi = openapi  # type: ignore[method-assign]

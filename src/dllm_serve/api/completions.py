@@ -22,6 +22,7 @@ from sse_starlette import EventSourceResponse
 from dllm_serve.api.error_handlers import unavailable
 from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError
 from dllm_serve.api.metrics import Metrics
+from dllm_serve.api.openapi_docs import GENERATION_ERRORS, error_responses, request_body
 from dllm_serve.api.protocol import ChatCompletionResponse, CompletionResponse
 from dllm_serve.api.request_pipeline import ModelFacts, chat_request, completion_request
 from dllm_serve.api.request_spec import RequestSpec
@@ -56,7 +57,8 @@ def install_completion_routes(
         # Unset fields stay out: usage.diffusion carries the self-speculation counters only for
         # a self-speculative model, exactly as the streamed usage does.
         response_model_exclude_unset=True,
-        openapi_extra=_request_body("ChatCompletionRequest"),
+        openapi_extra=request_body("ChatCompletionRequest"),
+        responses=error_responses(*GENERATION_ERRORS),
     )
     async def chat_completions(request: Request) -> Any:
         spec, prompt_ids = await chat_spec(request)
@@ -76,7 +78,8 @@ def install_completion_routes(
         tags=["openai"],
         response_model=CompletionResponse,
         response_model_exclude_unset=True,
-        openapi_extra=_request_body("CompletionRequest"),
+        openapi_extra=request_body("CompletionRequest"),
+        responses=error_responses(*GENERATION_ERRORS),
     )
     async def completions(request: Request) -> Any:
         body, content_type = await request.body(), request.headers.get("content-type")
@@ -234,8 +237,3 @@ async def _collect_unless_disconnected(
 def _info(spec: RequestSpec) -> str:
     """Informational fields (user, metadata, ...) for --log-requests."""
     return "".join(f" {name}={value!r}" for name, value in spec.info.items())
-
-
-def _request_body(schema: str) -> dict[str, Any]:
-    ref = {"$ref": f"#/components/schemas/{schema}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}

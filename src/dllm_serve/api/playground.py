@@ -34,6 +34,7 @@ from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
 from dllm_serve.api.errors import REQUEST_ID_HEADER
+from dllm_serve.api.openapi_docs import GENERATION_ERRORS, error_responses, request_body
 from dllm_serve.api.request_pipeline import ModelFacts
 from dllm_serve.api.request_spec import RequestSpec
 from dllm_serve.api.streaming import failure, usage_dict
@@ -103,7 +104,16 @@ def install_playground(
             "max_model_len": engine.max_length,
         }
 
-    @app.post("/v1/dllm/trace", tags=["dllm"])
+    @app.post(
+        "/v1/dllm/trace",
+        tags=["dllm"],
+        openapi_extra=request_body("ChatCompletionRequest"),
+        response_class=EventSourceResponse,
+        responses={
+            200: {"description": "the trace events", "content": {"text/event-stream": {}}},
+            **error_responses(*GENERATION_ERRORS),
+        },
+    )
     async def trace(request: Request) -> EventSourceResponse:
         """A chat completion request answered as a per-step trace (docs/playground.md)."""
         spec, prompt_ids = await chat_spec(request, trace=True)

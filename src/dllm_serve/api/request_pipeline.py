@@ -92,13 +92,14 @@ def completion_request(
     spec = facts.parse(parse_completion_request, raw, content_type)
     if isinstance(spec.prompt, str):
         prompt_ids = engine.prompt_ids(spec.prompt)
-        check_no_mask_token(prompt_ids, facts.mask_id, "prompt")
+        check_no_mask_token(prompt_ids, facts.mask_id, spec.prompt_param)
     else:
         assert spec.prompt is not None
-        check_token_ids(spec.prompt, facts.vocab_size, facts.mask_id, "prompt")
+        check_token_ids(spec.prompt, facts.vocab_size, facts.mask_id, spec.prompt_param)
         prompt_ids = spec.prompt
     if not prompt_ids:
-        raise invalid("'prompt' is empty: it must hold at least one token.", "prompt")
+        where = spec.prompt_param
+        raise invalid(f"'{where}' is empty: it must hold at least one token.", where)
     return _fitted(spec, prompt_ids, engine, "prompt")
 
 

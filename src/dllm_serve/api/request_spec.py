@@ -25,6 +25,9 @@ class RequestSpec:
     stop: tuple[str, ...] = ()
     diffusion_fields: tuple[str, ...] = ()  # canvas-denoising fields the client set
     prompt: str | list[int] | None = None
+    # Where ``prompt`` sits in the body, for errors naming one of its tokens ("prompt[0]" when
+    # the client wrapped it in a one-element list).
+    prompt_param: str = "prompt"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
     include_stop_str: bool = False  # include_stop_str_in_output
     info: dict[str, Any] = field(default_factory=dict)  # informational fields the client set

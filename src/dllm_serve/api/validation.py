@@ -9,6 +9,7 @@ rejected requests in ``tests/unit/api/test_validation_table.py`` pins this behav
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -93,7 +94,7 @@ def parse_completion_request(
 ) -> RequestSpec:
     """Validate a /v1/completions body: the same rules, with a raw ``prompt``."""
     req = _load(CompletionRequest, raw, content_type)
-    prompt = _prompt(req.prompt)
+    prompt, prompt_param = _prompt(req.prompt)
     if req.suffix:
         raise invalid(
             "'suffix' (infilling) is not available yet in this server version: the canvas is "
@@ -108,7 +109,8 @@ def parse_completion_request(
             "logprobs",
             code="unsupported_parameter",
         )
-    return _spec(req, default_gen_length, default_block_length, round_canvas, model, prompt=prompt)
+    spec = _spec(req, default_gen_length, default_block_length, round_canvas, model, prompt=prompt)
+    return dataclasses.replace(spec, prompt_param=prompt_param)
 
 
 def _load(model: type[_R], raw: bytes, content_type: str | None) -> _R:
@@ -195,13 +197,15 @@ def _canvas_param(req: GenerationRequest) -> str:
     return "max_tokens"
 
 
-def _prompt(prompt: Any) -> str | list[int]:
-    """A string or token ids; a list holding one of them is accepted (one prompt per request)."""
+def _prompt(prompt: Any) -> tuple[str | list[int], str]:
+    """A string or token ids, and where they sit in the body; a list holding one of them is
+    accepted (one prompt per request)."""
     unwrapped = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list)
     if unwrapped:
         prompt = prompt[0]
+    param = "prompt[0]" if unwrapped else "prompt"
     if isinstance(prompt, str):
-        return prompt
+        return prompt, param
     batched = isinstance(prompt, list) and prompt and all(isinstance(t, str | list) for t in prompt)
     if batched and not unwrapped:  # a nested list inside the one prompt is just invalid
         raise invalid(
@@ -215,7 +219,7 @@ def _prompt(prompt: Any) -> str | list[int]:
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
-        return list(prompt)
+        return list(prompt), param
     raise invalid(
         "Invalid value for 'prompt': a string or a non-empty list of token ids.", "prompt"
     )

@@ -139,6 +139,11 @@ def test_completion_stream(app: FastAPI) -> None:
         ({"prompt": [[5, "a"]]}, "prompt", None),
         ({"prompt": [5, 99999]}, "prompt[1]", None),
         ({"prompt": [5, 1011]}, "prompt[1]", None),  # the mask token
+        # One prompt wrapped in a list: the path into the body (found by QA: prompt[1], which
+        # the body does not have, and prompt[0], the inner list, not the token).
+        ({"prompt": [[5, -3]]}, "prompt[0][1]", None),
+        ({"prompt": [[1011]]}, "prompt[0][0]", None),
+        ({"prompt": [""]}, "prompt[0]", None),
         ({"prompt": ""}, "prompt", None),
         ({}, "prompt", None),
         ({"prompt": "x", "messages": QUESTION}, "messages", None),

@@ -1,0 +1,50 @@
+"""/openapi.json describes what the server does (found by schemathesis: no route listed its
+400s, /v1/models/{id} listed a 422 the server never sends, /health claimed a JSON body, the
+trace endpoint had no request body)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from dllm_serve.api.app import build_app
+from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.models.loader import load_model
+
+ENVELOPE = {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict[str, Any]:
+    app = build_app(AsyncEngine(load_model("tiny-llada", device="cpu")))
+    with TestClient(app) as client:
+        return client.get("/openapi.json").json()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/dllm/trace"])
+def test_generation_routes_list_their_errors_and_body(schema: dict[str, Any], path: str) -> None:
+    operation = schema["paths"][path]["post"]
+    assert set(operation["responses"]) == {"200", "400", "401", "413", "429", "500", "503", "504"}
+    for status in ("400", "429", "504"):
+        assert operation["responses"][status]["content"]["application/json"]["schema"] == ENVELOPE
+    body = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert body.endswith("CompletionRequest")
+
+
+def test_no_route_promises_a_422(schema: dict[str, Any]) -> None:
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            assert "422" not in operation["responses"]
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    model = schema["paths"]["/v1/models/{model_id}"]["get"]["responses"]
+    assert set(model) == {"200", "401", "404"}
+
+
+def test_health_has_no_body(schema: dict[str, Any]) -> None:
+    responses = schema["paths"]["/health"]["get"]["responses"]
+    assert set(responses) == {"200", "503"}
+    assert "content" not in responses["200"]
+    error = schema["components"]["schemas"]["ErrorDetail"]
+    assert set(error["required"]) == {"message", "type", "param", "code"}
