@@ -99,22 +99,7 @@ class LLM:
             )
         else:
             loaded = load_model(model, device=device, dtype=dtype)
-        if draft_lora is not None:
-            # Rank 0's shard too (found by QA: under tensor parallelism only the workers had
-            # it, so drafts ran half an adapter); a model that does not draft is refused.
-            self._attach(loaded, draft_lora)
-        self._start(loaded, engine_config)
-
-    @staticmethod
-    def _attach(loaded: LoadedModel, draft_lora: str) -> None:
-        from dllm_serve.models.lora import attach_served_draft_lora
-
-        try:
-            attach_served_draft_lora(loaded, draft_lora)
-        except BaseException:
-            if loaded.parallel is not None:
-                loaded.parallel.stop()
-            raise
+        self._start(loaded, engine_config, draft_lora)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, engine_config: EngineConfig | None = None) -> LLM:
@@ -123,12 +108,20 @@ class LLM:
         llm._start(loaded, engine_config)
         return llm
 
-    def _start(self, loaded: LoadedModel, engine_config: EngineConfig | None) -> None:
+    def _start(
+        self, loaded: LoadedModel, engine_config: EngineConfig | None, draft_lora: str | None = None
+    ) -> None:
         self.loaded = loaded
         # Offline callers submit whole datasets at once: queue them all instead of refusing
         # (found by QA: any engine_config brought back the server's limit of 256).
         config = dataclasses.replace(engine_config or EngineConfig(), max_waiting_requests=1 << 30)
         try:
+            if draft_lora is not None:
+                from dllm_serve.models.lora import attach_served_draft_lora
+
+                # Rank 0's shard too (found by QA: under tensor parallelism only the workers
+                # had it, so drafts ran half an adapter); a model that does not draft is refused.
+                attach_served_draft_lora(loaded, draft_lora)
             self.engine = AsyncEngine(self.loaded, config)
         except BaseException:
             # Found by QA: a refused config left the tensor-parallel workers and the process

@@ -20,6 +20,7 @@ from dllm_serve.decoding.modes import (
     TRI_MODE,
     model_mode,
 )
+from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.trimode import TriModeDecoder
 from dllm_serve.engine.tiers import ISD_FAMILIES, BlockSizeTiers
 from dllm_serve.models.families import FastDLLMFamily
@@ -148,3 +149,19 @@ def default_mode(algorithm: DecodingAlgorithm) -> str:
     if isinstance(algorithm, TriModeDecoder):
         return algorithm.default
     return model_mode(algorithm.decoding_mode)
+
+
+def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingParams) -> None:
+    """A request setting what ``algorithm`` does not do is a ValueError when it is submitted:
+    a ``decoding_mode`` the model lacks must not decode by another mode (found by QA: 'ar' on
+    I-DLM ran ISD) nor fail inside the engine thread (a tri-mode model's 'isd'), and only
+    canvas denoising drops canvas positions past an ``answer_limit``."""
+    tri = isinstance(algorithm, TriModeDecoder)
+    modes = tuple(algorithm.modes) if tri else (default_mode(algorithm),)
+    if params.decoding_mode not in (None, *modes):
+        raise ValueError(
+            f"decoding_mode {params.decoding_mode!r}: model {model!r} decodes only by "
+            + " or ".join(map(repr, modes))
+        )
+    if params.answer_limit is not None and algorithm.decoding_mode != "diffusion":
+        raise ValueError(f"answer_limit applies to canvas denoising, not {algorithm.decoding_mode}")

@@ -23,8 +23,7 @@ import uuid6
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
-from dllm_serve.decoding.trimode import TriModeDecoder
-from dllm_serve.engine.algorithms import algorithm_for, default_mode
+from dllm_serve.engine.algorithms import algorithm_for, check_request, default_mode
 from dllm_serve.engine.kv_budget import KVBudget, KVCapacityError, pool_slots
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.observer import EngineObserver, NullObserver
@@ -62,12 +61,6 @@ class AsyncEngine(EngineSteps):
         # apply to the model's mode, and a request's decoding_mode the model does not have.
         self.decoding_mode = self.algorithm.decoding_mode
         self.default_decoding_mode = default_mode(self.algorithm)
-        # The modes a request may name: a tri-mode model's three, else the model's one.
-        self.decoding_modes: tuple[str, ...] = (
-            tuple(self.algorithm.modes)
-            if isinstance(self.algorithm, TriModeDecoder)
-            else (self.default_decoding_mode,)
-        )
         self.runner = ModelRunner(
             loaded.model,
             loaded.device,
@@ -176,17 +169,7 @@ class AsyncEngine(EngineSteps):
         detokenising or a hand-off. It has no effect with ``stop`` strings (matched step by
         step, so a stop string ends decoding early) or ``trace``.
         """
-        if params.decoding_mode not in (None, *self.decoding_modes):
-            # Naming a mode the model lacks must not decode by another (found by QA: 'ar' on
-            # I-DLM ran ISD) nor fail inside the engine thread (a tri-mode model's 'isd').
-            raise ValueError(
-                f"decoding_mode {params.decoding_mode!r}: model {self.loaded.name!r} decodes "
-                f"only by {' or '.join(map(repr, self.decoding_modes))}"
-            )
-        if params.answer_limit is not None and self.decoding_mode != "diffusion":
-            # Only canvas denoising drops canvas positions past a limit (the API sets one
-            # for no other model): elsewhere it would be a field that silently does nothing.
-            raise ValueError(f"answer_limit applies to canvas denoising, not {self.decoding_mode}")
+        check_request(self.algorithm, self.loaded.name, params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 

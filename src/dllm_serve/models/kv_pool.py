@@ -18,7 +18,6 @@ position it was computed at.
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +61,8 @@ class KVPool:
             cpu_oom = "DefaultCPUAllocator: can't allocate memory" in str(exc)
             if not (isinstance(exc, torch.OutOfMemoryError) or cpu_oom):
                 raise  # a device fault is not a sizing problem
-            gib = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 2**30
+            per_slot = self.bytes_per_slot(n_layers, n_kv_heads, head_dim, dtype)
+            gib = per_slot * shape[1] / 2**30
             # One line at start-up (found by QA: a torch traceback), naming the size's flag.
             raise ValueError(
                 f"the KV pool ({slots} slots, {gib:.1f} GiB) does not fit in {device} memory; "
