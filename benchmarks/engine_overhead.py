@@ -25,6 +25,13 @@ committing tokens, the device→host copy, detokenising, thread hand-offs). Engi
 alternate ``--repeat`` times in one process, so background load hits both alike; the pair with
 the median ratio is reported (and every pair).
 
+Each pair also runs the **plain loop**: the same prompts decoded by the same algorithm's steps
+(``init_state``, then prepare → ``ModelRunner.run`` → batched sample → one device→host copy →
+commit, until every row finishes) in a bare Python loop, with no engine around it: no thread,
+queue, scheduler, outputs or detokenising. ``bare / plain`` is the ratio an engine with zero
+overhead of its own would reach, since the algorithm's own host work (above all the sampler's
+confidence softmax) is still there; ``plain / engine`` is what the engine itself costs on top.
+
 With ``--kv-cache prefix`` the replayed batches read and write the same KV-pool slots as in the
 run (the pool is idle by then, so the values differ but the work is the same). Writes
 ``benchmarks/results/engine_overhead.json`` (+ ``.png`` with matplotlib).
@@ -154,6 +161,56 @@ def bare_run(runner: ModelRunner, batches: list[Recorded], device: torch.device)
     return time.perf_counter() - start
 
 
+def plain_run(
+    llm: LLM, prompts: list[list[int]], params: DecodingParams
+) -> tuple[float, int, float]:
+    """The algorithm's steps for ``prompts`` in a plain loop (no engine): (seconds, forwards,
+    seconds inside the forwards and the sampler — the loop with its bookkeeping free).
+
+    At most ``max_running_requests`` rows run at once and a finished row's place goes to the
+    next prompt before the next step, as in the engine, so the loop runs the engine's forwards
+    (as long as the engine's per-forward token budget does not split a step)."""
+    engine = llm.engine
+    runner, algorithm, device = engine.runner, engine.algorithm, llm.loaded.device
+    limit = engine.config.max_running_requests
+    forwards, model_and_sampler = 0, 0.0
+    waiting, running = list(reversed(prompts)), []
+    with torch.inference_mode():
+        sync(device)
+        start = time.perf_counter()
+        while waiting or running:
+            while waiting and len(running) < limit:
+                prompt = waiting.pop()
+                state = algorithm.init_state(prompt, params, device)
+                need = engine.kv.need(len(prompt), params)
+                if need:
+                    assert runner.pool is not None
+                    state.kv = runner.pool.allocate(need)
+                    assert state.kv is not None, "the pool holds every running request"
+                running.append(state)
+            specs = [algorithm.prepare(s) for s in running]
+            if runner.graphs is None:  # eager: pack the batch outside the timed part
+                batch, width = runner.build(specs)
+                started = time.perf_counter()
+                logits = runner.forward(batch).view(len(specs), width, -1)
+            else:  # graph replays fill their static inputs inside run()
+                started = time.perf_counter()
+                logits = runner.run(specs)
+            host = algorithm.sample(running, logits).tolist()
+            model_and_sampler += time.perf_counter() - started
+            del logits
+            results = algorithm.commit(running, host)
+            for state, result in zip(running, results, strict=True):
+                if result.finished and state.kv is not None:
+                    runner.pool.free(state.kv)  # type: ignore[union-attr]
+                    state.kv = None
+            running = [s for s, r in zip(running, results, strict=True) if not r.finished]
+            forwards += 1
+        sync(device)
+        seconds = time.perf_counter() - start
+    return seconds, forwards, model_and_sampler
+
+
 def real_tokens(batch: Recorded) -> tuple[int, int]:
     """(rows, real tokens) of one recorded forward."""
     if isinstance(batch, FlatBatch):
@@ -247,9 +304,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with open_llm(args, config) as llm:
         device = llm.loaded.device
         llm.generate(conversations[:1], DecodingParams(gen_length=8, steps=8))  # warm-up
+        prompts = [llm.engine.chat_prompt_ids(c) for c in conversations]
         for _ in range(args.repeat):
             seconds, batches, answer, inside, phases = engine_run(llm, conversations, params)
             bare = bare_run(llm.engine.runner, batches, device)
+            plain, plain_forwards, model_and_sampler = plain_run(llm, prompts, params)
             cpu = device.type == "cpu"
             pairs.append(
                 {
@@ -261,6 +320,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "graph_replays": sum(not isinstance(b, FlatBatch) for b in batches),
                     "answer_tokens": answer,
                     "ratio": bare / seconds,
+                    "plain_s": plain,
+                    "plain_forwards": plain_forwards,
+                    # The engine with zero overhead of its own; and the engine against that.
+                    "plain_ratio": bare / plain,
+                    "engine_vs_plain": plain / seconds,
+                    # The plain loop with every step's bookkeeping free (prepare, batch
+                    # packing, commit): only its forwards and the batched sampler with its one
+                    # device→host copy count. The ratio no loop of this algorithm can pass
+                    # while its sampler does the same arithmetic.
+                    "sampler_ceiling": bare / model_and_sampler,
                     # The forwards' share of the engine's own wall time: the same window, so
                     # unlike the ratio it does not move with the load between the two runs
                     # (but it hides any slowdown the engine's host work causes the forward).
@@ -313,6 +382,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bare_loop": rates(mid["bare_s"], mid),
         "ratio": round(mid["ratio"], 4),
         "ratio_min_max": [round(pairs[0]["ratio"], 4), round(pairs[-1]["ratio"], 4)],
+        # Medians over the pairs (each its own pair's figure, like the ratio).
+        "plain_ratio_median": _median([p["plain_ratio"] for p in pairs]),
+        "engine_vs_plain_median": _median([p["engine_vs_plain"] for p in pairs]),
+        "sampler_ceiling_median": _median([p["sampler_ceiling"] for p in pairs]),
         # CPU only (a CUDA forward returns before its kernels finish): median over the pairs.
         "model_share_median": _median([p["model_share"] for p in pairs]),
         "chain_ceiling_median": _median([p["chain_ceiling"] for p in pairs]),
@@ -327,8 +400,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{report['forwards']} forwards, {report['mean_rows_per_forward']} rows/forward: engine "
         f"{report['engine']['forwards_per_s']} fwd/s ({report['engine']['answer_tokens_per_s']} "
         f"answer tok/s), bare {report['bare_loop']['forwards_per_s']} fwd/s → ratio "
-        f"{report['ratio']} (pairs: {report['ratio_min_max']}); model share of engine time "
-        f"{report['model_share_median']}, critical-path ceiling {report['chain_ceiling_median']}"
+        f"{report['ratio']} (pairs: {report['ratio_min_max']}); plain loop (no engine) / bare "
+        f"{report['plain_ratio_median']}, engine / plain loop {report['engine_vs_plain_median']}"
+        f", forwards + sampler alone {report['sampler_ceiling_median']}; model share of engine "
+        f"time {report['model_share_median']}, critical-path ceiling "
+        f"{report['chain_ceiling_median']}"
         f" (host ms per forward: {report['phase_ms_median']})"
     )
     write_json(args.out, report)

@@ -86,6 +86,17 @@ def test_engine_overhead(tmp_path: Path) -> None:
         assert all(ms > 0 for ms in p["phase_ms"].values()), p["phase_ms"]
         assert p["model_share"] <= p["chain_ceiling"] < 1
     assert report["chain_ceiling_median"] in [p["chain_ceiling"] for p in report["pairs"]]
+    for p in report["pairs"]:
+        # The plain loop decodes the same prompts by the same steps: greedy, so the very same
+        # forwards as the engine's; its model-and-sampler time is a part of its wall time.
+        assert p["plain_forwards"] == p["forwards"]
+        # (the report rounds seconds to 0.1 ms, hence the tolerance)
+        assert p["plain_s"] > 0
+        assert p["plain_ratio"] == pytest.approx(p["bare_s"] / p["plain_s"], rel=0.1)
+        assert p["engine_vs_plain"] == pytest.approx(p["plain_s"] / p["engine_s"], rel=0.1)
+        assert p["sampler_ceiling"] > p["plain_ratio"]
+    for name in ("plain_ratio", "engine_vs_plain", "sampler_ceiling"):
+        assert report[f"{name}_median"] in [round(p[name], 4) for p in report["pairs"]]
 
 
 def test_engine_overhead_random_8b_shape_tiny(tmp_path: Path) -> None:
