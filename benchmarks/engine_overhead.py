@@ -66,6 +66,7 @@ from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.cuda_graphs import StaticForward
 from dllm_serve.engine.model_runner import ModelRunner
+from dllm_serve.engine.scheduler import Scheduler
 from dllm_serve.llm import LLM
 from dllm_serve.models.families.llada import LLADA
 from dllm_serve.models.flat_batch import FlatBatch
@@ -107,13 +108,16 @@ def engine_run(
     seconds of each host phase of :data:`CHAIN_PHASES`)."""
     recorded: list[Recorded] = []
     inside = [0.0]
-    runner, algorithm = llm.engine.runner, llm.engine.algorithm
+    engine = llm.engine
+    runner, algorithm = engine.runner, engine.algorithm
     original, original_graph = runner.forward, runner.forward_graph
     phases = dict.fromkeys(CHAIN_PHASES, 0.0)
-    # Instance attributes shadow the methods for this run only (deleted below).
+    # Instance attributes shadow the methods for this run only (deleted below); each is
+    # called once per forward, so the timers cost a few clock reads a step.
     runner.build = timed(phases, "build", runner.build)  # type: ignore[method-assign]
-    for name in ("prepare", "sample", "commit"):
-        setattr(algorithm, name, timed(phases, name, getattr(algorithm, name)))
+    algorithm.sample = timed(phases, "sample", algorithm.sample)  # type: ignore[method-assign]
+    engine._prepare_rows = timed(phases, "prepare", engine._prepare_rows)  # type: ignore[method-assign]
+    engine._commit_rows = timed(phases, "commit", engine._commit_rows)  # type: ignore[method-assign]
 
     def recording_forward(batch: FlatBatch) -> torch.Tensor:
         recorded.append(batch)  # a list append: negligible next to a forward
@@ -142,7 +146,7 @@ def engine_run(
         seconds = time.perf_counter() - start
     finally:
         del runner.forward, runner.forward_graph, runner.build  # back to the class's methods
-        del algorithm.prepare, algorithm.sample, algorithm.commit
+        del algorithm.sample, engine._prepare_rows, engine._commit_rows
     return seconds, recorded, sum(o.completion_tokens for o in outs), inside[0], phases
 
 
@@ -161,25 +165,41 @@ def bare_run(runner: ModelRunner, batches: list[Recorded], device: torch.device)
     return time.perf_counter() - start
 
 
+@dataclasses.dataclass(slots=True, eq=False)  # rows are removed by identity, as requests
+class _PlainRow:
+    """What the engine's scheduler reads of a running request, for the plain loop's rows."""
+
+    state: Any
+    params: DecodingParams
+
+    @property
+    def row_length(self) -> int:
+        return self.state.row_length
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.state.is_prefill
+
+
 def plain_run(
     llm: LLM, prompts: list[list[int]], params: DecodingParams
 ) -> tuple[float, int, float]:
     """The algorithm's steps for ``prompts`` in a plain loop (no engine): (seconds, forwards,
     seconds inside the forwards and the sampler — the loop with its bookkeeping free).
 
-    At most ``max_running_requests`` rows run at once and a finished row's place goes to the
-    next prompt before the next step, as in the engine, so the loop runs the engine's forwards
-    (as long as the engine's per-forward token budget does not split a step)."""
+    The engine's :class:`Scheduler` groups and orders each iteration's rows, at most
+    ``max_running_requests`` run at once and a finished row's place goes to the next prompt
+    before the next iteration, as in the engine, so the loop runs the engine's forwards."""
     engine = llm.engine
     runner, algorithm, device = engine.runner, engine.algorithm, llm.loaded.device
-    limit = engine.config.max_running_requests
+    scheduler = Scheduler(engine.config)
     forwards, model_and_sampler = 0, 0.0
-    waiting, running = list(reversed(prompts)), []
+    waiting = list(reversed(prompts))
     with torch.inference_mode():
         sync(device)
         start = time.perf_counter()
-        while waiting or running:
-            while waiting and len(running) < limit:
+        while waiting or scheduler.running:
+            while waiting and len(scheduler.running) < engine.config.max_running_requests:
                 prompt = waiting.pop()
                 state = algorithm.init_state(prompt, params, device)
                 need = engine.kv.need(len(prompt), params)
@@ -187,25 +207,27 @@ def plain_run(
                     assert runner.pool is not None
                     state.kv = runner.pool.allocate(need)
                     assert state.kv is not None, "the pool holds every running request"
-                running.append(state)
-            specs = [algorithm.prepare(s) for s in running]
-            if runner.graphs is None:  # eager: pack the batch outside the timed part
-                batch, width = runner.build(specs)
-                started = time.perf_counter()
-                logits = runner.forward(batch).view(len(specs), width, -1)
-            else:  # graph replays fill their static inputs inside run()
-                started = time.perf_counter()
-                logits = runner.run(specs)
-            host = algorithm.sample(running, logits).tolist()
-            model_and_sampler += time.perf_counter() - started
-            del logits
-            results = algorithm.commit(running, host)
-            for state, result in zip(running, results, strict=True):
-                if result.finished and state.kv is not None:
-                    runner.pool.free(state.kv)  # type: ignore[union-attr]
-                    state.kv = None
-            running = [s for s, r in zip(running, results, strict=True) if not r.finished]
-            forwards += 1
+                scheduler.running.append(_PlainRow(state, params))  # type: ignore[arg-type]
+            for group in scheduler.groups():
+                states = [row.state for row in group]
+                specs = [algorithm.prepare(s) for s in states]
+                if runner.graphs is None:  # eager: pack the batch outside the timed part
+                    batch, width = runner.build(specs)
+                    started = time.perf_counter()
+                    logits = runner.forward(batch).view(len(specs), width, -1)
+                else:  # graph replays fill their static inputs inside run()
+                    started = time.perf_counter()
+                    logits = runner.run(specs)
+                host = algorithm.sample(states, logits).tolist()
+                model_and_sampler += time.perf_counter() - started
+                del logits
+                forwards += 1
+                for row, result in zip(group, algorithm.commit(states, host), strict=True):
+                    if result.finished:
+                        if row.state.kv is not None:
+                            runner.pool.free(row.state.kv)  # type: ignore[union-attr]
+                            row.state.kv = None
+                        scheduler.running.remove(row)  # type: ignore[arg-type]
         sync(device)
         seconds = time.perf_counter() - start
     return seconds, forwards, model_and_sampler

@@ -169,15 +169,38 @@ class AsyncEngine(EngineSteps):
         detokenising or a hand-off. It has no effect with ``stop`` strings (matched step by
         step, so a stop string ends decoding early) or ``trace``.
         """
-        check_request(self.algorithm, self.loaded.name, params)
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        request_id = self.submit(
+            prompt_ids, params, queue.put_nowait, request_id, stop=stop, timeout=timeout,
+            trace=trace, final_only=final_only, include_stop=include_stop,
+            loop=asyncio.get_running_loop(),
+        )  # fmt: skip
+        return self._outputs(request_id, queue)
 
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: DecodingParams,
+        sink: Sink,
+        request_id: str | None = None,
+        *,
+        stop: Sequence[str] = (),
+        timeout: float | None = None,
+        trace: bool = False,
+        final_only: bool = False,
+        include_stop: bool = False,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> str:
+        """:meth:`generate` for a synchronous consumer (the offline LLM): ``sink`` receives
+        each output on the engine thread (on ``loop`` when given), the last one with
+        ``finished`` set, and must return at once. Returns the request id (for
+        :meth:`abort`); the same refusals as :meth:`generate`, raised here."""
+        check_request(self.algorithm, self.loaded.name, params)
         request = Request(
             request_id=request_id or str(uuid6.uuid7()),
             prompt_ids=list(prompt_ids),
             params=params,
-            sink=queue.put_nowait,
+            sink=sink,
             detokenizer=IncrementalDetokenizer(
                 self._decode, stop=tuple(stop), include_stop=include_stop
             ),
@@ -188,7 +211,7 @@ class AsyncEngine(EngineSteps):
         if timeout is not None:
             request.deadline = request.arrival_time + timeout
         self._submit(request)
-        return self._outputs(request.request_id, queue)
+        return request.request_id
 
     async def _outputs(
         self, request_id: str, queue: asyncio.Queue[RequestOutput]

@@ -20,7 +20,8 @@ from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.engine.request import Request
 
 if TYPE_CHECKING:
-    from dllm_serve.decoding.algorithm import DecodingAlgorithm
+    from dllm_serve.decoding.algorithm import DecodeState, DecodingAlgorithm
+    from dllm_serve.decoding.forward_spec import RowSpec
     from dllm_serve.engine.kv_budget import KVBudget
     from dllm_serve.engine.model_runner import ModelRunner
     from dllm_serve.engine.observer import EngineObserver
@@ -88,17 +89,7 @@ class EngineSteps:
         A failure while preparing or committing one row fails only that request; a failure of
         the forward or the batched sampler fails the rows of this forward.
         """
-        rows, specs = [], []
-        for request in group:
-            try:
-                spec = self.algorithm.prepare(request.state)
-                # Checked here, per row, so a decoder bug fails its own request only, not
-                # every row the batch packer would have refused with it.
-                spec.check()
-                specs.append(spec)
-                rows.append(request)
-            except Exception as exc:
-                self._fail_exc(request, exc, "prepare")
+        rows, specs = self._prepare_rows(group)
         if not rows:
             return
         states = [r.state for r in rows]
@@ -116,10 +107,33 @@ class EngineSteps:
             for request in rows:
                 self._fail_exc(request, exc, "forward")
             return
+        self._commit_rows(rows, states, host)
+
+    def _prepare_rows(self, group: list[Request]) -> tuple[list[Request], list[RowSpec]]:
+        """Each row's tokens and logit positions (the rows whose ``prepare`` succeeded)."""
+        rows, specs = [], []
+        prepare = self.algorithm.prepare
+        for request in group:
+            try:
+                spec = prepare(request.state)
+                # Checked here, per row, so a decoder bug fails its own request only, not
+                # every row the batch packer would have refused with it.
+                spec.check()
+                specs.append(spec)
+                rows.append(request)
+            except Exception as exc:
+                self._fail_exc(request, exc, "prepare")
+        return rows, specs
+
+    def _commit_rows(
+        self, rows: list[Request], states: list[DecodeState], host: list[list[int]]
+    ) -> None:
+        """Write each row's result into its state and send what it made final."""
+        commit = self.algorithm.commit
         for request, state, row in zip(rows, states, host, strict=True):
             try:
                 before = trace.snapshot(state) if request.trace else None
-                result = self.algorithm.commit([state], [row])[0]
+                result = commit([state], [row])[0]
                 events = None
                 if before is not None:
                     events = (trace.step_event(state, before, self._piece),)

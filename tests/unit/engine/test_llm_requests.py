@@ -122,6 +122,44 @@ def test_an_llm_collected_without_close_stops_its_engine() -> None:
     assert engines() == before
 
 
+def test_a_failed_request_ends_the_call_and_aborts_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The outputs reach the caller straight from the engine thread: a failure raises at once
+    (not after the others' long canvases), the rest of the call is aborted, and the LLM then
+    serves the next call."""
+    with LLM("tiny-llada", device="cpu", dtype="float32") as model:
+        engine = model.engine
+        original = engine.algorithm.commit
+        finished: list[str | None] = []
+        send = engine._send
+
+        def recording_send(request, output):  # type: ignore[no-untyped-def]
+            if output.finished:
+                finished.append(output.finish_reason)
+            send(request, output)
+
+        def commit(states, rows):  # type: ignore[no-untyped-def]
+            if any(state.params.seed == 666 for state in states):
+                raise RuntimeError("boom")
+            return original(states, rows)
+
+        monkeypatch.setattr(engine.algorithm, "commit", commit)
+        monkeypatch.setattr(engine, "_send", recording_send)
+        long = DecodingParams(gen_length=512, steps=512, block_length=32)
+        bad = DecodingParams(gen_length=8, steps=8, temperature=1.0, seed=666)
+        with pytest.raises(RuntimeError, match="generation failed: RuntimeError: boom"):
+            model.generate_ids([[11, 12, 13]] * 3, [long, bad, long])
+        deadline = time.monotonic() + 10
+        while (engine.num_running or engine.num_waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.num_running == engine.num_waiting == 0
+        assert sorted(finished, key=str) == ["abort", "abort", "error"]  # no long one ran out
+        monkeypatch.undo()
+        [out] = model.generate_ids([[11, 12, 13]], DecodingParams(gen_length=4, steps=4))
+        assert out.finish_reason in ("stop", "length") and out.nfe > 0
+
+
 def test_any_engine_config_queues_a_whole_dataset() -> None:
     with LLM("tiny-llada", device="cpu", engine_config=EngineConfig(max_waiting_requests=2)) as m:
         outs = m.generate_ids([[11, 12, 13]] * 8, DecodingParams(gen_length=4, steps=4))
