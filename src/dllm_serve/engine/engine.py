@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from itertools import islice
+from typing import Any
 
 import torch
 import uuid6
@@ -149,32 +150,16 @@ class AsyncEngine(EngineSteps):
         prompt_ids: list[int],
         params: DecodingParams,
         request_id: str | None = None,
-        stop: Sequence[str] = (),
-        timeout: float | None = None,
-        trace: bool = False,
-        final_only: bool = False,
-        include_stop: bool = False,
+        **options: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Submit a request now and return the async iterator of its outputs.
-
-        Submission is eager, so a full queue raises :class:`QueueFullError` (and a stopped
-        engine :class:`EngineDeadError`) here, before any response has started. Closing the
-        iterator before the last output aborts the request. With ``timeout`` (seconds), the
-        request ends with ``finish_reason == "timeout"`` at the first step boundary past it.
-        ``trace``: every step's output carries its trace event (engine/trace.py).
-        ``include_stop``: the answer ends *after* the stop string it matched, not before
-        (vLLM's ``include_stop_str_in_output``); the token count is the same either way.
-        ``final_only`` (a caller that only joins the deltas): the answer is decoded once and
-        arrives whole in the last output, with no output before it, so no step pays for
-        detokenising or a hand-off. It has no effect with ``stop`` strings (matched step by
-        step, so a stop string ends decoding early) or ``trace``.
-        """
+        """Submit a request now and return the async iterator of its outputs (``options``:
+        those of :meth:`submit`). Closing the iterator before the last output aborts the
+        request."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
         request_id = self.submit(
-            prompt_ids, params, queue.put_nowait, request_id, stop=stop, timeout=timeout,
-            trace=trace, final_only=final_only, include_stop=include_stop,
-            loop=asyncio.get_running_loop(),
-        )  # fmt: skip
+            prompt_ids, params, queue.put_nowait, request_id, loop=loop, **options
+        )
         return self._outputs(request_id, queue)
 
     def submit(
@@ -191,10 +176,22 @@ class AsyncEngine(EngineSteps):
         include_stop: bool = False,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> str:
-        """:meth:`generate` for a synchronous consumer (the offline LLM): ``sink`` receives
-        each output on the engine thread (on ``loop`` when given), the last one with
-        ``finished`` set, and must return at once. Returns the request id (for
-        :meth:`abort`); the same refusals as :meth:`generate`, raised here."""
+        """Submit a request now: ``sink`` receives each of its outputs, the last one with
+        ``finished`` set, on ``loop`` (:meth:`generate`) or, without one, on the engine thread
+        itself (a synchronous consumer such as the offline LLM; it must return at once).
+        Returns the request id (for :meth:`abort`).
+
+        Submission is eager, so a full queue raises :class:`QueueFullError` (and a stopped
+        engine :class:`EngineDeadError`) here. With ``timeout`` (seconds), the request ends
+        with ``finish_reason == "timeout"`` at the first step boundary past it. ``trace``:
+        every step's output carries its trace event (engine/trace.py). ``include_stop``: the
+        answer ends *after* the stop string it matched, not before (vLLM's
+        ``include_stop_str_in_output``); the token count is the same either way.
+        ``final_only`` (a caller that only joins the deltas): the answer is decoded once and
+        arrives whole in the last output, with no output before it, so no step pays for
+        detokenising or a hand-off. It has no effect with ``stop`` strings (matched step by
+        step, so a stop string ends decoding early) or ``trace``.
+        """
         check_request(self.algorithm, self.loaded.name, params)
         request = Request(
             request_id=request_id or str(uuid6.uuid7()),
