@@ -288,20 +288,18 @@ class LLM:
         engine = self.engine
         ids = [str(uuid6.uuid7()) for _ in requests]
         collected: list[_Collected] = [_Collected() for _ in requests]
-        remaining = [len(requests)]
+        remaining = [len(requests)]  # counted down by the engine thread only
         done = threading.Event()
-        lock = threading.Lock()
 
         def sink_for(result: _Collected) -> Callable[[RequestOutput], None]:
             def sink(output: RequestOutput) -> None:  # on the engine thread
                 result.parts.append(output.delta_text)
                 if output.finished:
                     result.last = output
-                    with lock:
-                        remaining[0] -= 1
-                        # A failed request ends the call at once (the rest are aborted).
-                        if not remaining[0] or not result.ok:
-                            done.set()
+                    remaining[0] -= 1
+                    # A failed request ends the call at once (the rest are aborted).
+                    if not remaining[0] or not result.ok:
+                        done.set()
 
             return sink
 
