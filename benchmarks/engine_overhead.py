@@ -101,11 +101,11 @@ def timed(phases: dict[str, float], name: str, method: Any) -> Any:
 
 
 def engine_run(
-    llm: LLM, conversations: list[list[dict[str, str]]], params: DecodingParams
+    llm: LLM, prompts: list[list[int]], params: DecodingParams
 ) -> tuple[float, list[Recorded], int, float, dict[str, float]]:
-    """Generate all conversations at once; returns (seconds, recorded forwards, answer tokens,
-    seconds spent inside those forwards — on CPU, where a forward is synchronous — and the
-    seconds of each host phase of :data:`CHAIN_PHASES`)."""
+    """Generate all (templated, tokenised) prompts at once; returns (seconds, recorded
+    forwards, answer tokens, seconds spent inside those forwards — on CPU, where a forward is
+    synchronous — and the seconds of each host phase of :data:`CHAIN_PHASES`)."""
     recorded: list[Recorded] = []
     inside = [0.0]
     engine = llm.engine
@@ -135,9 +135,6 @@ def engine_run(
 
     runner.forward = recording_forward  # type: ignore[method-assign]
     runner.forward_graph = recording_graph  # type: ignore[method-assign]
-    # Chat templating is API work (the server does it in worker threads, off the engine):
-    # prompts are tokenised before the timer, so the ratio is the engine's alone.
-    prompts = [llm.engine.chat_prompt_ids(c) for c in conversations]
     try:
         sync(llm.loaded.device)
         start = time.perf_counter()
@@ -326,9 +323,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with open_llm(args, config) as llm:
         device = llm.loaded.device
         llm.generate(conversations[:1], DecodingParams(gen_length=8, steps=8))  # warm-up
+        # Chat templating is API work (the server does it in worker threads, off the engine):
+        # prompts are tokenised once, before any timer, so the ratio is the engine's alone.
         prompts = [llm.engine.chat_prompt_ids(c) for c in conversations]
         for _ in range(args.repeat):
-            seconds, batches, answer, inside, phases = engine_run(llm, conversations, params)
+            seconds, batches, answer, inside, phases = engine_run(llm, prompts, params)
             bare = bare_run(llm.engine.runner, batches, device)
             plain, plain_forwards, model_and_sampler = plain_run(llm, prompts, params)
             cpu = device.type == "cpu"

@@ -16,23 +16,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import uuid6
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
-from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.models.loader import LoadedModel, load_model
+from dllm_serve.offline_batch import Completion, run_together
 
 if TYPE_CHECKING:
     from dllm_serve.api.request_pipeline import ModelFacts
     from dllm_serve.api.request_spec import RequestSpec
+
+__all__ = ["LLM", "Completion", "InvalidRequestError"]
 
 
 class InvalidRequestError(ValueError):
@@ -42,49 +40,6 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None, code: str | None) -> None:
         super().__init__(message)
         self.param, self.code = param, code
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """One finished generation."""
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    nfe: int  # forward passes this request took part in
-    committed: int = 0  # canvas positions decoded (answer + EOS padding)
-    drafted: int = 0  # self-speculation (ISD, LinearSpec): drafts verified ...
-    accepted_drafts: int = 0  # ... and accepted
-
-
-@dataclass(slots=True)
-class _Collected:
-    """One request's outputs as the engine thread delivers them."""
-
-    parts: list[str] = dataclasses.field(default_factory=list)
-    last: RequestOutput | None = None
-
-    @property
-    def ok(self) -> bool:
-        """Finished with an answer (not failed, and not still running)."""
-        return self.last is not None and self.last.finish_reason in ("stop", "length")
-
-    def completion(self) -> Completion:
-        last = self.last
-        assert last is not None
-        if last.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"generation failed: {last.error or last.finish_reason}")
-        return Completion(
-            "".join(self.parts),
-            last.finish_reason,
-            last.prompt_tokens,
-            last.completion_tokens,
-            last.nfe,
-            last.committed,
-            last.drafted or 0,
-            last.accepted_drafts or 0,
-        )
 
 
 class LLM:
@@ -212,7 +167,7 @@ class LLM:
                     f"request {i}: {error['message']}", error["param"], error["code"]
                 ) from None
         requests = [(ids, spec.params, spec.stop, spec.include_stop_str) for spec, ids in specs]
-        return self._run(requests)
+        return run_together(self.engine, requests)
 
     def generate(
         self,
@@ -250,7 +205,7 @@ class LLM:
             raise ValueError("stop strings must be non-empty strings")
         stops = tuple(stop)
         requests = [(list(p), q, stops, False) for p, q in zip(prompts, params, strict=True)]
-        return self._run(requests)
+        return run_together(self.engine, requests)
 
     def _check(self, i: int, prompt: Sequence[int], params: DecodingParams) -> None:
         """What the server checks before a request runs, as a ValueError here (not a failed
@@ -275,55 +230,6 @@ class LLM:
                 f"request {i}: {len(prompt)} prompt tokens + gen_length {params.gen_length} "
                 f"exceed the model's context of {loaded.max_length} tokens"
             )
-
-    def _run(
-        self, requests: list[tuple[list[int], DecodingParams, tuple[str, ...], bool]]
-    ) -> list[Completion]:
-        """Every (prompt ids, params, stop strings, include_stop) submitted together.
-
-        The outputs go straight from the engine thread to this thread (no event loop: an
-        offline call pays no loop set-up, task wake-ups or tear-down), so it also works
-        inside a running event loop (a notebook cell), which it blocks as any call would.
-        """
-        engine = self.engine
-        ids = [str(uuid6.uuid7()) for _ in requests]
-        collected: list[_Collected] = [_Collected() for _ in requests]
-        remaining = [len(requests)]  # counted down by the engine thread only
-        done = threading.Event()
-
-        def sink_for(result: _Collected) -> Callable[[RequestOutput], None]:
-            def sink(output: RequestOutput) -> None:  # on the engine thread
-                result.parts.append(output.delta_text)
-                if output.finished:
-                    result.last = output
-                    remaining[0] -= 1
-                    # A failed request ends the call at once (the rest are aborted).
-                    if not remaining[0] or not result.ok:
-                        done.set()
-
-            return sink
-
-        submitted = 0
-        try:
-            with engine.submitting_together():  # the first step admits the whole batch
-                for (prompt, p, stop, include), request_id, result in zip(
-                    requests, ids, collected, strict=True
-                ):
-                    engine.submit(
-                        prompt, p, sink_for(result), request_id,
-                        stop=stop, final_only=True, include_stop=include,
-                    )  # fmt: skip
-                    submitted += 1
-            if requests:
-                done.wait()
-            failed = [r for r in collected if r.last is not None and not r.ok]
-            # All finished, or one failed: it raises (and the others are aborted below).
-            return [r.completion() for r in failed + collected]
-        except BaseException:  # a refusal, a failed request, or an interrupt while waiting
-            for request_id, result in zip(ids[:submitted], collected, strict=False):
-                if result.last is None:
-                    engine.abort(request_id)
-            raise
 
     def close(self) -> None:
         self._finalizer()
