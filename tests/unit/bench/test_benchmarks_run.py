@@ -166,6 +166,31 @@ def test_gpu_llada8b_refuses_without_gpu(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_gpu_profile_step_tiny_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    load("gpu_profile_step").main(
+        ["--allow-cpu", "--tiny", "--device", "cpu", "--prefix", "16", "--block", "8",
+         "--batches", "1", "2", "--calls", "2", "--top", "3", "--out", str(out)]
+    )  # fmt: skip
+    report = read(out)
+    assert report["tiny"] and report["device"] == "cpu"
+    assert [r["batch"] for r in report["results"]] == [1, 2]
+    for row in report["results"]:
+        for case in ("eager", "run"):
+            profiled = row[case]
+            assert profiled["kernels_per_call"] > 0 and profiled["kernel_ms_per_call"] > 0
+            assert 0 < len(profiled["top"]) <= 3
+            shares = [t["share"] for t in profiled["top"]]
+            assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1.0001
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the no-GPU path")
+def test_gpu_profile_step_refuses_without_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    assert load("gpu_profile_step").main(["--out", str(out)]) is None
+    assert not out.exists()
+
+
 def test_demo_ablation(tmp_path: Path) -> None:
     out = tmp_path / "demo_ablation.json"
     bench = load("demo_ablation")
@@ -258,6 +283,7 @@ def test_decoding_modes_times_a_model_that_stops_early() -> None:
         ("engine_overhead", ["--tiny"], "--tiny shrinks the --random-8b model"),
         ("gpu_llada8b", ["--iters", "0"], "argument --iters: must be >= 1, got 0"),
         ("gpu_llada8b", ["--prefix", "-16"], "argument --prefix: must be >= 0, got -16"),
+        ("gpu_profile_step", ["--calls", "0"], "argument --calls: must be >= 1, got 0"),
         ("demo_ablation", ["--n-addition", "0"], "argument --n-addition: must be >= 1"),
         ("tensor_parallel", ["--repeat", "0"], "argument --repeat: must be >= 1"),
         ("block_diffusion", ["--prompts", "0"], "argument --prompts: must be >= 1"),
