@@ -1,0 +1,181 @@
+"""Every forward a CUDA graph would capture is capture-safe, checked without a GPU.
+
+A captured region may launch device work only: reading a device value on the host (``.item()``,
+``nonzero``, boolean indexing, ``tolist``) fails the capture, and so does copying host memory
+to the device inside it (``torch.tensor(list, device=...)``, a CPU index tensor) — and either
+would waste a rare GPU window. On CPU the static forwards run uncaptured, where neither shows.
+So here each decoding mode's graphed steps are first recorded on CPU through the engine (the
+rows of every graph shape it would capture), then replayed on the **meta device**: tensors
+there have shapes and no data, so any op that needs a value raises, and a dispatch mode fails
+any op handed a tensor of another device (a host tensor that a GPU forward would copy over).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from step_counter import SYNC_OPS
+from test_engine_cuda_graphs import PROMPTS, StaticRunner
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dllm_serve.config import EngineConfig
+from dllm_serve.decoding.forward_spec import RowSpec
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.engine import engine as engine_module
+from dllm_serve.engine.cuda_graphs import MAX_Q, GraphKey, GraphRunner
+from dllm_serve.llm import LLM
+from dllm_serve.models.kv_pool import KVPool
+from dllm_serve.models.loader import LoadedModel, load_model
+from dllm_serve.models.lora import attach_draft_lora, weight_view_hooks
+from dllm_serve.models.tiny import write_tiny
+
+META = torch.device("meta")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class DeviceOnly(TorchDispatchMode):
+    """Fails an op that reads a device value or is handed a tensor off the device (0-d
+    tensors aside: a GPU kernel takes those as scalars, with no copy)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func)
+        if name in SYNC_OPS:
+            raise AssertionError(f"{name} reads a device value inside a captured region")
+        flat = [*args, *(kwargs or {}).values()]
+        for value in flat:
+            for tensor in value if isinstance(value, list | tuple) else [value]:
+                if (
+                    isinstance(tensor, torch.Tensor)
+                    and tensor.dim() > 0
+                    and tensor.device != self.device
+                ):
+                    raise AssertionError(
+                        f"{name} got a {tensor.device} tensor {tuple(tensor.shape)}: a host "
+                        "copy inside a captured region"
+                    )
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def record_graphed_steps(
+    loaded: LoadedModel, params: DecodingParams, **engine: object
+) -> dict[GraphKey, tuple[list[RowSpec], int]]:
+    """The rows and logits width of the first step of each graph shape the engine takes."""
+    seen: dict[GraphKey, tuple[list[RowSpec], int]] = {}
+    static_for, run = GraphRunner.static_for, GraphRunner.run
+
+    def recording_static_for(self: GraphRunner, key: GraphKey, rows: list[RowSpec]) -> Any:
+        seen.setdefault(key, (copy.deepcopy(rows), 0))
+        return static_for(self, key, rows)
+
+    def recording_run(self: GraphRunner, static: Any, rows: int, width: int) -> Any:
+        recorded, known = seen[static.key]
+        if not known:
+            seen[static.key] = (recorded, width)
+        return run(self, static, rows, width)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(engine_module, "ModelRunner", StaticRunner)
+    mp.setattr(GraphRunner, "static_for", recording_static_for)
+    mp.setattr(GraphRunner, "run", recording_run)
+    try:
+        config = EngineConfig(max_waiting_requests=64, cuda_graph=True, **engine)  # type: ignore[arg-type]
+        with LLM.from_loaded(loaded, config) as llm:
+            llm.generate(PROMPTS, params)
+            max_rows, slots = llm.engine.runner.graphs.max_rows, llm.engine.runner.pool.slots
+    finally:
+        mp.undo()
+    assert seen, "no step took a static forward: the test would be vacuous"
+    for key in seen:
+        key_slots = slots  # every recorded span lies inside the CPU pool's slots
+        assert key.rows <= max_rows and key_slots > 0
+    return seen
+
+
+def replay_on_meta(loaded: LoadedModel, steps: dict[GraphKey, tuple[list[RowSpec], int]]) -> int:
+    """Each recorded step through a GraphRunner of a data-less copy of the model; ops run."""
+    model = copy.deepcopy(loaded.model).to(META)
+    cfg = model.config
+    slots = 1 + max(r.kv.start + r.kv.capacity for rows, _ in steps.values() for r in rows)
+    pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, slots, device=META,
+                  scratch_slots=MAX_Q)  # fmt: skip
+    graphs = GraphRunner(model, pool, META, weight_view_hooks(model), max_rows=128, capture=False)
+    ops = 0
+    # no_grad, not inference_mode: meta tensors refuse the draft hook's weight swap
+    # (``param.data = merged``) between inference and normal tensors; CPU and CUDA allow it.
+    with torch.no_grad():
+        for key, (rows, width) in steps.items():
+            static = graphs.static_for(key, rows)  # fills the inputs: the copy before replay
+            assert static is not None
+            guard = DeviceOnly(META)
+            with guard:
+                logits = graphs.run(static, len(rows), width)
+            assert logits.device == META
+            assert logits.shape == (len(rows), width, cfg.vocab_size)
+            ops += guard.ops
+    return ops
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
+    root = Path(tmp_path_factory.mktemp("capture-safety"))
+    out = {"llada": load_model("tiny-llada", device="cpu", dtype="float32")}
+    for family in ("idlm", "sdar"):
+        out[family] = load_model(str(write_tiny(family, root / family)), dtype="float32")
+    path = write_tiny("nemotron", root / "nemotron", block_size=8, seed=1,
+                      draft_lora_out=root / "lora")  # fmt: skip
+    nemotron = load_model(str(path), dtype="float32")
+    assert attach_draft_lora(nemotron.model, root / "lora") == 2
+    out["nemotron"] = nemotron
+    return out
+
+
+CASES = {
+    "llada prefix cache": ("llada", DecodingParams(gen_length=32, block_length=8, steps=16),
+                           {"kv_cache": "prefix"}),
+    "idlm rounds": ("idlm", DecodingParams(gen_length=24), {"isd_stride": 4}),
+    "sdar blocks": ("sdar", DecodingParams(gen_length=24), {}),
+    "tri-mode linear_spec (draft LoRA)": ("nemotron", DecodingParams(gen_length=24,
+                                          decoding_mode="linear_spec"), {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_graphed_steps_are_capture_safe(models: dict[str, LoadedModel], case: str) -> None:
+    family, params, engine = CASES[case]
+    steps = record_graphed_steps(models[family], params, **engine)
+    assert replay_on_meta(models[family], steps) > 0
+    if family == "nemotron":  # both weight views were captured: draft rounds and verify rounds
+        assert {key.draft for key in steps} == {True, False}
+
+
+def test_the_guard_catches_a_host_read_and_a_host_copy() -> None:
+    """The checks above could not pass vacuously: each hazard fails under them."""
+    x = torch.zeros(4, device=META)
+    with pytest.raises(AssertionError, match="_local_scalar_dense"), DeviceOnly(META):
+        x.sum().item()
+    with pytest.raises(AssertionError, match=r"aten\.nonzero\.default reads"), DeviceOnly(META):
+        torch.ops.aten.nonzero.default(x)
+    # Boolean indexing sizes its output from the values: the meta device has none to give.
+    with pytest.raises(NotImplementedError, match="nonzero"), DeviceOnly(META):
+        x[x > 0]
+    with pytest.raises(AssertionError, match="host copy"), DeviceOnly(META):
+        x + torch.ones(4)  # a host tensor handed to a device op
+    with pytest.raises(AssertionError, match="host copy"), DeviceOnly(META):
+        x[torch.tensor([0, 2])]  # a host index tensor: copied to the device per call
+    # A read that dispatches no op (tolist, numpy) has no data to read on the meta device.
+    with pytest.raises(NotImplementedError), DeviceOnly(META):
+        x.tolist()
+    one = torch.tensor(1.0)
+    with DeviceOnly(META) as guard:
+        (x * 2 + one).sum()  # device ops and a 0-d scalar pass
+    assert guard.ops == 3
