@@ -8,6 +8,11 @@ So here each decoding mode's graphed steps are first recorded on CPU through the
 rows of every graph shape it would capture), then replayed on the **meta device**: tensors
 there have shapes and no data, so any op that needs a value raises, and a dispatch mode fails
 any op handed a tensor of another device (a host tensor that a GPU forward would copy over).
+
+The eager forwards (prefills, refreshes, block writes, steps without a cache) are held to the
+same rule: a step's only host→device copy is the flat batch's, built before the forward
+(``BatchPacker``), and its only read-back is the sampler's, after it. MoE layers are the one
+known exception (their expert counts are read on the host; they never take a graph).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dllm_serve.decoding.forward_spec import RowSpec
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine import engine as engine_module
 from dllm_serve.engine.cuda_graphs import MAX_Q, GraphKey, GraphRunner
+from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.llm import LLM
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import LoadedModel, load_model
@@ -179,3 +185,78 @@ def test_the_guard_catches_a_host_read_and_a_host_copy() -> None:
     with DeviceOnly(META) as guard:
         (x * 2 + one).sum()  # device ops and a 0-d scalar pass
     assert guard.ops == 3
+
+
+def record_eager_steps(
+    loaded: LoadedModel, params: DecodingParams, limit: int, **engine: object
+) -> list[list[RowSpec]]:
+    """The rows of the engine's first ``limit`` forwards, graphs off."""
+    seen: list[list[RowSpec]] = []
+    run = ModelRunner.run
+
+    def recording_run(self: ModelRunner, rows: list[RowSpec]) -> Any:
+        if len(seen) < limit:
+            seen.append(copy.deepcopy(rows))
+        return run(self, rows)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ModelRunner, "run", recording_run)
+    try:
+        config = EngineConfig(max_waiting_requests=64, cuda_graph=False, **engine)  # type: ignore[arg-type]
+        with LLM.from_loaded(loaded, config) as llm:
+            llm.generate(PROMPTS, params)
+    finally:
+        mp.undo()
+    return seen
+
+
+EAGER_CASES = {
+    "llada, no cache": ("llada", DecodingParams(gen_length=16, block_length=8, steps=8), {}),
+    "llada prefix cache": ("llada", DecodingParams(gen_length=16, block_length=8, steps=8),
+                           {"kv_cache": "prefix"}),
+    "dream (shifted logits)": ("dream", DecodingParams(gen_length=16, block_length=8, steps=8),
+                               {}),
+    "idlm rounds": ("idlm", DecodingParams(gen_length=16), {"isd_stride": 4}),
+    "sdar blocks": ("sdar", DecodingParams(gen_length=16), {}),
+    "fastdllm sub-blocks": ("fastdllm", DecodingParams(gen_length=16), {}),
+    "tri-mode linear_spec (draft LoRA)": ("nemotron", DecodingParams(gen_length=16,
+                                          decoding_mode="linear_spec"), {}),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def more_models(
+    models: dict[str, LoadedModel], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, LoadedModel]:
+    root = Path(tmp_path_factory.mktemp("capture-safety-eager"))
+    out = dict(models)
+    for family in ("dream", "fastdllm"):
+        out[family] = load_model(str(write_tiny(family, root / family)), dtype="float32")
+    return out
+
+
+@pytest.mark.parametrize("case", list(EAGER_CASES))
+def test_eager_forwards_neither_read_back_nor_copy_host_tensors(
+    more_models: dict[str, LoadedModel], case: str
+) -> None:
+    family, params, engine = EAGER_CASES[case]
+    loaded = more_models[family]
+    steps = record_eager_steps(loaded, params, limit=24, **engine)
+    assert steps, "no forward was recorded: the test would be vacuous"
+    model = copy.deepcopy(loaded.model).to(META)
+    spans = [r.kv for rows in steps for r in rows if r.kv is not None]
+    slots = 1 + max((kv.start + kv.capacity for kv in spans), default=0)
+    runner = ModelRunner(model, META, kv_slots=slots if spans else 0)
+    kinds = set()
+    with torch.no_grad():
+        for rows in steps:
+            flat, _width = runner.build(rows)  # the step's one host→device copy
+            # The rope table is built on the host once and grows by doubling, both outside
+            # any step (the graph runner builds it up front): not a per-step copy.
+            model.rope(torch.zeros(1, dtype=torch.long, device=META), flat.max_position)
+            with DeviceOnly(META) as guard:
+                logits = runner.forward(flat)
+            assert logits.device == META and guard.ops > 0
+            kinds.add((rows[0].attention, rows[0].start > 0, rows[0].kv is not None))
+    if engine.get("kv_cache") == "prefix" or family in ("idlm", "sdar", "fastdllm"):
+        assert any(cached for _, cached, _ in kinds), "no cached step was checked"
