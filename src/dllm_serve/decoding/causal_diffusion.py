@@ -34,6 +34,7 @@ import torch
 from dllm_serve.decoding.block_steps import commit_masked, finish_or_continue, schedule_block
 from dllm_serve.decoding.denoise import LLaDADenoiser
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
+from dllm_serve.decoding.host_values import to_device
 from dllm_serve.decoding.isd_verify import target_probs
 from dllm_serve.decoding.linear_spec import sample_inverse_cdf
 from dllm_serve.decoding.params import DecodingParams
@@ -139,7 +140,7 @@ class CausalBlockDiffusionDecoder:
             if len(seed_rows) == len(states):
                 out[:, 0] = seeds
             else:
-                is_seed = torch.tensor([s.phase != DENOISE for s in states]).to(out.device)
+                is_seed = to_device([s.phase != DENOISE for s in states], out.device)
                 out[:, 0] = torch.where(is_seed, seeds.to(out.dtype), out[:, 0])
         return out
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from dllm_serve.decoding.host_values import to_device
+
 
 def topk_commit_rows(confidence: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """LLaDA's low-confidence remasking: commit each row's ``k[r]`` most confident positions.
@@ -50,5 +52,5 @@ def topk_commit(confidence: torch.Tensor, k: int) -> torch.Tensor:
 
 def threshold_commit(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
     """:func:`threshold_commit_rows` for one row ``[N]``."""
-    limit = torch.tensor([threshold], dtype=confidence.dtype, device=confidence.device)
+    limit = to_device([threshold], confidence.device, confidence.dtype)
     return threshold_commit_rows(confidence[None], limit)[0]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from dllm_serve.decoding.commit import argmax_onehot, threshold_commit_rows, topk_commit_rows
+from dllm_serve.decoding.host_values import to_device
 from dllm_serve.decoding.local_leap import local_leap_commit_rows
 from dllm_serve.decoding.state import DenoiseState
 
@@ -51,12 +52,12 @@ def commit_by_row_rule(
         span = max(hi - lo for lo, hi in (s.active_block for s in states))
         offsets, radius = _offsets(states, score.shape[1], device)
         leap = local_leap_commit_rows(score, offsets, kappa, tau, radius, span)
-        is_leap = torch.tensor([m == "local_leap" for m in modes]).to(device)
+        is_leap = to_device([m == "local_leap" for m in modes], device)
         rule = leap if rule is None else torch.where(is_leap[:, None], leap, rule)
     assert rule is not None
     if commit is None:
         return rule
-    is_topk = torch.tensor([m == "topk" for m in modes]).to(device)
+    is_topk = to_device([m == "topk" for m in modes], device)
     return torch.where(is_topk[:, None], commit, rule)
 
 

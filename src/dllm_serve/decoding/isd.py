@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
+from dllm_serve.decoding.host_values import to_device
 from dllm_serve.decoding.isd_state import ISDState
 from dllm_serve.decoding.isd_verify import greedy_tokens, sample, target_probs, verify_row
 from dllm_serve.decoding.params import DecodingParams
@@ -157,7 +158,7 @@ class ISDecoder:
             drawn = sample(probs[k:], state.generator)  # the clean token and the new drafts
             if k:
                 assert state.draft_q is not None, "sampled specs without their draft distribution"
-                specs = torch.tensor(state.specs, device=best.device)
+                specs = to_device(state.specs, best.device)
                 accepted, corrections = verify_row(probs[:k], state.draft_q, specs, state.generator)
             else:
                 accepted, corrections = best.new_zeros(()), best.new_zeros(0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from dllm_serve.decoding.confidence import entropy_inverse_of
+from dllm_serve.decoding.host_values import to_device
 from dllm_serve.decoding.sampling import argmax, gumbel_argmax
 from dllm_serve.decoding.sharded_vocab import ShardedLogits, is_sharded, writable
 
@@ -69,5 +70,5 @@ def _pick_metric(
         return top1
     if all(m == "entropy_inverse" for m in metrics):
         return inverse
-    entropic = torch.tensor([m == "entropy_inverse" for m in metrics]).to(device)
+    entropic = to_device([m == "entropy_inverse" for m in metrics], device)
     return torch.where(entropic[:, None], inverse, top1)

@@ -39,6 +39,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from dllm_serve.decoding.host_values import to_device
 from dllm_serve.decoding.sampling import argmax
 
 # Columns of a shard's statistics (float64, so token ids up to 2^53 travel exactly).
@@ -116,7 +117,7 @@ def select_rows(
 ) -> torch.Tensor | ShardedLogits:
     """``logits`` restricted to ``rows`` (a dense index_select or a sharded view)."""
     if isinstance(logits, torch.Tensor):
-        return logits.index_select(0, torch.tensor(rows, device=logits.device))
+        return logits.index_select(0, to_device(rows, logits.device))
     return logits.select_rows(rows)
 
 
@@ -163,7 +164,7 @@ def shard_statistics(
     z_at = z.gather(-1, token.unsqueeze(-1)).squeeze(-1)
     key = z_at.to(torch.float64)
     if keys:
-        positions = torch.tensor(list(keys), device=z.device)
+        positions = to_device(list(keys), z.device)
         stacked = torch.stack(list(keys.values()))
         best = stacked.argmax(-1)
         key = key.index_copy(0, positions, stacked.gather(-1, best[:, None]).squeeze(-1))

@@ -19,6 +19,7 @@ import torch
 
 from dllm_serve.decoding.algorithm import DecodeState, DecodingAlgorithm
 from dllm_serve.decoding.forward_spec import RowSpec, StepResult
+from dllm_serve.decoding.host_values import to_device
 from dllm_serve.decoding.modes import TRI_MODE, TRI_MODES
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sharded_vocab import ShardedLogits, select_rows
@@ -73,7 +74,7 @@ class TriModeDecoder:
             return self.modes[next(iter(groups))].sample(states, logits)
         parts = []
         for mode, rows in groups.items():
-            index = torch.tensor(rows, device=logits.device)
+            index = to_device(rows, logits.device)
             sub = self.modes[mode].sample([states[r] for r in rows], select_rows(logits, rows))
             parts.append((index, sub))
         width = max(sub.shape[1] for _, sub in parts)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.host_values import to_device
 from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
 from dllm_serve.models.kv_pool import KVPool
 
@@ -132,9 +133,9 @@ class BatchPacker:
         host.extend(array("q", slots + logits_at + draft))
         packed = torch.frombuffer(host, dtype=torch.long)
         if self.device.type != "cpu":
-            # The previous step ended with its device→host copy, so the device is idle here
-            # and this copy does not wait for it.
-            packed = packed.to(self.device)
+            # Non-blocking (decoding/host_values.py): the host goes on to launch the forward
+            # while the driver copies; a blocking copy would also synchronise the stream.
+            packed = packed.to(self.device, non_blocking=True)
         input_ids, pos = packed[:t], packed[t : 2 * t]
         slot_mapping = packed[2 * t : 3 * t] if any_kv else None
         index_start = (3 if any_kv else 2) * t
@@ -154,7 +155,7 @@ class BatchPacker:
             return AttnGroup(g.start, g.rows, g.q_len, is_causal=g.causal)
         # Keys: each row's prefix then its current tokens, gathered from the pool.
         longest = max(g.prefixes) + g.q_len
-        packed = torch.tensor(g.bases + g.prefixes, dtype=torch.long).to(self.device)
+        packed = to_device(g.bases + g.prefixes, self.device, torch.long)
         base, prefix = packed[: g.rows], packed[g.rows :]
         cols = torch.arange(longest, device=self.device)
         query = torch.arange(g.q_len, device=self.device)
@@ -179,6 +180,6 @@ class BatchPacker:
         mask = (keys[None, :] // row.block) <= (queries[:, None] // row.block)
         if not g.cached:
             return AttnGroup(g.start, g.rows, g.q_len, mask=mask)
-        first = torch.tensor(g.bases, dtype=torch.long).to(self.device)
+        first = to_device(g.bases, self.device, torch.long)
         kv_slots = first[:, None] + keys[None, :]
         return AttnGroup(g.start, g.rows, g.q_len, kv_slots=kv_slots, mask=mask)

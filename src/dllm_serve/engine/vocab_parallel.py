@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from dllm_serve.decoding.host_values import to_device
 from dllm_serve.decoding.sharded_vocab import (
     Proposals,
     combine_statistics,
@@ -80,7 +81,7 @@ def apply(
     (rank 0) are the live generators of the sampling rows, advanced by the draw; the other
     ranks rebuild each from the state carried by the op."""
     if op.rows is not None:
-        local = local.index_select(0, torch.tensor(op.rows, device=local.device))
+        local = local.index_select(0, to_device(op.rows, local.device))
     if op.kind == "dense":
         return local.contiguous()
     rows, width, vocab = local.shape
@@ -183,7 +184,7 @@ class VocabShardedLogits:
         sampled = self._combine(self._collect(op, apply(op, self.local, self.shard, live)))
         if greedy is None:
             return sampled
-        index = torch.tensor(ours, device=sampled.tokens.device)
+        index = to_device(ours, sampled.tokens.device)
         return Proposals(*(g.index_copy(0, index, t) for g, t in zip(greedy, sampled, strict=True)))
 
     def _greedy(self, mask_id: int) -> Proposals | None:
@@ -194,7 +195,7 @@ class VocabShardedLogits:
         done = self.greedy_of[1]
         if self.rows is None:
             return done
-        index = torch.tensor(self.rows, device=done.tokens.device)
+        index = to_device(self.rows, done.tokens.device)
         return Proposals(*(t.index_select(0, index) for t in done))
 
     def _combine(self, parts: list[torch.Tensor]) -> Proposals:
