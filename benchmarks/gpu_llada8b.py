@@ -110,6 +110,32 @@ def build_model(
     return model.eval()
 
 
+def model_for(args: argparse.Namespace, device: torch.device) -> DecoderTransformer:
+    """The random-weight model of ``--config`` (toy size with ``--tiny``) on ``device``:
+    bf16 on a GPU, fp32 on CPU (where bf16 matmuls are slow emulation)."""
+    full = LLADA.transformer_config(json.loads(args.config.read_text()))
+    cfg = tiny_config(full) if args.tiny else full
+    return build_model(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def build_runner(
+    model: DecoderTransformer, device: torch.device, args: argparse.Namespace
+) -> ModelRunner:
+    """One ModelRunner for every batch size: a KV span of prefix + block slots per row of the
+    largest batch, as the engine sizes a request's span for its whole canvas. Cached steps
+    replay a CUDA graph in ``run`` (on CPU the same static forward, uncaptured) unless
+    ``--no-cuda-graph``; ``forward`` on a built batch stays eager."""
+    runner = ModelRunner(
+        model,
+        device,
+        kv_slots=max(args.batches) * (args.prefix + args.block),
+        cuda_graph=not args.no_cuda_graph,
+        graph_max_rows=max(args.batches),
+    )
+    assert runner.pool is not None
+    return runner
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -288,11 +314,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print("gpu_llada8b: on CPU only with --allow-cpu --tiny.", file=sys.stderr)
         return None
 
-    full = LLADA.transformer_config(json.loads(args.config.read_text()))
-    cfg = tiny_config(full) if args.tiny else full
-    # bf16 everywhere on GPU; fp32 on CPU, where bf16 matmuls are slow emulation.
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(cfg, device, dtype)
+    model = model_for(args, device)
+    dtype = model.embed_tokens.weight.dtype
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -300,18 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     floor_s = weight_bytes / bw if bw else None
     print(f"{name}: {params / 1e9:.3f} B params, {weight_bytes / 1e9:.2f} GB weights, floor "
           f"{ms(floor_s)} ms/forward at {bw and bw / 1e12} TB/s")  # fmt: skip
-    # One KV span of prefix + block slots per row of the largest batch, as the engine sizes a
-    # request's span for its whole canvas.
-    runner = ModelRunner(
-        model,
-        device,
-        kv_slots=max(args.batches) * (args.prefix + args.block),
-        # Cached steps replay a CUDA graph in ``run`` (on CPU the same static forward,
-        # uncaptured); ``forward`` on a built batch stays eager: both are reported.
-        cuda_graph=not args.no_cuda_graph,
-        graph_max_rows=max(args.batches),
-    )
-    assert runner.pool is not None
+    runner = build_runner(model, device, args)
 
     results = []
     for batch in args.batches:

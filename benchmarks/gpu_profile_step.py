@@ -20,7 +20,6 @@ Writes ``benchmarks/results/gpu_profile_step.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,10 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, at_least, write_json
-from gpu_llada8b import DEFAULT_CONFIG, build_model, make_rows, sync, tiny_config
-
-from dllm_serve.engine.model_runner import ModelRunner
-from dllm_serve.models.families.llada import LLADA
+from gpu_llada8b import DEFAULT_CONFIG, build_runner, make_rows, model_for, sync
 
 
 def kernel_events(prof: Any, cuda: bool) -> list[Any]:
@@ -103,18 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             print("gpu_profile_step: no CUDA device (use --allow-cpu --tiny).", file=sys.stderr)
             return None
         device = torch.device("cpu")
-    full = LLADA.transformer_config(json.loads(args.config.read_text()))
-    cfg = tiny_config(full) if args.tiny else full
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(cfg, device, dtype)
-    runner = ModelRunner(
-        model,
-        device,
-        kv_slots=max(args.batches) * (args.prefix + args.block),
-        cuda_graph=not args.no_cuda_graph,
-        graph_max_rows=max(args.batches),
-    )
-    assert runner.pool is not None
+    runner = build_runner(model_for(args, device), device, args)
     results = []
     for batch in args.batches:
         rows, spans = make_rows(runner, batch, args.prefix, args.block)

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 import torch
 from device_guard import DeviceOnly
-from test_engine_cuda_graphs import PROMPTS, StaticRunner
+from test_engine_cuda_graphs import CASES as GRAPH_CASES
+from test_engine_cuda_graphs import PROMPTS, StaticRunner, tiny_models
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.forward_spec import RowSpec
@@ -35,7 +36,7 @@ from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.llm import LLM
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.lora import attach_draft_lora, weight_view_hooks
+from dllm_serve.models.lora import weight_view_hooks
 from dllm_serve.models.tiny import write_tiny
 
 META = torch.device("meta")
@@ -103,26 +104,11 @@ def replay_on_meta(loaded: LoadedModel, steps: dict[GraphKey, tuple[list[RowSpec
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
-    root = Path(tmp_path_factory.mktemp("capture-safety"))
-    out = {"llada": load_model("tiny-llada", device="cpu", dtype="float32")}
-    for family in ("idlm", "sdar"):
-        out[family] = load_model(str(write_tiny(family, root / family)), dtype="float32")
-    path = write_tiny("nemotron", root / "nemotron", block_size=8, seed=1,
-                      draft_lora_out=root / "lora")  # fmt: skip
-    nemotron = load_model(str(path), dtype="float32")
-    assert attach_draft_lora(nemotron.model, root / "lora") == 2
-    out["nemotron"] = nemotron
-    return out
+    return tiny_models(Path(tmp_path_factory.mktemp("capture-safety")), "cpu")
 
 
-CASES = {
-    "llada prefix cache": ("llada", DecodingParams(gen_length=32, block_length=8, steps=16),
-                           {"kv_cache": "prefix"}),
-    "idlm rounds": ("idlm", DecodingParams(gen_length=24), {"isd_stride": 4}),
-    "sdar blocks": ("sdar", DecodingParams(gen_length=24), {}),
-    "tri-mode linear_spec (draft LoRA)": ("nemotron", DecodingParams(gen_length=24,
-                                          decoding_mode="linear_spec"), {}),
-}  # fmt: skip
+# Every decoding mode the CPU and GPU graph tests run (docs/architecture.md, "CUDA graphs").
+CASES = GRAPH_CASES
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -130,7 +116,7 @@ def test_graphed_steps_are_capture_safe(models: dict[str, LoadedModel], case: st
     family, params, engine = CASES[case]
     steps = record_graphed_steps(models[family], params, **engine)
     assert replay_on_meta(models[family], steps) > 0
-    if family == "nemotron":  # both weight views were captured: draft rounds and verify rounds
+    if params.decoding_mode == "linear_spec":  # both weight views: draft and verify rounds
         assert {key.draft for key in steps} == {True, False}
 
 

@@ -18,14 +18,12 @@ from typing import Any
 import pytest
 import torch
 from device_guard import DeviceOnly
-from test_engine_cuda_graphs import PROMPTS
+from test_engine_cuda_graphs import PROMPTS, tiny_models
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
-from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.lora import attach_draft_lora
-from dllm_serve.models.tiny import write_tiny
+from dllm_serve.models.loader import LoadedModel
 
 META = torch.device("meta")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,16 +87,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
-    root = Path(tmp_path_factory.mktemp("sampler-safety"))
-    out = {"llada": load_model("tiny-llada", device="cpu", dtype="float32")}
-    for family in ("idlm", "sdar"):
-        out[family] = load_model(str(write_tiny(family, root / family)), dtype="float32")
-    path = write_tiny("nemotron", root / "nemotron", block_size=8, seed=1,
-                      draft_lora_out=root / "lora")  # fmt: skip
-    nemotron = load_model(str(path), dtype="float32")
-    assert attach_draft_lora(nemotron.model, root / "lora") == 2
-    out["nemotron"] = nemotron
-    return out
+    return tiny_models(Path(tmp_path_factory.mktemp("sampler-safety")), "cpu")
 
 
 @pytest.mark.parametrize("case", list(CASES))
