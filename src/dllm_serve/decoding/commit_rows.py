@@ -39,11 +39,12 @@ def commit_by_row_rule(
         assert commit is not None
         return commit
     params = [s.params for s in states]
-    floats = torch.tensor(
+    floats = to_device(
         [p.confidence_threshold or p.local_leap_anchor_threshold for p in params]
         + [p.local_leap_neighbor_threshold for p in params],
-        dtype=score.dtype,
-    ).to(device, non_blocking=True)
+        device,
+        score.dtype,
+    )
     kappa, tau = floats[: len(params)], floats[len(params) :]
     rule = threshold_commit_rows(score, kappa) if "threshold" in modes else None
     if "local_leap" in modes:
@@ -72,6 +73,6 @@ def _offsets(
         offs = [p - lo for p in s.masked] or [0]
         flat.extend(offs + [offs[-1]] * (width - len(offs)))
     flat.extend(s.params.local_leap_radius for s in states)
-    packed = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+    packed = to_device(flat, device, torch.long)
     rows = len(states)
     return packed[: rows * width].view(rows, width), packed[rows * width :]

@@ -10,6 +10,7 @@ import torch
 
 from dllm_serve.decoding.commit_rows import commit_by_row_rule
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
+from dllm_serve.decoding.host_values import host_to_device
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.prefix_cache import after_step, prefix_spec, reset_for_block
 from dllm_serve.decoding.proposals import propose
@@ -144,8 +145,7 @@ class LLaDADenoiser:
         device = logits.device
         counts = [len(s.masked) for s in states]
         topk = [s.schedule[s.step] if s.params.mode == "topk" else -1 for s in states]
-        ints = torch.frombuffer(array("q", counts + topk), dtype=torch.long)
-        ints = ints.to(device, non_blocking=True)
+        ints = host_to_device(torch.frombuffer(array("q", counts + topk), dtype=torch.long), device)
         count, k = ints[:rows], ints[rows:]
         # Padding entries (rows with fewer masks than the widest) must never commit; when
         # every row is as wide as the batch there is none, and no mask is needed.

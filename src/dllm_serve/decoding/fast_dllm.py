@@ -45,6 +45,7 @@ from dllm_serve.decoding.block_diffusion import (
 )
 from dllm_serve.decoding.block_steps import commit_masked, finish_or_continue, schedule_block
 from dllm_serve.decoding.forward_spec import RowSpec, StepResult
+from dllm_serve.decoding.host_values import to_device
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.sampling import new_generator
 from dllm_serve.decoding.sharded_vocab import ShardedLogits, seed_tokens
@@ -148,7 +149,7 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
             return self._sampler.sample(states, logits)  # type: ignore[arg-type]
         seeds = seed_tokens(logits, self.mask_id)  # before the sampler consumes the logits
         out = self._sampler.sample(states, logits)  # type: ignore[arg-type]
-        rows = torch.tensor(seeding).to(logits.device, non_blocking=True)
+        rows = to_device(seeding, logits.device)
         out[:, 0] = torch.where(rows, seeds, out[:, 0])
         return out
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
-from dllm_serve.decoding.host_values import to_device
+from dllm_serve.decoding.host_values import host_to_device, to_device
 from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
 from dllm_serve.models.kv_pool import KVPool
 
@@ -132,10 +132,9 @@ class BatchPacker:
         host.extend(positions)
         host.extend(array("q", slots + logits_at + draft))
         packed = torch.frombuffer(host, dtype=torch.long)
-        if self.device.type != "cpu":
-            # Non-blocking (decoding/host_values.py): the host goes on to launch the forward
-            # while the driver copies; a blocking copy would also synchronise the stream.
-            packed = packed.to(self.device, non_blocking=True)
+        # Pinned and non-blocking on CUDA (decoding/host_values.py): the host goes on to
+        # launch the forward while it copies.
+        packed = host_to_device(packed, self.device)
         input_ids, pos = packed[:t], packed[t : 2 * t]
         slot_mapping = packed[2 * t : 3 * t] if any_kv else None
         index_start = (3 if any_kv else 2) * t

@@ -150,7 +150,9 @@ class StaticForward:
         host = torch.frombuffer(
             array("q", ids + positions + slots + index + bases + prefixes), dtype=torch.long
         )
-        self.inputs.copy_(host, non_blocking=False)
+        if self.inputs.device.type == "cuda":  # pinned: the copy then never waits (host_values)
+            host = host.pin_memory()
+        self.inputs.copy_(host, non_blocking=True)
 
     def forward(self) -> torch.Tensor:
         """The padded forward over the static inputs: logits ``[rows·width, V]``."""
