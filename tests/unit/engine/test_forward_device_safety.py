@@ -1,4 +1,4 @@
-"""Every forward a CUDA graph would capture is capture-safe, checked without a GPU.
+"""The forwards keep to the device: every graphed one is capture-safe, checked without a GPU.
 
 A captured region may launch device work only: reading a device value on the host (``.item()``,
 ``nonzero``, boolean indexing, ``tolist``) fails the capture, and so does copying host memory
@@ -68,13 +68,11 @@ def record_graphed_steps(
         config = EngineConfig(max_waiting_requests=64, cuda_graph=True, **engine)  # type: ignore[arg-type]
         with LLM.from_loaded(loaded, config) as llm:
             llm.generate(PROMPTS, params)
-            max_rows, slots = llm.engine.runner.graphs.max_rows, llm.engine.runner.pool.slots
+            max_rows = llm.engine.runner.graphs.max_rows
     finally:
         mp.undo()
     assert seen, "no step took a static forward: the test would be vacuous"
-    for key in seen:
-        key_slots = slots  # every recorded span lies inside the CPU pool's slots
-        assert key.rows <= max_rows and key_slots > 0
+    assert all(key.rows <= max_rows for key in seen)
     return seen
 
 
