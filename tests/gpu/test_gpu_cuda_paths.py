@@ -72,7 +72,9 @@ def test_bf16_forward_on_cuda_is_close_to_fp32() -> None:
     assert cosine.min().item() > 0.99
 
 
-def _generate(model: str, device: str, params: DecodingParams, **engine: object) -> list:
+def _generate(
+    model: str, device: str, params: DecodingParams | list[DecodingParams], **engine: object
+) -> list:
     config = EngineConfig(max_waiting_requests=1 << 20, **engine)
     with LLM(model, device=device, dtype="float32", engine_config=config) as llm:
         return [(c.text, c.nfe) for c in llm.generate(CONVERSATIONS, params)]
@@ -89,3 +91,27 @@ def test_idlm_self_speculation_on_cuda_generates_what_cpu_generates(idlm_dir: st
     params = DecodingParams(gen_length=16, steps=16)
     want = _generate(idlm_dir, "cpu", params, isd_stride=4)
     assert _generate(idlm_dir, "cuda", params, isd_stride=4) == want
+
+
+def test_llada_mixed_commit_rules_on_cuda_generate_what_cpu_generates() -> None:
+    """Top-k, threshold, LocalLeap and entropy-confidence rows share each step: their per-row
+    rule masks and counts reach the device through pinned, non-blocking copies
+    (decoding/host_values.py)."""
+    base = {"gen_length": 16, "steps": 16, "block_length": 8}
+    params = [
+        DecodingParams(**base),
+        DecodingParams(**base, confidence_threshold=0.5),
+        DecodingParams(**base, use_local_leap=True),
+        DecodingParams(**base, confidence_metric="entropy_inverse"),
+    ]
+    want = _generate("tiny-llada", "cpu", params)
+    assert _generate("tiny-llada", "cuda", params) == want
+
+
+def test_seeded_self_speculation_on_cuda_is_reproducible(idlm_dir: str) -> None:
+    """Sampled ISD rounds (their specs copied to the device each round) on CUDA: the same
+    seed gives the same answers (CUDA and CPU generators draw different streams)."""
+    params = DecodingParams(gen_length=16, steps=16, temperature=0.8, seed=7)
+    first = _generate(idlm_dir, "cuda", params, isd_stride=4)
+    assert _generate(idlm_dir, "cuda", params, isd_stride=4) == first
+    assert all(nfe > 0 for _, nfe in first)
