@@ -15,8 +15,10 @@ import torch
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
+from dllm_serve.models import moe as moe_module
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import write_tiny_idlm
+from dllm_serve.models.moe import MoE
+from dllm_serve.models.tiny import write_tiny, write_tiny_idlm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,3 +117,27 @@ def test_seeded_self_speculation_on_cuda_is_reproducible(idlm_dir: str) -> None:
     first = _generate(idlm_dir, "cuda", params, isd_stride=4)
     assert _generate(idlm_dir, "cuda", params, isd_stride=4) == first
     assert all(nfe > 0 for _, nfe in first)
+
+
+def test_moe_experts_run_as_grouped_gemms_on_cuda_in_bf16(tmp_path: Path) -> None:
+    """A fused LLaDA2 MoE layer in bf16 on CUDA takes torch._grouped_mm (nothing read back)
+    and agrees with its experts run one by one (bf16 rounding apart)."""
+    loaded = load_model(str(write_tiny("llada2", tmp_path / "llada2")), device="cuda",
+                        dtype="bfloat16")  # fmt: skip
+    model = loaded.model.fuse_projections()
+    layer = next(block.mlp for block in model.layers if isinstance(block.mlp, MoE))
+    x = torch.randn(2, 24, model.config.d_model, device="cuda", dtype=torch.bfloat16)
+    key = ("cuda", torch.bfloat16)
+    moe_module._GROUPED_REFUSED.discard(key)
+    try:
+        with torch.no_grad():
+            grouped = layer(x)
+            assert key not in moe_module._GROUPED_REFUSED, "CUDA refused the grouped GEMM"
+            moe_module._GROUPED_REFUSED.add(key)
+            one_by_one = layer(x)
+    finally:
+        moe_module._GROUPED_REFUSED.discard(key)
+    cosine = torch.nn.functional.cosine_similarity(
+        grouped.float().flatten(1), one_by_one.float().flatten(1), dim=-1
+    )
+    assert cosine.min().item() > 0.999

@@ -6,8 +6,9 @@ own cached prefix in the KV pool. Such a step is launch-bound on a GPU — a for
 model is ~1,000 kernels — so it is captured once and replayed: LLaDA's cached block steps
 (prefix cache), I-DLM / LinearSpec / ``ar`` rounds, and block-diffusion decode steps (SDAR,
 LLaDA2's dense layers, Fast-dLLM v2). Prefills, refresh steps, block-causal writes and mixed
-batches are not fixed-shape and run eagerly, as do MoE layers (their per-forward expert counts
-are read on the host) and tensor-parallel ranks.
+batches are not fixed-shape and run eagerly, as do MoE models (their grouped expert GEMMs are
+not yet checked under capture on a GPU, and their fallback reads counts on the host) and
+tensor-parallel ranks.
 
 A graph is keyed by :class:`GraphKey`: the batch rounded up to a bucket of rows, ``q``, the
 attention kind, the keys per row rounded up to ``CONTEXT_QUANTUM`` and the logits per row

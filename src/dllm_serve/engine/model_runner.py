@@ -73,7 +73,8 @@ class ModelRunner:
         self.pool: KVPool | None = None
         # Fixed-shape decode steps replay static forwards (engine/cuda_graphs.py): CUDA graphs
         # on CUDA (``capture``, default there), the same padded forward uncaptured elsewhere.
-        # Not for MoE layers (their expert counts are read on the host mid-forward) nor under
+        # Not for MoE layers (grouped expert GEMMs not yet checked under capture; their fallback
+        # reads the expert counts on the host mid-forward) nor under
         # tensor parallelism, and only for algorithms that keep K/V.
         graphs = cuda_graph and kv_slots > 0 and model.config.moe is None and self.tp is None
         if kv_slots > 0:

@@ -9,13 +9,20 @@ Every expert and the optional shared expert is a SwiGLU ``down(silu(gate(x)) · 
 shared one is always on. The routing rule (LLaDA2's sigmoid group-limited top-k, or
 LLaDA-MoE's softmax top-k) is pluggable through ``MoEConfig.routing``.
 
-The computation is grouped by expert: the (token, slot) picks are sorted by expert id, each
-expert that received tokens runs once on its contiguous run (one matmul per active expert, no
-loop over tokens), and each token's ``top_k`` outputs are summed in slot order. Fused
-grouped-GEMM kernels are what the fast engines add on GPU; this is their reference layout.
+The computation is grouped by expert: the (token, slot) picks are sorted by expert id, every
+expert runs once on its contiguous run of picks, and each token's ``top_k`` outputs are summed
+in slot order. Once the serving runtime has fused the model (:meth:`MoE.fuse`), the experts'
+weights are stacked into ``[E, ·, ·]`` tensors and the runs go through ``torch._grouped_mm``:
+two grouped GEMMs over every expert, with the run boundaries computed on the device, so a MoE
+layer reads nothing back to the host (a CUDA step keeps its one device→host copy). Where
+that op refuses the inputs (CUDA only takes bf16; older torch has no CPU kernel) and under
+expert parallelism, the experts run one matmul each, which needs the per-expert counts on the
+host: one read per layer. On CPU both give bitwise the same outputs (tested).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,11 @@ from dllm_serve.models.routing import route
 from dllm_serve.models.transformer_config import MoEConfig
 
 __all__ = ["FP32_PARAMETERS", "MoE", "Router", "route"]
+
+logger = logging.getLogger(__name__)
+# (device type, dtype) pairs on which torch._grouped_mm refused the experts' inputs: those run
+# the experts one by one from then on (logged once per pair).
+_GROUPED_REFUSED: set[tuple[str, torch.dtype]] = set()
 
 # Parameters (suffixes of their names in DecoderTransformer) the loader keeps in fp32 whatever
 # the model's dtype: routing is computed in fp32, and rounding the router to bf16 would move
@@ -63,13 +75,26 @@ class MoE(nn.Module):
             MLP(d_model, cfg.expert_hidden_size) for _ in cfg.local_experts
         )
         self.shared = MLP(d_model, cfg.shared_hidden_size) if cfg.shared_hidden_size else None
+        # After fuse(): every local expert's fused gate-up ``[E, 2H, D]`` and down ``[E, D, H]``
+        # weights, stacked (the per-expert modules are then dropped: no weight is held twice).
+        self.gate_up: nn.Parameter | None = None
+        self.down: nn.Parameter | None = None
 
     def fuse(self) -> None:
-        """Fuse every expert's gate and up projections (same outputs, fewer kernels)."""
-        for expert in self.experts:
-            expert.fuse()
+        """Fuse the gate and up projections (same outputs, fewer kernels) and stack the
+        experts' weights for the grouped forward (module docstring)."""
         if self.shared is not None:
             self.shared.fuse()
+        if self.gate_up is not None:
+            return
+        for expert in self.experts:
+            expert.fuse()
+        with torch.no_grad():
+            gate_up = torch.stack([e.gate_up_proj.weight for e in self.experts])  # type: ignore[union-attr]
+            down = torch.stack([e.down_proj.weight for e in self.experts])
+        self.gate_up = nn.Parameter(gate_up, requires_grad=False)
+        self.down = nn.Parameter(down, requires_grad=False)
+        self.experts = nn.ModuleList()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -79,6 +104,57 @@ class MoE(nn.Module):
         # Sort the (token, slot) picks by expert: each expert then reads one contiguous run.
         picks = ids.flatten()
         order = picks.argsort(stable=True)
+        out = self._grouped(flat, picks, order)
+        if out is None:
+            out = self._one_by_one(flat, picks, order)
+        # Combine in fp32, each token's k outputs in slot order: the same sum however the
+        # batch is composed (no atomics), so a request's tokens do not depend on its neighbours.
+        routed = (out.view(-1, k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1)
+        y = routed.to(x.dtype)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view(shape)
+
+    def _grouped(
+        self, flat: torch.Tensor, picks: torch.Tensor, order: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Every expert's run in two grouped GEMMs, nothing read back; None where the grouped
+        op is unavailable (then the caller runs the experts one by one)."""
+        key = (flat.device.type, flat.dtype)
+        stacked = self.gate_up is not None and self.down is not None
+        everyone = len(self.cfg.local_experts) == self.cfg.num_experts
+        if not (stacked and everyone) or key in _GROUPED_REFUSED:
+            return None
+        assert self.gate_up is not None and self.down is not None
+        # Run ends per expert, counted on the device (bincount would read its max back).
+        counts = torch.zeros(self.cfg.num_experts, dtype=torch.long, device=flat.device)
+        ends = counts.scatter_add_(0, picks, torch.ones_like(picks)).cumsum(0).to(torch.int32)
+        rows = flat[order // self.cfg.top_k]
+        try:
+            # ``weight.transpose``: the experts' [out, in] weights read as [in, out], as
+            # F.linear reads them (column-major, the layout the CUDA kernel wants).
+            hidden = torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends)
+            gate, up = hidden.chunk(2, dim=-1)
+            sorted_out = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)
+        except torch.OutOfMemoryError:
+            raise
+        except (AttributeError, NotImplementedError, RuntimeError) as exc:
+            _GROUPED_REFUSED.add(key)
+            logger.info(
+                "MoE on %s %s: torch._grouped_mm is unavailable (%s); experts run one by one, "
+                "reading their token counts on the host once per layer",
+                *key, str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )  # fmt: skip
+            return None
+        out = torch.empty_like(sorted_out)
+        out[order] = sorted_out
+        return out
+
+    def _one_by_one(
+        self, flat: torch.Tensor, picks: torch.Tensor, order: torch.Tensor
+    ) -> torch.Tensor:
+        """One matmul per expert that received picks: the counts are read on the host."""
+        k, shape = self.cfg.top_k, flat.shape
         counts = torch.bincount(picks, minlength=self.cfg.num_experts).tolist()  # one sync
         local = self.cfg.local_experts
         # Under expert parallelism the picks of other ranks' experts stay zero here: each rank
@@ -87,15 +163,16 @@ class MoE(nn.Module):
             picks.shape[0], shape[-1]
         )
         start = sum(counts[: local.start])
-        for expert, count in zip(self.experts, counts[local.start : local.stop], strict=True):
+        for i, count in enumerate(counts[local.start : local.stop]):
             if count:
                 rows = order[start : start + count]
-                out[rows] = expert(flat[rows // k])
+                out[rows] = self._expert(i, flat[rows // k])
                 start += count
-        # Combine in fp32, each token's k outputs in slot order: the same sum however the
-        # batch is composed (no atomics), so a request's tokens do not depend on its neighbours.
-        routed = (out.view(-1, k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1)
-        y = routed.to(x.dtype)
-        if self.shared is not None:
-            y = y + self.shared(flat)
-        return y.view(shape)
+        return out
+
+    def _expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``i`` on ``x`` (from the stacked weights once fused)."""
+        if self.gate_up is None or self.down is None:
+            return self.experts[i](x)
+        gate, up = F.linear(x, self.gate_up[i]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[i])

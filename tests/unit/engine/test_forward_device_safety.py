@@ -11,8 +11,8 @@ any op handed a tensor of another device (a host tensor that a GPU forward would
 
 The eager forwards (prefills, refreshes, block writes, steps without a cache) are held to the
 same rule: a step's only host→device copy is the flat batch's, built before the forward
-(``BatchPacker``), and its only read-back is the sampler's, after it. MoE layers are the one
-known exception (their expert counts are read on the host; they never take a graph).
+(``BatchPacker``), and its only read-back is the sampler's, after it — MoE layers included, whose
+experts run as grouped GEMMs in bf16 (their one-by-one fallback reads the counts back).
 """
 
 from __future__ import annotations
@@ -175,6 +175,10 @@ EAGER_CASES = {
     "fastdllm sub-blocks": ("fastdllm", DecodingParams(gen_length=16), {}),
     "tri-mode linear_spec (draft LoRA)": ("nemotron", DecodingParams(gen_length=16,
                                           decoding_mode="linear_spec"), {}),
+    # MoE layers run their experts as grouped GEMMs (bf16, as on a GPU): nothing read back.
+    "llada2 (MoE, sigmoid routing)": ("llada2", DecodingParams(gen_length=16), {}),
+    "lladamoe (MoE, softmax routing)": ("lladamoe", DecodingParams(gen_length=16,
+                                        block_length=8, steps=8), {}),
 }  # fmt: skip
 
 
@@ -184,7 +188,7 @@ def more_models(
 ) -> dict[str, LoadedModel]:
     root = Path(tmp_path_factory.mktemp("capture-safety-eager"))
     out = dict(models)
-    for family in ("dream", "fastdllm"):
+    for family in ("dream", "fastdllm", "llada2", "lladamoe"):
         out[family] = load_model(str(write_tiny(family, root / family)), dtype="float32")
     return out
 
@@ -197,7 +201,9 @@ def test_eager_forwards_neither_read_back_nor_copy_host_tensors(
     loaded = more_models[family]
     steps = record_eager_steps(loaded, params, limit=24, **engine)
     assert steps, "no forward was recorded: the test would be vacuous"
-    model = copy.deepcopy(loaded.model).to(META)
+    # bf16, the GPU's serving dtype: the grouped expert GEMMs are defined for it (the meta
+    # device checks what CUDA checks).
+    model = copy.deepcopy(loaded.model).to(META, torch.bfloat16)
     spans = [r.kv for rows in steps for r in rows if r.kv is not None]
     slots = 1 + max((kv.start + kv.capacity for kv in spans), default=0)
     runner = ModelRunner(model, META, kv_slots=slots if spans else 0)
@@ -212,5 +218,5 @@ def test_eager_forwards_neither_read_back_nor_copy_host_tensors(
                 logits = runner.forward(flat)
             assert logits.device == META and guard.ops > 0
             kinds.add((rows[0].attention, rows[0].start > 0, rows[0].kv is not None))
-    if engine.get("kv_cache") == "prefix" or family in ("idlm", "sdar", "fastdllm"):
+    if engine.get("kv_cache") == "prefix" or family in ("idlm", "sdar", "fastdllm", "llada2"):
         assert any(cached for _, cached, _ in kinds), "no cached step was checked"
