@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every runtime check this project makes on a lent GPU, in one run of at most ~8 minutes
+# Every runtime check this project makes on a lent GPU, in one run of under 8 minutes
 # (docs/benchmarks.md, "GPU checks"), most important first:
 #   1. benchmarks/gpu_llada8b.py: LLaDA-8B-shaped forward latency vs the weight-read floor
 #      (targets: batch-1 cached block step <= 5 ms, batch 16 <= 15 ms);
@@ -8,7 +8,8 @@
 #      captured graph replay == eager tokens);
 #   3. benchmarks/engine_overhead.py on the 8B-shaped random model (target ratio >= 0.9),
 #      without and with the prefix KV cache (with CUDA graphs, and eager beside it);
-#   4. benchmarks/gpu_profile_step.py: kernels per cached step and the top kernels.
+#   4. benchmarks/gpu_profile_step.py: kernels per cached step and the top kernels;
+#   5. benchmarks/gpu_moe_layer.py: LLaDA2.0-mini's MoE layer, grouped GEMMs vs one by one.
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash scripts/gpu_session.sh
 # The lent machine returns at most 8 files from $OUT, so every result and log goes into one
 # archive, $OUT/gpu_session.tgz, re-packed after each step (a step killed by its timeout
@@ -30,28 +31,31 @@ exec > >(tee -a "$OUT/session.log") 2>&1
 pack() { tar czf "$OUT/gpu_session.tgz" -C "$RES" . ; }
 nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 
-timeout 100 python3 benchmarks/gpu_llada8b.py --max-seconds 60 --out "$RES/gpu_llada8b.json" \
+timeout 90 python3 benchmarks/gpu_llada8b.py --max-seconds 60 --out "$RES/gpu_llada8b.json" \
   2>&1 | tee "$RES/gpu_llada8b.log"
 pack
 # Only the files that hold GPU-marked tests: the machine has no fastapi, pydantic, uvicorn or
 # openai, so collecting the whole tree would stop at the API tests' imports and run nothing.
 gpu_files=$(grep -rlE "mark\.gpu\b" tests | sort)
-timeout 120 python3 -m pytest $gpu_files -m gpu -q -rs -p no:cacheprovider 2>&1 \
+timeout 100 python3 -m pytest $gpu_files -m gpu -q -rs -p no:cacheprovider 2>&1 \
   | tee "$RES/gpu_tests.log"
 pack
-timeout 70 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
+timeout 65 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
   --out "$RES/engine_overhead_8b.json" 2>&1 | tee "$RES/engine_overhead_8b.log"
 pack
 # The prefix cache's cached steps replay CUDA graphs; the same run eager beside it.
 for graphs in "" "--no-cuda-graph"; do
   name="engine_overhead_8b_prefix${graphs:+_eager}"
-  timeout 70 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
+  timeout 65 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
     --kv-cache prefix --gen-length 64 --steps 64 --block-length 32 $graphs \
     --out "$RES/$name.json" 2>&1 | tee "$RES/$name.log"
   pack
 done
-timeout 60 python3 benchmarks/gpu_profile_step.py --out "$RES/gpu_profile_step.json" 2>&1 \
+timeout 40 python3 benchmarks/gpu_profile_step.py --out "$RES/gpu_profile_step.json" 2>&1 \
   | grep -v "^USDT" | tee "$RES/gpu_profile_step.log"
 pack
-echo "== summary"; grep -hE "^batch|ratio|passed|failed|error" "$RES"/*.log
+timeout 30 python3 benchmarks/gpu_moe_layer.py --out "$RES/gpu_moe_layer.json" 2>&1 \
+  | tee "$RES/gpu_moe_layer.log"
+pack
+echo "== summary"; grep -hE "^batch|ratio|tokens:|passed|failed|error" "$RES"/*.log
 sleep 1  # let the console tee flush session.log

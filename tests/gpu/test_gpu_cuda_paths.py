@@ -15,7 +15,6 @@ import torch
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
-from dllm_serve.models import moe as moe_module
 from dllm_serve.models.loader import load_model
 from dllm_serve.models.moe import MoE
 from dllm_serve.models.tiny import write_tiny, write_tiny_idlm
@@ -127,16 +126,11 @@ def test_moe_experts_run_as_grouped_gemms_on_cuda_in_bf16(tmp_path: Path) -> Non
     model = loaded.model.fuse_projections()
     layer = next(block.mlp for block in model.layers if isinstance(block.mlp, MoE))
     x = torch.randn(2, 24, model.config.d_model, device="cuda", dtype=torch.bfloat16)
-    key = ("cuda", torch.bfloat16)
-    moe_module._GROUPED_REFUSED.discard(key)
-    try:
-        with torch.no_grad():
-            grouped = layer(x)
-            assert key not in moe_module._GROUPED_REFUSED, "CUDA refused the grouped GEMM"
-            moe_module._GROUPED_REFUSED.add(key)
-            one_by_one = layer(x)
-    finally:
-        moe_module._GROUPED_REFUSED.discard(key)
+    with torch.no_grad():
+        grouped = layer(x)
+        assert not layer.grouped_refused, "CUDA refused the grouped GEMM"
+        layer.grouped_refused = True
+        one_by_one = layer(x)
     cosine = torch.nn.functional.cosine_similarity(
         grouped.float().flatten(1), one_by_one.float().flatten(1), dim=-1
     )

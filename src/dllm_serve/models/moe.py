@@ -17,7 +17,7 @@ two grouped GEMMs over every expert, with the run boundaries computed on the dev
 layer reads nothing back to the host (a CUDA step keeps its one device→host copy). Where
 that op refuses the inputs (CUDA only takes bf16; older torch has no CPU kernel) and under
 expert parallelism, the experts run one matmul each, which needs the per-expert counts on the
-host: one read per layer. On CPU both give bitwise the same outputs (tested).
+host: one read per layer. On one CPU thread both give bitwise the same outputs (tested).
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ from dllm_serve.models.transformer_config import MoEConfig
 __all__ = ["FP32_PARAMETERS", "MoE", "Router", "route"]
 
 logger = logging.getLogger(__name__)
-# (device type, dtype) pairs on which torch._grouped_mm refused the experts' inputs: those run
-# the experts one by one from then on (logged once per pair).
-_GROUPED_REFUSED: set[tuple[str, torch.dtype]] = set()
+# Why torch._grouped_mm refused some layer's inputs (device, dtype, message): logged once each.
+_LOGGED_REFUSALS: set[tuple[str, torch.dtype, str]] = set()
 
 # Parameters (suffixes of their names in DecoderTransformer) the loader keeps in fp32 whatever
 # the model's dtype: routing is computed in fp32, and rounding the router to bf16 would move
@@ -75,10 +74,14 @@ class MoE(nn.Module):
             MLP(d_model, cfg.expert_hidden_size) for _ in cfg.local_experts
         )
         self.shared = MLP(d_model, cfg.shared_hidden_size) if cfg.shared_hidden_size else None
-        # After fuse(): every local expert's fused gate-up ``[E, 2H, D]`` and down ``[E, D, H]``
-        # weights, stacked (the per-expert modules are then dropped: no weight is held twice).
+        # After fuse(): every local expert's fused gate-up ``[E, D, 2H]`` and down ``[E, H, D]``
+        # weights, stacked input-major (``x @ w``; the per-expert modules are then dropped, so
+        # no weight is held twice).
         self.gate_up: nn.Parameter | None = None
         self.down: nn.Parameter | None = None
+        # Set when torch._grouped_mm refused this layer's inputs (CUDA takes bf16 only, 16-byte
+        # aligned rows; an older torch has no CPU kernel): its experts then run one by one.
+        self.grouped_refused = False
 
     def fuse(self) -> None:
         """Fuse the gate and up projections (same outputs, fewer kernels) and stack the
@@ -90,8 +93,10 @@ class MoE(nn.Module):
         for expert in self.experts:
             expert.fuse()
         with torch.no_grad():
-            gate_up = torch.stack([e.gate_up_proj.weight for e in self.experts])  # type: ignore[union-attr]
-            down = torch.stack([e.down_proj.weight for e in self.experts])
+            # [out, in] nn.Linear weights → [in, out]: contiguous rows for every GEMM that
+            # reads them (the CPU grouped kernel is a quarter slower on transposed views).
+            gate_up = torch.stack([e.gate_up_proj.weight.t() for e in self.experts])  # type: ignore[union-attr]
+            down = torch.stack([e.down_proj.weight.t() for e in self.experts])
         self.gate_up = nn.Parameter(gate_up, requires_grad=False)
         self.down = nn.Parameter(down, requires_grad=False)
         self.experts = nn.ModuleList()
@@ -120,10 +125,9 @@ class MoE(nn.Module):
     ) -> torch.Tensor | None:
         """Every expert's run in two grouped GEMMs, nothing read back; None where the grouped
         op is unavailable (then the caller runs the experts one by one)."""
-        key = (flat.device.type, flat.dtype)
         stacked = self.gate_up is not None and self.down is not None
         everyone = len(self.cfg.local_experts) == self.cfg.num_experts
-        if not (stacked and everyone) or key in _GROUPED_REFUSED:
+        if not (stacked and everyone) or self.grouped_refused:
             return None
         assert self.gate_up is not None and self.down is not None
         # Run ends per expert, counted on the device (bincount would read its max back).
@@ -131,24 +135,24 @@ class MoE(nn.Module):
         ends = counts.scatter_add_(0, picks, torch.ones_like(picks)).cumsum(0).to(torch.int32)
         rows = flat[order // self.cfg.top_k]
         try:
-            # ``weight.transpose``: the experts' [out, in] weights read as [in, out], as
-            # F.linear reads them (column-major, the layout the CUDA kernel wants).
-            hidden = torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends)
+            hidden = torch._grouped_mm(rows, self.gate_up, offs=ends)
             gate, up = hidden.chunk(2, dim=-1)
-            sorted_out = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)
+            sorted_out = torch._grouped_mm(F.silu(gate) * up, self.down, offs=ends)
         except torch.OutOfMemoryError:
             raise
         except (AttributeError, NotImplementedError, RuntimeError) as exc:
-            _GROUPED_REFUSED.add(key)
-            logger.info(
-                "MoE on %s %s: torch._grouped_mm is unavailable (%s); experts run one by one, "
-                "reading their token counts on the host once per layer",
-                *key, str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-            )  # fmt: skip
+            self.grouped_refused = True
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if (flat.device.type, flat.dtype, why) not in _LOGGED_REFUSALS:
+                _LOGGED_REFUSALS.add((flat.device.type, flat.dtype, why))
+                logger.info(
+                    "MoE on %s %s: torch._grouped_mm refused the experts' inputs (%s); they "
+                    "run one by one, reading their token counts on the host once per layer",
+                    flat.device.type, flat.dtype, why,
+                )  # fmt: skip
             return None
-        out = torch.empty_like(sorted_out)
-        out[order] = sorted_out
-        return out
+        # Back to (token, slot) order: row j of the sorted runs is pick order[j].
+        return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
 
     def _one_by_one(
         self, flat: torch.Tensor, picks: torch.Tensor, order: torch.Tensor
@@ -174,5 +178,5 @@ class MoE(nn.Module):
         """Local expert ``i`` on ``x`` (from the stacked weights once fused)."""
         if self.gate_up is None or self.down is None:
             return self.experts[i](x)
-        gate, up = F.linear(x, self.gate_up[i]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down[i])
+        gate, up = (x @ self.gate_up[i]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down[i]

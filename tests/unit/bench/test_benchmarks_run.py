@@ -191,6 +191,27 @@ def test_gpu_profile_step_refuses_without_gpu(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_gpu_moe_layer_tiny_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "moe.json"
+    load("gpu_moe_layer").main(
+        ["--allow-cpu", "--tiny", "--device", "cpu", "--tokens", "8", "64", "--warmup", "1",
+         "--iters", "2", "--threads", "1", "--out", str(out)]
+    )  # fmt: skip
+    report = read(out)
+    assert report["tiny"] and report["dtype"] == "float32" and report["top_k"] == 4
+    assert [r["tokens"] for r in report["results"]] == [8, 64]
+    for row in report["results"]:
+        assert not row["grouped_refused"] and row["grouped_ms"] > 0 and row["one_by_one_ms"] > 0
+        assert row["relative_difference"] == 0.0  # one CPU thread: bitwise the same
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the no-GPU path")
+def test_gpu_moe_layer_refuses_without_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "moe.json"
+    assert load("gpu_moe_layer").main(["--out", str(out)]) is None
+    assert not out.exists()
+
+
 def test_demo_ablation(tmp_path: Path) -> None:
     out = tmp_path / "demo_ablation.json"
     bench = load("demo_ablation")
@@ -284,6 +305,7 @@ def test_decoding_modes_times_a_model_that_stops_early() -> None:
         ("gpu_llada8b", ["--iters", "0"], "argument --iters: must be >= 1, got 0"),
         ("gpu_llada8b", ["--prefix", "-16"], "argument --prefix: must be >= 0, got -16"),
         ("gpu_profile_step", ["--calls", "0"], "argument --calls: must be >= 1, got 0"),
+        ("gpu_moe_layer", ["--tokens", "0"], "argument --tokens: must be >= 1, got 0"),
         ("demo_ablation", ["--n-addition", "0"], "argument --n-addition: must be >= 1"),
         ("tensor_parallel", ["--repeat", "0"], "argument --repeat: must be >= 1"),
         ("block_diffusion", ["--prompts", "0"], "argument --prompts: must be >= 1"),

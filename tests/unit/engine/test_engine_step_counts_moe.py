@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from test_engine_step_counts import count_steps, engine_with
 
-from dllm_serve.models import moe as moe_module
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.tiny import write_tiny
 
@@ -45,8 +44,8 @@ def test_the_fallback_reads_the_counts_once_per_moe_layer(
     """What the grouped path saves, and that the count above could fail."""
     loaded = models["llada2"]
     moe_layers = sum(1 for block in loaded.model.layers if hasattr(block.mlp, "router"))
-    monkeypatch.setattr(
-        moe_module, "_GROUPED_REFUSED", {("cpu", loaded.model.embed_tokens.weight.dtype)}
-    )
+    layers = [block.mlp for block in loaded.model.layers if hasattr(block.mlp, "router")]
+    for layer in layers:
+        monkeypatch.setattr(layer, "grouped_refused", True)
     for counter in count_steps(engine_with(loaded, 4, "none", **CASES["llada2"])):
         assert counter.num_syncs == 1 + moe_layers, counter.syncs

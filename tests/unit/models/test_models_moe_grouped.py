@@ -31,11 +31,11 @@ def layer(shape: tuple[int, int, int, int], seed: int) -> MoE:
 
 
 @pytest.fixture(autouse=True)
-def fresh_refusals() -> Iterator[None]:
-    """A refusal is process-wide: start and leave every test without one."""
-    moe_module._GROUPED_REFUSED.clear()
+def fresh_log() -> Iterator[None]:
+    """Refusals are logged once per cause in a process: start every test afresh."""
+    moe_module._LOGGED_REFUSALS.clear()
     yield
-    moe_module._GROUPED_REFUSED.clear()
+    moe_module._LOGGED_REFUSALS.clear()
 
 
 @needs_grouped_mm
@@ -49,10 +49,10 @@ def test_the_grouped_forward_equals_the_experts_one_by_one_bitwise(
     unfused = moe(x)  # per-expert modules, separate gate and up projections
     moe.fuse()
     assert moe.gate_up is not None and moe.down is not None and len(moe.experts) == 0
-    assert moe.gate_up.shape == (shape[0], 2 * 24, 64) and moe.down.shape == (shape[0], 64, 24)
-    moe_module._GROUPED_REFUSED.add(("cpu", torch.float32))
+    assert moe.gate_up.shape == (shape[0], 64, 2 * 24) and moe.down.shape == (shape[0], 24, 64)
+    moe.grouped_refused = True
     one_by_one = moe(x)  # the fused experts, one matmul each (the fallback)
-    moe_module._GROUPED_REFUSED.clear()
+    moe.grouped_refused = False
     # Fusing gate and up rounds differently from two projections: close, not equal.
     torch.testing.assert_close(one_by_one, unfused, rtol=1e-5, atol=1e-5)
     calls = []
@@ -85,9 +85,16 @@ def test_a_refused_grouped_op_falls_back_to_the_experts_one_by_one(
         mp.setattr(torch, "_grouped_mm", refuse)
         first, second = moe(x), moe(x)
     assert torch.equal(first, want) and torch.equal(second, want)
-    assert ("cpu", torch.float32) in moe_module._GROUPED_REFUSED
-    refusals = [r for r in caplog.records if "grouped_mm is unavailable" in r.getMessage()]
+    assert moe.grouped_refused
+    refusals = [r for r in caplog.records if "grouped_mm refused" in r.getMessage()]
     assert len(refusals) == 1 and "BF16" in refusals[0].getMessage()  # once, with the cause
+    other = layer(SHAPES[0], seed=5)
+    other.fuse()
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.INFO, "dllm_serve"):
+        mp.setattr(torch, "_grouped_mm", refuse)
+        other(x)
+    assert other.grouped_refused  # each layer learns it; the log said it once
+    assert len([r for r in caplog.records if "grouped_mm refused" in r.getMessage()]) == 1
 
 
 @torch.no_grad()
@@ -101,7 +108,7 @@ def test_out_of_memory_is_not_taken_for_a_refusal() -> None:
     with pytest.MonkeyPatch.context() as mp, pytest.raises(torch.OutOfMemoryError):
         mp.setattr(torch, "_grouped_mm", oom)
         moe(torch.randn(1, 4, 64))
-    assert not moe_module._GROUPED_REFUSED
+    assert not moe.grouped_refused
 
 
 @torch.no_grad()
