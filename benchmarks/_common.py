@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,18 @@ def apply_threads(threads: int) -> None:
     """On a shared machine more threads than free cores make every op spin-wait."""
     if threads:
         torch.set_num_threads(threads)
+
+
+def gpu_device(args: argparse.Namespace, script: str) -> torch.device | None:
+    """``--device`` of a GPU benchmark; without CUDA the CPU for an ``--allow-cpu --tiny``
+    smoke run, else None after a one-line refusal (the script then exits 2)."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        if not (args.allow_cpu and args.tiny):
+            print(f"{script}: no CUDA device (use --allow-cpu --tiny).", file=sys.stderr)
+            return None
+        device = torch.device("cpu")
+    return device
 
 
 def write_json(path: Path, report: dict[str, Any]) -> Path:

@@ -33,6 +33,7 @@ from _common import (
     add_threads_option,
     apply_threads,
     at_least,
+    gpu_device,
     machine_info,
     write_json,
 )
@@ -95,12 +96,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parser.parse_args(argv)
     apply_threads(args.threads)
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        if not (args.allow_cpu and args.tiny):
-            print("gpu_moe_layer: no CUDA device (use --allow-cpu --tiny).", file=sys.stderr)
-            return None
-        device = torch.device("cpu")
+    device = gpu_device(args, "gpu_moe_layer")
+    if device is None:
+        return None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     layer = build_layer(args, device, dtype)
     results = []

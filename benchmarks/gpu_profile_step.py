@@ -29,7 +29,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, at_least, write_json
+from _common import RESULTS_DIR, at_least, gpu_device, write_json
 from gpu_llada8b import DEFAULT_CONFIG, build_runner, make_rows, model_for, sync
 
 
@@ -93,12 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu_profile_step.json")
     args = parser.parse_args(argv)
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        if not (args.allow_cpu and args.tiny):
-            print("gpu_profile_step: no CUDA device (use --allow-cpu --tiny).", file=sys.stderr)
-            return None
-        device = torch.device("cpu")
+    device = gpu_device(args, "gpu_profile_step")
+    if device is None:
+        return None
     runner = build_runner(model_for(args, device), device, args)
     results = []
     for batch in args.batches:
