@@ -15,9 +15,9 @@ in slot order. Once the serving runtime has fused the model (:meth:`MoE.fuse`), 
 weights are stacked into ``[E, ·, ·]`` tensors and the runs go through ``torch._grouped_mm``:
 two grouped GEMMs over every expert, with the run boundaries computed on the device, so a MoE
 layer reads nothing back to the host (a CUDA step keeps its one device→host copy). Where
-that op refuses the inputs (CUDA only takes bf16; older torch has no CPU kernel) and under
-expert parallelism, the experts run one matmul each, which needs the per-expert counts on the
-host: one read per layer. On one CPU thread both give bitwise the same outputs (tested).
+that op refuses the weights (checked once in :meth:`MoE.fuse`: CUDA only takes bf16; older
+torch has no CPU kernel) and under expert parallelism, the experts run one matmul each, which
+needs the per-expert counts on the host: one read per layer. On one CPU thread both give bitwise the same outputs (tested).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dllm_serve.models.transformer_config import MoEConfig
 __all__ = ["FP32_PARAMETERS", "MoE", "Router", "route"]
 
 logger = logging.getLogger(__name__)
-# Why torch._grouped_mm refused some layer's inputs (device, dtype, message): logged once each.
+# Why torch._grouped_mm refused some layer's weights (device, dtype, message): logged once each.
 _LOGGED_REFUSALS: set[tuple[str, torch.dtype, str]] = set()
 
 # Parameters (suffixes of their names in DecoderTransformer) the loader keeps in fp32 whatever
@@ -79,8 +79,9 @@ class MoE(nn.Module):
         # no weight is held twice).
         self.gate_up: nn.Parameter | None = None
         self.down: nn.Parameter | None = None
-        # Set when torch._grouped_mm refused this layer's inputs (CUDA takes bf16 only, 16-byte
-        # aligned rows; an older torch has no CPU kernel): its experts then run one by one.
+        # Set by fuse() when torch._grouped_mm refuses this layer's weights (CUDA takes bf16
+        # only, 16-byte aligned rows; an older torch has no CPU kernel): its experts then run
+        # one by one.
         self.grouped_refused = False
 
     def fuse(self) -> None:
@@ -100,6 +101,36 @@ class MoE(nn.Module):
         self.gate_up = nn.Parameter(gate_up, requires_grad=False)
         self.down = nn.Parameter(down, requires_grad=False)
         self.experts = nn.ModuleList()
+        self.grouped_refused = not self._grouped_mm_takes_the_weights()
+
+    def _grouped_mm_takes_the_weights(self) -> bool:
+        """Whether ``torch._grouped_mm`` runs on these stacked weights (their device, dtype and
+        row alignment): one tiny call per weight at load, so that serving never meets a refusal
+        mid-forward; a refusal is logged once per cause."""
+        assert self.gate_up is not None and self.down is not None
+        experts, d_model, hidden = self.down.shape[0], self.down.shape[2], self.down.shape[1]
+        if not hasattr(torch, "_grouped_mm"):
+            why = "this torch has no torch._grouped_mm"
+        else:
+            like = self.gate_up
+            ends = torch.arange(1, experts + 1, dtype=torch.int32, device=like.device)
+            try:  # one row per expert through both GEMMs, shaped as the forward's inputs
+                with torch.no_grad():
+                    torch._grouped_mm(like.new_zeros(experts, d_model), self.gate_up, offs=ends)
+                    torch._grouped_mm(like.new_zeros(experts, hidden), self.down, offs=ends)
+                return True
+            except torch.OutOfMemoryError:
+                raise
+            except (NotImplementedError, RuntimeError) as exc:  # the op's own refusal
+                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        cause = (self.gate_up.device.type, self.gate_up.dtype, why)
+        if cause not in _LOGGED_REFUSALS:
+            _LOGGED_REFUSALS.add(cause)
+            logger.info(
+                "MoE on %s %s: torch._grouped_mm refuses the experts' weights (%s); they run "
+                "one by one, reading their token counts on the host once per layer", *cause,
+            )  # fmt: skip
+        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -123,8 +154,8 @@ class MoE(nn.Module):
     def _grouped(
         self, flat: torch.Tensor, picks: torch.Tensor, order: torch.Tensor
     ) -> torch.Tensor | None:
-        """Every expert's run in two grouped GEMMs, nothing read back; None where the grouped
-        op is unavailable (then the caller runs the experts one by one)."""
+        """Every expert's run in two grouped GEMMs, nothing read back; None where the layer is
+        not fused, holds only some experts, or the grouped op refused its weights at fuse()."""
         stacked = self.gate_up is not None and self.down is not None
         everyone = len(self.cfg.local_experts) == self.cfg.num_experts
         if not (stacked and everyone) or self.grouped_refused:
@@ -134,23 +165,9 @@ class MoE(nn.Module):
         counts = torch.zeros(self.cfg.num_experts, dtype=torch.long, device=flat.device)
         ends = counts.scatter_add_(0, picks, torch.ones_like(picks)).cumsum(0).to(torch.int32)
         rows = flat[order // self.cfg.top_k]
-        try:
-            hidden = torch._grouped_mm(rows, self.gate_up, offs=ends)
-            gate, up = hidden.chunk(2, dim=-1)
-            sorted_out = torch._grouped_mm(F.silu(gate) * up, self.down, offs=ends)
-        except torch.OutOfMemoryError:
-            raise
-        except (AttributeError, NotImplementedError, RuntimeError) as exc:
-            self.grouped_refused = True
-            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if (flat.device.type, flat.dtype, why) not in _LOGGED_REFUSALS:
-                _LOGGED_REFUSALS.add((flat.device.type, flat.dtype, why))
-                logger.info(
-                    "MoE on %s %s: torch._grouped_mm refused the experts' inputs (%s); they "
-                    "run one by one, reading their token counts on the host once per layer",
-                    flat.device.type, flat.dtype, why,
-                )  # fmt: skip
-            return None
+        hidden = torch._grouped_mm(rows, self.gate_up, offs=ends)
+        gate, up = hidden.chunk(2, dim=-1)
+        sorted_out = torch._grouped_mm(F.silu(gate) * up, self.down, offs=ends)
         # Back to (token, slot) order: row j of the sorted runs is pick order[j].
         return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
 
