@@ -17,7 +17,8 @@ two grouped GEMMs over every expert, with the run boundaries computed on the dev
 layer reads nothing back to the host (a CUDA step keeps its one device→host copy). Where
 that op refuses the weights (checked once in :meth:`MoE.fuse`: CUDA only takes bf16; older
 torch has no CPU kernel) and under expert parallelism, the experts run one matmul each, which
-needs the per-expert counts on the host: one read per layer. On one CPU thread both give bitwise the same outputs (tested).
+needs the per-expert counts on the host: one read per layer. On one CPU thread both give
+bitwise the same outputs (tested).
 """
 
 from __future__ import annotations
