@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -68,6 +68,7 @@ from dllm_serve.models.kv_pool import KVSpan
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
 
 REPO = Path(__file__).resolve().parents[1]
+M = TypeVar("M", bound=torch.nn.Module)
 DEFAULT_CONFIG = REPO / "tests" / "fixtures" / "llada-8b-instruct" / "config.json"
 # HBM bandwidth in bytes/s, algorithms.md §6.1 (SXM parts; PCIe/NVL variants are lower).
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
@@ -99,15 +100,21 @@ def build_model(
     """
     with torch.device("meta"):
         model = DecoderTransformer(cfg).fuse_projections()
-    model = model.to(dtype=dtype).to_empty(device=device)
+    return materialise_random(model, device, dtype)
+
+
+def materialise_random(module: M, device: torch.device, dtype: torch.dtype) -> M:
+    """A module built on the meta device, given empty ``dtype`` storage on ``device`` and
+    random values: N(0, 0.02) matrices, 1-D parameters (norm gains, biases) all ones."""
+    module = module.to(dtype=dtype).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 1:  # RMSNorm gains
+        for param in module.parameters():
+            if param.ndim == 1:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
-    return model.eval()
+    return module.eval()
 
 
 def model_for(args: argparse.Namespace, device: torch.device) -> DecoderTransformer:

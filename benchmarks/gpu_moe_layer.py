@@ -37,7 +37,7 @@ from _common import (
     machine_info,
     write_json,
 )
-from gpu_llada8b import sync
+from gpu_llada8b import materialise_random, sync
 
 from dllm_serve.models.families.llada2 import LLADA2
 from dllm_serve.models.moe import MoE
@@ -57,16 +57,10 @@ def build_layer(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         d_model = 64
     with torch.device("meta"):
         layer = MoE(d_model, cfg)
-    layer = layer.to(dtype=dtype).to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for param in layer.parameters():
-            param.normal_(0.0, 0.02, generator=generator)
-        if layer.router.expert_bias is not None:
-            layer.router.expert_bias.zero_()
+    layer = materialise_random(layer, device, dtype)
     layer.router.float()  # routing runs in fp32, as the loader keeps the router
-    layer.fuse()
-    return layer.eval()
+    layer.fuse()  # on the device and in the dtype it runs in: fuse() checks the grouped op
+    return layer
 
 
 def median_ms(fn: Any, device: torch.device, warmup: int, iters: int) -> float:

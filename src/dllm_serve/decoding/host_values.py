@@ -18,11 +18,15 @@ from collections.abc import Sequence
 import torch
 
 
+def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The CPU tensor ``host``, in pinned memory when it is bound for CUDA: the source of a
+    ``non_blocking=True`` copy (``.to`` or ``copy_``) that never waits."""
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The CPU tensor ``host`` on ``device`` without a host wait (itself when on the CPU)."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return staged(host, device).to(device, non_blocking=True)
 
 
 def to_device(

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.host_values import staged
 from dllm_serve.engine.batch_packing import prefix_keys
 from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
 
@@ -151,9 +152,7 @@ class StaticForward:
         host = torch.frombuffer(
             array("q", ids + positions + slots + index + bases + prefixes), dtype=torch.long
         )
-        if self.inputs.device.type == "cuda":  # pinned: the copy then never waits (host_values)
-            host = host.pin_memory()
-        self.inputs.copy_(host, non_blocking=True)
+        self.inputs.copy_(staged(host, self.inputs.device), non_blocking=True)
 
     def forward(self) -> torch.Tensor:
         """The padded forward over the static inputs: logits ``[rows·width, V]``."""

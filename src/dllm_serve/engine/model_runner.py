@@ -74,8 +74,8 @@ class ModelRunner:
         # Fixed-shape decode steps replay static forwards (engine/cuda_graphs.py): CUDA graphs
         # on CUDA (``capture``, default there), the same padded forward uncaptured elsewhere.
         # Not for MoE layers (grouped expert GEMMs not yet checked under capture; their fallback
-        # reads the expert counts on the host mid-forward) nor under
-        # tensor parallelism, and only for algorithms that keep K/V.
+        # reads the expert counts on the host mid-forward) nor under tensor parallelism, and
+        # only for algorithms that keep K/V.
         graphs = cuda_graph and kv_slots > 0 and model.config.moe is None and self.tp is None
         if kv_slots > 0:
             cfg, weight = model.config, model.embed_tokens.weight

@@ -87,7 +87,8 @@ class MoE(nn.Module):
 
     def fuse(self) -> None:
         """Fuse the gate and up projections (same outputs, fewer kernels) and stack the
-        experts' weights for the grouped forward (module docstring)."""
+        experts' weights for the grouped forward (module docstring). Call it on the device and
+        in the dtype the layer will run in: it checks there that the grouped op takes them."""
         if self.shared is not None:
             self.shared.fuse()
         if self.gate_up is not None:
