@@ -28,7 +28,7 @@ engine step pays before sampling — for ``prefix_cache`` rows that is a CUDA gr
 the runner's own ``forward_seconds()`` (CUDA events around the kernels, what the server's
 ``dllm:forward_duration_seconds`` reports). It reports median and best of ``--iters`` after warm-up,
 block positions per second (``batch × block / latency``: multiply by TPF / block for answer
-tokens/s) and the floor from ``../shared/reference/algorithms.md`` §6: weight bytes / HBM
+tokens/s) and the weight-read floor of one step: weight bytes / HBM
 bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s; from the GPU name, or ``--bandwidth-tbps``).
 Needs only torch, safetensors and the project; a deadline (``--max-seconds``, default 240)
 keeps it under 5 minutes. Writes ``benchmarks/results/gpu_llada8b.json`` (+ ``.png`` with

@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default=_DEFAULT.model.dtype,
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and activations; auto = float32 on CPU, bfloat16 on CUDA "
-        "(default: %(default)s)",
+        help="weights and activations; auto = float32 on CPU, on CUDA the checkpoint's own "
+        "half precision (else bfloat16) (default: %(default)s)",
     )
     parser.add_argument(
         "--tensor-parallel-size",
