@@ -255,6 +255,17 @@ def test_invalid_request_id_header_is_400_with_a_fresh_id(srv: RemoteServer, val
     assert fresh and fresh.encode("latin-1") != value.strip()
 
 
+def test_a_repeated_request_id_header_is_400(srv: RemoteServer) -> None:
+    """Two X-Request-ID headers (even equal ones) are refused rather than one picked."""
+    for pair in (b"X-Request-ID: one\r\nX-Request-ID: two", b"X-Request-ID: a\r\nX-Request-ID: a"):
+        status, headers, payload = raw_post(srv.port, pair)
+        assert status == 400, payload
+        error = json.loads(payload)["error"]
+        assert error["code"] == "invalid_request_id"
+        assert error["message"] == "X-Request-ID was sent 2 times: send it once."
+        assert headers["x-request-id"] not in ("one", "two", "a")
+
+
 @pytest.mark.parametrize("header", [b"X-Request-ID: a\x01b", b"X-Junk: a\x00b", b"X-Junk: a\rb"])
 def test_control_characters_in_headers(srv: RemoteServer, header: bytes) -> None:
     """A NUL or CR in a header value is refused by the HTTP parser (h11, inside uvicorn)

@@ -42,15 +42,19 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        sent = Headers(scope=scope).get("x-request-id")
+        values = Headers(scope=scope).getlist("x-request-id")
+        sent = values[0] if len(values) == 1 else None
         request_id = sent if sent and _VALID_ID.fullmatch(sent) else new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
         request_id_var.set(request_id)
-        if sent is not None and sent != request_id:
-            error = invalid(
-                f"Invalid {REQUEST_ID_HEADER} header: use 1 to 256 visible ASCII characters.",
-                code="invalid_request_id",
+        if values and sent != request_id:
+            # Two ids for one request would make either choice a silent guess.
+            message = (
+                f"Invalid {REQUEST_ID_HEADER} header: use 1 to 256 visible ASCII characters."
+                if sent is not None
+                else f"{REQUEST_ID_HEADER} was sent {len(values)} times: send it once."
             )
+            error = invalid(message, code="invalid_request_id")
             if self.on_reject is not None:
                 self.on_reject(error, scope.get("path", ""))
             await error_response(error, request_id)(scope, receive, send)

@@ -86,7 +86,7 @@ def install_playground(
         page.headers["Content-Security-Policy"] = "img-src 'self' data: blob:"
         return page
 
-    @app.get("/v1/dllm/info", tags=["dllm"])
+    @app.get("/v1/dllm/info", tags=["dllm"], responses=error_responses(401))
     async def info() -> dict[str, Any]:
         """The served model's decoding mode and defaults (what the playground offers)."""
         return {

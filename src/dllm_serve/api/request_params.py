@@ -49,9 +49,10 @@ def decoding_params(
             "max_completion_tokens",
         )
     if req.target_length is not None and max_tokens is not None and max_tokens < req.target_length:
+        named = "max_completion_tokens" if max_completion_tokens else "max_tokens"
         raise invalid(
             f"'target_length' ({req.target_length}) sets the canvas length and exceeds "
-            f"max_tokens ({max_tokens}).",
+            f"{named} ({max_tokens}).",
             "target_length",
         )
     gen_length = req.target_length or max_tokens or default_gen_length

@@ -254,10 +254,9 @@ def _check_content_type(content_type: str | None) -> None:
     if media != "application/json" and not (
         media.startswith("application/") and media.endswith("+json")
     ):
-        shown = content_type or "none"
+        shown = f"Unsupported Content-Type '{content_type}'" if content_type else "No Content-Type"
         raise invalid(
-            f"Unsupported Content-Type '{shown}': the request body must be JSON sent with "
-            "'Content-Type: application/json'.",
+            f"{shown}: the request body must be JSON sent with 'Content-Type: application/json'.",
             code="unsupported_media_type",
         )
 

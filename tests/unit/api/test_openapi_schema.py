@@ -48,3 +48,11 @@ def test_health_has_no_body(schema: dict[str, Any]) -> None:
     assert "content" not in responses["200"]
     error = schema["components"]["schemas"]["ErrorDetail"]
     assert set(error["required"]) == {"message", "type", "param", "code"}
+
+
+def test_every_v1_route_lists_the_api_key_401(schema: dict[str, Any]) -> None:
+    """``--api-key`` guards every /v1 path (found by QA: /v1/dllm/info did not list its 401)."""
+    for path, operations in schema["paths"].items():
+        if path.startswith("/v1/"):
+            for method, operation in operations.items():
+                assert "401" in operation["responses"], (method, path)

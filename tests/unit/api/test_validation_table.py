@@ -34,7 +34,7 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
     ("array-body", b"[1, 2]", JSON, None, "must be a JSON object"),
     ("text-plain", body(), "text/plain", None, "Unsupported Content-Type 'text/plain'"),
     ("form", body(), "application/x-www-form-urlencoded", None, "Unsupported Content-Type"),
-    ("no-content-type", body(), None, None, "Unsupported Content-Type 'none'"),
+    ("no-content-type", body(), None, None, "No Content-Type: the request body must be JSON"),
     ("unknown-field", body(foo=1), JSON, "foo", "Unrecognized request argument supplied: foo"),
     (
         "unknown-msg-field",
@@ -223,6 +223,13 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
         JSON,
         "target_length",
         "exceeds max_tokens",
+    ),
+    (
+        "target-over-max-completion",
+        body(max_completion_tokens=8, target_length=16),
+        JSON,
+        "target_length",
+        "exceeds max_completion_tokens (8)",
     ),
     ("target-zero", body(target_length=0), JSON, "target_length", "greater than or equal to 1"),
     ("fa2", body(attention_backend="fa2"), JSON, "attention_backend", "deferred"),
