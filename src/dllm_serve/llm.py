@@ -151,8 +151,10 @@ class LLM:
         """Each item as the body ``{field: item, **fields}`` through the API's pipeline."""
         from dllm_serve.api.errors import APIError
 
-        if field in fields or "stream" in fields:
-            raise ValueError(f"pass the {field} as the first argument; streaming is HTTP only")
+        if field in fields:
+            raise ValueError(f"pass the {field} as the first argument, not as {field}=")
+        if "stream" in fields:
+            raise ValueError("stream is HTTP only: the offline API returns whole completions")
         specs = []
         for i, item in enumerate(items):
             try:

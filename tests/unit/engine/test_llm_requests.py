@@ -90,6 +90,17 @@ def test_chat_refuses_what_the_server_refuses(
     assert (reply["error"]["param"], reply["error"]["code"]) == (param, code)
 
 
+def test_misplaced_arguments_get_a_message_about_their_own_mistake(llm: LLM) -> None:
+    with pytest.raises(ValueError) as streamed:
+        llm.chat([QUESTION], stream=True)
+    assert str(streamed.value) == "stream is HTTP only: the offline API returns whole completions"
+    with pytest.raises(ValueError) as keyword:
+        llm.chat([QUESTION], messages=QUESTION)
+    assert str(keyword.value) == "pass the messages as the first argument, not as messages="
+    with pytest.raises(ValueError, match="pass the prompt as the first argument"):
+        llm.complete(["2 + 2 ="], prompt="x")
+
+
 def test_generate_takes_one_stop_string_and_shared_params(llm: LLM) -> None:
     params = DecodingParams(gen_length=32, steps=32)
     ids = llm.engine.chat_prompt_ids(QUESTION)
