@@ -9,9 +9,11 @@ it: docs/images/playground.png is made this way).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from browser import Browser, browser_required, find_chromium
 from remote_server import RemoteServer
@@ -24,8 +26,15 @@ PROMPT = "What is 2 + 2?"
 PAGE_READY = "window.playground && document.getElementById('model-info').textContent.includes('·')"
 
 
-def _run_in_page(page: Browser, url: str, prompt: str, mid_run_shot: Path | None = None) -> dict:
-    page.goto(url, PAGE_READY)
+def _run_in_page(
+    page: Browser,
+    url: str,
+    prompt: str,
+    mid_run_shot: Path | None = None,
+    keep_fields: bool = False,
+) -> dict:
+    if not keep_fields:  # a fresh page; else the fields already set stay
+        page.goto(url, PAGE_READY)
     page.evaluate(f"document.getElementById('replay_ms').value = '{60 if mid_run_shot else 20}'")
     page.type_into("#prompt", prompt)
     page.evaluate("document.getElementById('generate').click()")
@@ -86,6 +95,9 @@ def test_llada_canvas_denoises_live_in_chromium(
     shown = page.evaluate("document.getElementById('answer').textContent")
     assert shown == run["content"] != ""
     assert run["events"][0] == "start" and run["events"][-1] == "done"
+    # Tri-mode's menu is not shown for a one-mode model (a display rule once overrode hidden).
+    shown = "getComputedStyle(document.getElementById('decoding-mode-setting')).display"
+    assert page.evaluate(shown) == "none"
     _screenshot(page, tmp_path, "playground.png")
     assert run["content"] == _chat_answer(llada_server, PROMPT)
 
@@ -98,6 +110,52 @@ def test_page_reports_a_400_from_the_server(llada_server: RemoteServer, page: Br
     page.wait_for("window.playground.status === 'error'", timeout=60)
     error = page.evaluate("document.getElementById('error').textContent")
     assert "'block_length' (5) must divide the canvas length (32)" in error
+
+
+def _running_requests(server: RemoteServer) -> float:
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    [line] = [x for x in metrics.splitlines() if x.startswith("dllm:num_requests_running")]
+    return float(line.split()[-1])
+
+
+def test_stop_ends_a_long_generation(llada_server: RemoteServer, page: Browser) -> None:
+    # Found by QA: a 512-step answer with the replay on locked the page for half a minute;
+    # reloading was the only way out.
+    page.goto(llada_server.url + "/", PAGE_READY)
+    page.evaluate("document.getElementById('max_tokens').value = '512'")
+    page.evaluate("document.getElementById('replay_ms').value = '200'")
+    page.evaluate("document.getElementById('generate').click()")
+    page.wait_for("window.playground.steps >= 3", timeout=60)
+    assert page.evaluate("document.getElementById('generate').disabled") is True
+    page.evaluate("document.getElementById('stop').click()")
+    page.wait_for("window.playground.status === 'stopped'", timeout=10)
+    assert page.evaluate("window.playground.steps") < 100
+    assert page.evaluate("document.getElementById('status').textContent") == "stopped"
+    assert page.evaluate("document.getElementById('error').hidden") is True
+    assert page.evaluate("document.getElementById('generate').disabled") is False
+    assert page.evaluate("document.getElementById('stop').disabled") is True
+    # The closed connection aborted the request on the server.
+    deadline = time.monotonic() + 15
+    while _running_requests(llada_server) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _running_requests(llada_server) == 0
+    # And the page goes on working: the counters start again from zero.
+    run = _run_in_page(page, llada_server.url + "/", PROMPT)
+    assert run["status"] == "done" and run["content"] == _chat_answer(llada_server, PROMPT)
+
+
+def test_blocks_never_decoded_are_drawn_as_unused(llada_server: RemoteServer) -> None:
+    # Found by QA: an answer that ended in its first block left 96 grey "masked" cells on a
+    # finished canvas. On a phone-width page the output is scrolled into view on sending.
+    with Browser(CHROMIUM, width=390, height=844) as phone:  # type: ignore[arg-type]
+        phone.goto(llada_server.url + "/", PAGE_READY)
+        phone.evaluate("document.getElementById('max_tokens').value = '128'")
+        run = _run_in_page(phone, llada_server.url + "/", PROMPT, keep_fields=True)
+        assert run["status"] == "done" and run["content"] == "2 + 2 = 4"
+        assert phone.evaluate("document.querySelectorAll('#canvas .cell').length") == 128
+        assert phone.evaluate("document.querySelectorAll('#canvas .cell.masked').length") == 0
+        assert phone.evaluate("document.querySelectorAll('#canvas .cell.unused').length") == 96
+        assert phone.evaluate("window.scrollY") > 0
 
 
 def test_idlm_rounds_show_drafts_in_chromium(page: Browser, tmp_path: Path) -> None:
@@ -141,12 +199,32 @@ def test_trimode_rounds_have_no_blank_lines(page: Browser, tmp_path: Path) -> No
         assert run["status"] == "done"
         info = page.evaluate("document.getElementById('model-info').textContent")
         assert "tri-mode (linear spec)" in info
+        assert page.evaluate("document.getElementById('decoding_mode').value") == "linear_spec"
+        assert page.evaluate("document.getElementById('diffusion-settings').hidden") is True
         lines = page.evaluate(
             "[...document.querySelectorAll('#rounds li')].map(li => li.children.length)"
         )
         assert lines and all(n > 0 for n in lines)
         step = page.evaluate("document.getElementById('stat-step').textContent")
         assert step == page.evaluate("document.getElementById('stat-nfe').textContent")
+        # Found by QA: the page could only use the server's default mode. The menu picks
+        # the request's decoding_mode; diffusion draws a canvas and offers its settings.
+        pick = "const m = document.getElementById('decoding_mode'); m.value = 'diffusion';"
+        page.evaluate(pick + " m.dispatchEvent(new Event('change'))")
+        assert page.evaluate("document.getElementById('diffusion-settings').hidden") is False
+        page.evaluate("document.getElementById('generate').click()")
+        page.wait_for("['done', 'error'].includes(window.playground.status)", timeout=60)
+        run = page.evaluate("JSON.parse(JSON.stringify(window.playground))")
+        error = page.evaluate("document.getElementById('error').textContent")
+        assert run["status"] == "done", error
+        assert run["steps"] >= 1 and run["rounds"] == 0
+        assert page.evaluate("document.querySelectorAll('#canvas .cell').length") > 0
+        assert page.evaluate("document.querySelectorAll('#canvas .cell.masked').length") == 0
+        reply = server.client().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": PROMPT}],
+            extra_body={"decoding_mode": "diffusion"},
+        )  # fmt: skip
+        assert run["content"] == reply.choices[0].message.content
     finally:
         server.stop()
 

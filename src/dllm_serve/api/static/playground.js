@@ -13,25 +13,41 @@ const run = (window.playground = { status: "idle", steps: 0, maxMasked: 0, final
 // are shown or sent until the page knows which apply.
 let mode = null;
 let infoLoading = null;
+let triMode = false; // a tri-mode model: the page sends the decoding_mode picked in its menu
+let stopping = null; // the running generation's AbortController (the Stop button)
 
 async function loadInfo() {
   try {
     const res = await fetch("/v1/dllm/info", { headers: authHeaders() });
-    if (!res.ok) { $("model-info").textContent = `model info: HTTP ${res.status}`; return; }
+    if (!res.ok) {
+      const hint = res.status === 401 ? " (this server needs an API key: see Page → API key)" : "";
+      $("model-info").textContent = `model info: HTTP ${res.status}${hint}`;
+      return;
+    }
     const info = await res.json();
     let shown = info.decoding_mode.replace("_", " ");
     mode = info.decoding_mode === "self_speculation" ? "self_speculation" : "diffusion";
-    // A tri-mode model decodes by its default mode here (ar and linear_spec have no canvas).
-    if (info.decoding_mode === "tri_mode") {
+    // A tri-mode model decodes each request by the mode picked in the menu (its default
+    // first); only diffusion has a canvas and denoising settings.
+    triMode = info.decoding_mode === "tri_mode";
+    $("decoding-mode-setting").hidden = !triMode;
+    if (triMode) {
       shown = `tri-mode (${info.default_decoding_mode.replace("_", " ")})`;
-      mode = info.default_decoding_mode === "diffusion" ? "diffusion" : "self_speculation";
+      if (!$("decoding_mode").dataset.picked) $("decoding_mode").value = info.default_decoding_mode;
+      mode = triModeView();
     }
     $("model-info").textContent =
       `${info.model} · ${shown} · default max_tokens ${info.default_max_tokens}`;
-    // Self-speculative models have no canvas settings (the API rejects them with a 400).
-    $("diffusion-settings").hidden = mode !== "diffusion";
-    $("masked-stat").hidden = mode !== "diffusion";
+    showModeSettings();
   } catch (err) { $("model-info").textContent = `model info: ${err}`; }
+}
+
+const triModeView = () => ($("decoding_mode").value === "diffusion" ? "diffusion" : "self_speculation");
+
+function showModeSettings() {
+  // Self-speculative decoding has no canvas settings (the API rejects them with a 400).
+  $("diffusion-settings").hidden = mode !== "diffusion";
+  $("masked-stat").hidden = mode !== "diffusion";
 }
 
 function reloadInfo() {
@@ -55,6 +71,7 @@ function requestBody() {
     if ($("block_schedule").value) body.block_schedule = $("block_schedule").value;
     if ($("use_local_leap").checked) body.use_local_leap = true;
   }
+  if (triMode) body.decoding_mode = $("decoding_mode").value;
   return body;
 }
 
@@ -81,7 +98,11 @@ async function* sseEvents(response) {
   }
 }
 
-const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+// The replay's pause between steps; Stop ends it at once.
+const sleep = (ms, signal) => new Promise((resolve) => {
+  const timer = setTimeout(resolve, ms);
+  signal.addEventListener("abort", () => { clearTimeout(timer); resolve(); }, { once: true });
+});
 
 function label(text) {
   // Specials (EOS, end of turn) and whitespace made visible.
@@ -150,8 +171,15 @@ async function generate(submitEvent) {
   submitEvent.preventDefault();
   Object.assign(run, { status: "running", steps: 0, maxMasked: 0, finalMasked: null,
                        maskedAfterFirstStep: null, rounds: 0, content: "", events: [] });
+  stopping = new AbortController();
+  const signal = stopping.signal;
   $("generate").disabled = true;
+  $("stop").disabled = false;
   $("status").textContent = "running";
+  for (const id of ["stat-step", "stat-nfe"]) $(id).textContent = "0";
+  for (const id of ["stat-tpf", "stat-masked"]) $(id).textContent = "–";
+  // On a narrow screen the settings sit above the output: bring the output into view.
+  if (window.matchMedia("(max-width: 760px)").matches) $("view").scrollIntoView();
   $("answer").textContent = "";
   $("error").hidden = true;
   $("rounds").replaceChildren();
@@ -164,6 +192,7 @@ async function generate(submitEvent) {
       method: "POST",
       headers: { "Content-Type": "application/json", ...authHeaders() },
       body: JSON.stringify(requestBody()),
+      signal, // Stop closes the connection, which aborts the request on the server
     });
     if (!response.ok) {
       const body = await response.json().catch(() => ({}));
@@ -178,9 +207,9 @@ async function generate(submitEvent) {
           $("stat-masked").textContent = data.canvas;
         }
       } else if (name === "step") {
-        applyStep(data); showCounters(data); await sleep(delay);
+        applyStep(data); showCounters(data); await sleep(delay, signal);
       } else if (name === "round") {
-        applyRound(data); showCounters(data); await sleep(delay);
+        applyRound(data); showCounters(data); await sleep(delay, signal);
       } else if (name === "delta") {
         $("answer").textContent += data.content;
       } else if (name === "done") {
@@ -189,23 +218,44 @@ async function generate(submitEvent) {
         $("status").textContent = `done · finish_reason ${data.finish_reason} · ` +
           `${data.usage.completion_tokens} tokens`;
         run.status = "done";
+        // An answer that ended early leaves blocks never decoded: drawn as empty outlines.
+        for (const cell of document.querySelectorAll(".cell.masked")) {
+          cell.className = "cell unused";
+          cell.title = "not decoded: the answer ended before this block";
+        }
       } else if (name === "error") {
         throw new Error(data.error.message);
       }
+      if (signal.aborted) break;
     }
-    if (run.status !== "done") throw new Error("the stream ended without an answer");
+    if (signal.aborted) {
+      run.status = "stopped";
+      $("status").textContent = "stopped";
+    } else if (run.status !== "done") throw new Error("the stream ended without an answer");
   } catch (err) {
+    if (signal.aborted) {
+      run.status = "stopped";
+      $("status").textContent = "stopped";
+      return;
+    }
     run.status = "error";
     $("status").textContent = "error";
     $("error").hidden = false;
     $("error").textContent = String(err.message || err);
   } finally {
     $("generate").disabled = false;
+    $("stop").disabled = true;
     for (const old of document.querySelectorAll(".cell.new")) old.classList.remove("new");
   }
 }
 
 $("prompt-form").addEventListener("submit", generate);
+$("stop").addEventListener("click", () => stopping?.abort());
+$("decoding_mode").addEventListener("change", () => {
+  $("decoding_mode").dataset.picked = "1";
+  mode = triModeView();
+  showModeSettings();
+});
 $("api_key").addEventListener("change", reloadInfo);
 // Enter in the prompt sends it, as in chat apps; Shift+Enter starts a new line.
 $("prompt").addEventListener("keydown", (event) => {
