@@ -95,7 +95,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if not any(weights.values()):
         parser.error("every task weight is 0: at least one task must be trained")
     try:
-        parse_canvases(args.eval_canvases)
+        canvases = parse_canvases(args.eval_canvases)
     except ValueError as exc:
         parser.error(f"--eval-canvases: {exc}")
     if args.device != "cpu":
@@ -107,6 +107,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--device {args.device}: use cpu, or cuda on a machine with a GPU")
     if args.init is not None and not (args.init / "model.safetensors").is_file():
         parser.error(f"--init {args.init}: no model.safetensors there")
+    from dllm_serve.train.preflight import check_model_files  # it imports the training loop
+
+    check_model_files(parser, args, canvases)
     out = args.out  # new or empty (its argparse type)
     try:
         out.mkdir(parents=True, exist_ok=True)

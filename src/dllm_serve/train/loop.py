@@ -48,7 +48,7 @@ def sizes(
         out["n_heads"] = heads
     if d_model or heads:
         if out["d_model"] % out["n_heads"]:
-            raise SystemExit(f"d_model {out['d_model']} is not divisible by {out['n_heads']} heads")
+            raise ValueError(f"d_model {out['d_model']} is not divisible by {out['n_heads']} heads")
         if "n_kv_heads" in out:
             out["n_kv_heads"] = max(1, out["n_heads"] // 2)
     if n_layers:

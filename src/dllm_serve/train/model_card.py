@@ -46,7 +46,8 @@ def write_model_card(
     canvas = gen.get("max_new_tokens", DEFAULT_GEN_LENGTH)  # what the server then defaults to
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
     d = config.get("d_model") or config.get("hidden_size")
-    layers = config.get("n_layers") or config.get("num_hidden_layers")
+    n_layers = config.get("n_layers") or config.get("num_hidden_layers")
+    layers = f"{n_layers} layer" + ("" if n_layers == 1 else "s")
     operands = operands_text(report)
     objective = _OBJECTIVE[family].format(weighting=_WEIGHTING[report.get("weighting")])
     objective += _recipe(report)
@@ -70,7 +71,7 @@ model: it answers the kinds of question below, and little else.
   training never sees them, and the tables are measured on them.
 - Task mix (relative weights): {mix}.{operands}
 - Objective: {objective}
-- Shape: d_model {d}, {layers} layers, {report["parameters"]:,} parameters, stored in bf16
+- Shape: d_model {d}, {layers}, {report["parameters"]:,} parameters, stored in bf16
   ({size_mb:.1f} MB). Real chat template, tokenizer and special tokens of the format (see
   `docs/models.md`){spelling_text(report)}; `generation_config.json` sets `max_new_tokens`
   {canvas}, the server's default canvas for this model{_lookahead(family, canvas)}.

@@ -4,12 +4,16 @@ over a trained checkpoint when --out held one)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
+from dllm_serve.models.tiny import write_tiny
 from dllm_serve.train.__main__ import command_line, main
 from dllm_serve.train.arguments import parse_canvases, parse_weights
+from dllm_serve.train.loop import sizes, write_skeleton
+from dllm_serve.train.preflight import check_model_files
 
 SMALL = ["--d-model", "32", "--n-layers", "1", "--mlp", "64", "--steps", "1", "--batch-size", "2"]
 
@@ -36,6 +40,11 @@ SMALL = ["--d-model", "32", "--n-layers", "1", "--mlp", "64", "--steps", "1", "-
         (["--device", "banana"], "--device"),
         (["--family", "idlm", "--tail-rows", "2"], "--tail-rows is for --family llada"),
         (["--family", "idlm", "--lora-steps", "2"], "are for --family nemotron"),
+        # Found by QA: these trained, saved, then failed in the evaluation (exit 1).
+        (["--canvas", "5000"], "--canvas: a canvas of 5000 leaves no room for a prompt in the "
+         "model's context of 2048 tokens (at most 1920)"),
+        (["--eval-canvases", "32,4096"], "--eval-canvases: a canvas of 4096 leaves no room"),
+        (["--heads", "5"], "d_model 32 is not divisible by 5 heads"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_anything_is_written(
@@ -84,3 +93,30 @@ def test_weights_and_canvases_parse() -> None:
     assert parse_canvases("32, 256,1024") == (32, 256, 1024) and parse_canvases("") == ()
     with pytest.raises(ValueError, match="not a canvas length"):
         parse_canvases("32,0")
+
+
+def test_init_must_hold_this_runs_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by QA: ``--init`` of another family or size failed after the skeleton was
+    written into --out (a traceback, exit 1); now exit 2 and nothing written."""
+    other_family = tmp_path / "idlm"
+    write_tiny("idlm", other_family)
+    run = ["--family", "llada", *SMALL, "--init", str(other_family), "--out", str(tmp_path / "x")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(run)
+    assert exit_info.value.code == 2
+    assert f"--init {other_family}: its weights are not this run's model" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    # Same family, another size: the first differing tensor is named.
+    small = sizes("llada", 32, 1, 64)
+    write_skeleton("llada", tmp_path / "small", 0, 32, small, 0.0)
+    with pytest.raises(SystemExit):
+        main(["--family", "llada", *SMALL, "--mlp", "96", "--init", str(tmp_path / "small"),
+              "--out", str(tmp_path / "y")])  # fmt: skip
+    assert "ff_out.weight is [32, 64], this model's is [32, 96]" in capsys.readouterr().err
+    # The very shapes pass (the checkpoint a first stage of this run would write).
+    parser = argparse.ArgumentParser()
+    args = argparse.Namespace(
+        family="llada", d_model=32, n_layers=1, mlp=64, heads=0, seed=1, canvas=64,
+        rope_theta=0.0, block_size=0, init=tmp_path / "small",
+    )  # fmt: skip
+    check_model_files(parser, args, [32, 256])
