@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
-from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.engine.engine import AsyncEngine, EngineDeadError
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.offline_batch import Completion, run_together
 
@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from dllm_serve.api.request_spec import RequestSpec
 
 __all__ = ["LLM", "Completion", "InvalidRequestError"]
+
+
+# What each offline call takes a list of (named in its type errors).
+_ITEMS = {"messages": "conversations", "prompt": "prompts"}
 
 
 class InvalidRequestError(ValueError):
@@ -155,6 +159,15 @@ class LLM:
             raise ValueError(f"pass the {field} as the first argument, not as {field}=")
         if "stream" in fields:
             raise ValueError("stream is HTTP only: the offline API returns whole completions")
+        # Found by QA: complete("abc") ran one completion per character, and chat(messages)
+        # blamed the first message for not being a list.
+        if isinstance(items, str | bytes) or not isinstance(items, Sequence):
+            raise TypeError(f"give a list of {_ITEMS[field]}, got {type(items).__name__}")
+        if field == "messages" and items and isinstance(items[0], dict):
+            raise TypeError(
+                "give a list of conversations (each a list of messages), got a list of "
+                "messages: wrap one conversation as [messages]"
+            )
         specs = []
         for i, item in enumerate(items):
             try:
@@ -165,6 +178,9 @@ class LLM:
                 specs.append(pipeline(self._facts, body, "application/json"))
             except APIError as exc:
                 error = exc.body()["error"]
+                if exc.status != 400:  # not the request's fault: a closed or failed engine
+                    kind = EngineDeadError if error["code"] == "engine_dead" else RuntimeError
+                    raise kind(f"request {i}: {error['message']}") from None
                 raise InvalidRequestError(
                     f"request {i}: {error['message']}", error["param"], error["code"]
                 ) from None
@@ -197,6 +213,9 @@ class LLM:
         shared; the parameters are taken as given (no API defaults or canvas fitting)."""
         if isinstance(params, DecodingParams):
             params = [params] * len(prompts)
+        if not all(isinstance(p, DecodingParams) for p in params):
+            raise TypeError("params must be a DecodingParams or one per prompt (the API's "
+                            "request fields are for chat() and complete())")  # fmt: skip
         if len(params) != len(prompts):
             raise ValueError("give one DecodingParams per prompt, or a single one")
         if isinstance(stop, str):  # one stop string, as the API accepts it
@@ -214,6 +233,11 @@ class LLM:
         generation after a logged traceback, nor an index error inside the forward)."""
         loaded = self.loaded
         vocab = loaded.vocab_size
+        if not isinstance(prompt, Sequence) or isinstance(prompt, str | bytes):
+            raise TypeError(
+                f"prompt {i} must be a list of token ids, got {type(prompt).__name__} "
+                "(a tensor or array: .tolist())"
+            )
         if not prompt:
             raise ValueError(f"prompt {i} is empty: it needs at least one token")
         for what, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids)):

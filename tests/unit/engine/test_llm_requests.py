@@ -15,13 +15,14 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from dllm_serve import InvalidRequestError
 from dllm_serve.api.app import build_app
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.engine.engine import AsyncEngine, EngineDeadError
 from dllm_serve.llm import LLM
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.loader import load_model
@@ -99,6 +100,32 @@ def test_misplaced_arguments_get_a_message_about_their_own_mistake(llm: LLM) -> 
     assert str(keyword.value) == "pass the messages as the first argument, not as messages="
     with pytest.raises(ValueError, match="pass the prompt as the first argument"):
         llm.complete(["2 + 2 ="], prompt="x")
+
+
+def test_a_call_with_the_wrong_shape_of_arguments_says_what_to_give(llm: LLM) -> None:
+    # Found by QA: complete("abc") ran three completions, one per character; a tensor prompt
+    # or a dict of params failed deep inside with an unrelated error.
+    with pytest.raises(TypeError, match="give a list of prompts, got str"):
+        llm.complete("2 + 2 =")
+    with pytest.raises(TypeError, match="wrap one conversation as \\[messages\\]"):
+        llm.chat(QUESTION)
+    with pytest.raises(TypeError, match="prompt 0 must be a list of token ids, got Tensor"):
+        llm.generate_ids([torch.tensor([1, 2, 3])], DecodingParams(gen_length=32, steps=32))
+    with pytest.raises(TypeError, match="params must be a DecodingParams"):
+        llm.generate([QUESTION], {"gen_length": 32})  # type: ignore[arg-type]
+
+
+def test_a_closed_llm_is_a_dead_engine_for_every_call() -> None:
+    # Found by QA: chat() on a closed LLM raised InvalidRequestError (a "bad request")
+    # while generate() raised EngineDeadError.
+    closed = LLM("tiny-llada")
+    closed.close()
+    with pytest.raises(EngineDeadError):
+        closed.generate([QUESTION])
+    for call in (lambda: closed.chat([QUESTION]), lambda: closed.complete(["x"])):
+        with pytest.raises(EngineDeadError) as dead:
+            call()
+        assert not isinstance(dead.value, ValueError)
 
 
 def test_generate_takes_one_stop_string_and_shared_params(llm: LLM) -> None:
