@@ -1,6 +1,7 @@
 """dllm-serve: an OpenAI-compatible serving engine for diffusion LLMs.
 
-``LLM`` (with its ``Completion`` and ``InvalidRequestError``) and ``DecodingParams`` are
+``LLM`` (with its ``Completion``, ``InvalidRequestError`` and ``EngineDeadError``) and
+``DecodingParams`` are
 imported lazily so that ``import dllm_serve`` (and the
 CLI's ``--help``) does not pay for torch.
 """
@@ -10,15 +11,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "Completion", "DecodingParams", "InvalidRequestError", "__version__"]
+__all__ = [
+    "LLM",
+    "Completion",
+    "DecodingParams",
+    "EngineDeadError",
+    "InvalidRequestError",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from dllm_serve.decoding.params import DecodingParams
-    from dllm_serve.llm import LLM, Completion, InvalidRequestError
+    from dllm_serve.llm import LLM, Completion, EngineDeadError, InvalidRequestError
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("LLM", "Completion", "InvalidRequestError"):
+    if name in ("LLM", "Completion", "EngineDeadError", "InvalidRequestError"):
         from dllm_serve import llm
 
         return getattr(llm, name)

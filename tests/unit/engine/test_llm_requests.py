@@ -18,11 +18,11 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from dllm_serve import InvalidRequestError
+from dllm_serve import EngineDeadError, InvalidRequestError
 from dllm_serve.api.app import build_app
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.engine.engine import AsyncEngine, EngineDeadError
+from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.llm import LLM
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.loader import load_model
