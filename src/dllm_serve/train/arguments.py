@@ -39,6 +39,8 @@ _AT_LEAST = {
     "lora_rank": 1,
     "eval_questions": 1,
 }
+# The longest canvas a --tail-rows row is drawn at (objectives.llada_tail_batch's default).
+TAIL_MAX_CANVAS = 1024
 _LLADA_ONLY = ("causal_steps", "ar_fraction", "tail_rows", "tail_min_canvas")
 
 
@@ -88,6 +90,11 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                     f"--{name.replace('_', '-')} is for --family llada (the I-DLM and tri-mode "
                     "objectives are causal)"
                 )
+    # Found by QA: both were accepted and silently did nothing (or were clamped).
+    if args.tail_min_canvas and not args.tail_rows:
+        parser.error("--tail-min-canvas sets the shortest canvas of --tail-rows rows: add it")
+    if args.tail_min_canvas > TAIL_MAX_CANVAS:
+        parser.error(f"--tail-min-canvas must be <= {TAIL_MAX_CANVAS} (the longest tail canvas)")
     try:
         weights = WEIGHTS | {"addition": args.addition_weight} | parse_weights(args.weights)
     except ValueError as exc:

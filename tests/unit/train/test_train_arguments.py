@@ -45,6 +45,8 @@ SMALL = ["--d-model", "32", "--n-layers", "1", "--mlp", "64", "--steps", "1", "-
          "model's context of 2048 tokens (at most 1920)"),
         (["--eval-canvases", "32,4096"], "--eval-canvases: a canvas of 4096 leaves no room"),
         (["--heads", "5"], "d_model 32 is not divisible by 5 heads"),
+        (["--tail-min-canvas", "64"], "sets the shortest canvas of --tail-rows rows"),
+        (["--tail-rows", "2", "--tail-min-canvas", "2000"], "--tail-min-canvas must be <= 1024"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_anything_is_written(
