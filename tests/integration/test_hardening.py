@@ -33,11 +33,21 @@ def test_api_key_required_on_api_routes_only(hardened: RemoteServer) -> None:
         client(hardened, "wrong").chat.completions.create(model="x", messages=MESSAGES)
     assert info.value.status_code == 401
     assert info.value.body["code"] == "invalid_api_key"
+    assert info.value.body["message"] == (
+        "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'."
+    )
     assert info.value.response.headers["x-request-id"]
     ok = client(hardened).chat.completions.create(model="x", messages=MESSAGES, max_tokens=8)
     assert ok.choices[0].finish_reason in ("stop", "length")
     with httpx.Client(base_url=hardened.url, timeout=10) as http:
-        assert http.get("/v1/models").status_code == 401
+        missing = http.get("/v1/models")
+        assert missing.status_code == 401
+        assert missing.json()["error"] == {
+            "message": "No API key provided. Send it as 'Authorization: Bearer <key>'.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
         for path in ("/health", "/metrics", "/version"):
             assert http.get(path).status_code == 200, path
 

@@ -98,8 +98,11 @@ class ApiKeyMiddleware:
         scheme, _, token = auth.partition(" ")
         given = hashlib.sha256(token.strip().encode()).digest()
         if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._digest):
+            # "Incorrect" only when a key was sent (found by QA: the playground's first
+            # request, with no key typed yet, was told its key was wrong).
+            what = "Incorrect API key provided" if auth.strip() else "No API key provided"
             error = APIError(
-                "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                f"{what}. Send it as 'Authorization: Bearer <key>'.",
                 status=401,
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
