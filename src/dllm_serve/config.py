@@ -35,8 +35,8 @@ class EngineConfig:
     block_size_tiers: tuple[tuple[int, int], ...] = ()
     kv_cache: str = "none"  # none (exact) | prefix (Fast-dLLM block-level prefix KV cache)
     # GiB of KV pool (every model that keeps K/V: I-DLM, block diffusion, tri-mode, LLaDA/Dream
-    # with --kv-cache prefix); None: 90% of free GPU memory after the
-    # weights on CUDA, 1 GiB on CPU, never more than max_running_requests full contexts.
+    # with --kv-cache prefix); None: 90% of free GPU memory after the weights less 1 GiB for
+    # activations on CUDA, 1 GiB on CPU, never more than max_running_requests full contexts.
     kv_cache_memory: float | None = None
     # The decoding mode of requests that name none (decoding/modes.py): a tri-mode model's
     # default (None: linear_spec); any other model accepts only its own mode here.

@@ -4,7 +4,8 @@ A step of the engine is ``prepare`` (host: one :class:`RowSpec` per row) → the
 forward → ``sample`` (device: tensor in, tensor out, batched over rows, nothing read back) →
 one device→host copy (``tolist``) by the engine → ``commit`` (host: apply, count, detect the
 end). LLaDA-style denoising (``denoise.py``), block diffusion (``block_diffusion.py``, and
-``causal_diffusion.py`` over a causal prefix), I-DLM self-speculation (``isd.py``), LinearSpec
+``causal_diffusion.py`` over a causal prefix; Fast-dLLM v2's ``fast_dllm.py``), I-DLM
+self-speculation (``isd.py``), LinearSpec
 (``linear_spec.py``) and the tri-mode dispatcher over them (``trimode.py``) implement it.
 """
 

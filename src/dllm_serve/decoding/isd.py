@@ -212,8 +212,10 @@ class ISDecoder:
 
     def update(self, state: ISDState, logits: torch.Tensor) -> StepResult:
         """:meth:`sample` + :meth:`commit` for one row, ``logits`` ``[K + N, V]``."""
-        if state.finished or state.kv is None:
+        if state.finished:
             raise RuntimeError("update() called on a finished request")
+        if state.kv is None:
+            raise RuntimeError("update() called on a request without its KV span")
         k, n = state.round_shape
         if logits.dim() != 2 or logits.shape[0] != k + n:
             raise ValueError(f"expected logits [{k + n}, V], got {tuple(logits.shape)}")

@@ -1,7 +1,7 @@
 """LocalLeap (arXiv:2510.07081): local determinism propagation around confident anchors.
 
-The rule follows the authors' ``get_transfer_index`` (algorithms.md §2.2), not the
-schedule-bound adaptation of §2.3: there is no per-step budget, so the number of forwards per
+The rule follows the authors' ``get_transfer_index``, not a schedule-bound adaptation of it
+(a fixed number of commits per step): there is no per-step budget, so the number of forwards per
 block is data-dependent.
 """
 

@@ -50,7 +50,8 @@ def cosine_schedule(num_masked: int, steps: int) -> list[int]:
     ``r = i / steps``, so the committed fraction is ``F(r) = 1 − cos(π r / 2)``: flat at the
     start (when the model sees least context and its predictions are least reliable) and
     steep at the end. Counts come from rounding the cumulative target ``C_i = n·F(i/s)``,
-    then the repair rules of algorithms.md §4.1 (see :func:`_from_cumulative`).
+    then repaired by :func:`_from_cumulative` (at least one token per step when there are at
+    least as many tokens as steps, at most one otherwise).
     """
     _check(num_masked, steps)
     cumulative = [num_masked * (1.0 - math.cos(math.pi * i / (2 * steps))) for i in range(steps)]

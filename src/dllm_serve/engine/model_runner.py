@@ -84,7 +84,7 @@ class ModelRunner:
                 dtype=weight.dtype, device=device, scratch_slots=MAX_Q if graphs else 0,
             )  # fmt: skip
         self.packer = BatchPacker(device, self.pool)
-        self.last_batch: FlatBatch | None = None  # for benchmarks replaying forwards
+        self.last_batch: FlatBatch | None = None  # the last eager batch, for tests to inspect
         # The weight view per phase (a tri-mode model's draft-only LoRA; models/lora.py).
         # Eager forwards apply it per token from RowSpec.draft; the graph runner calls
         # before_draft / before_verify around a phase's capture and replay, and after_capture

@@ -120,13 +120,16 @@ class IncrementalDetokenizer:
         return delta
 
     def _find_stop(self, text: str) -> tuple[int, int] | None:
-        """(start, length) of the earliest stop string in ``text``, or None."""
+        """(start, length) of the earliest stop string in ``text``, or None. Of stop strings
+        that start at the same place the shortest wins: it is complete first, so that is the
+        one an incremental match sees, however the tokens arrive (found by review: with
+        "= 57" and "=", text decoded at once ended at "= 57", streamed at "=")."""
         if not self._stop:
             return None
         # Sent text holds no stop string, so a new match can only end in the unsent tail.
         start = max(0, len(self._sent) - max(map(len, self._stop)) + 1)
         hits = [(i, len(s)) for s in self._stop if (i := text.find(s, start)) >= 0]
-        return min(hits, key=lambda hit: hit[0]) if hits else None
+        return min(hits) if hits else None  # by start, then by length
 
     def _earlier_stop_pending(self, text: str, start: int) -> bool:
         """Whether a stop string that would start before ``start`` may still complete: some

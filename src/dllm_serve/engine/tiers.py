@@ -1,6 +1,6 @@
 """Block-size tiers: shrink the I-DLM self-speculative stride N under concurrency.
 
-SGLang's ``block_size_tiers`` idea (reference: ``idlm_selfspec.md`` §3): a wide speculative
+SGLang's ``block_size_tiers`` idea (its I-DLM serving path): a wide speculative
 round costs 2N−1 query tokens per request for at most N emitted tokens, which pays off when
 the GPU is idle but wastes compute when many rows share a forward. A tier table maps the
 number of running requests to the stride: ``"1:8,8:4,32:2"`` means N = 8 from 1 running

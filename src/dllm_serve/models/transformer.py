@@ -1,5 +1,5 @@
 """One compact decoder transformer shared by every supported family (LLaDA, Dream, I-DLM,
-SDAR, LLaDA2).
+SDAR, LLaDA2, LLaDA-MoE, Fast-dLLM v2, Nemotron-Labs-Diffusion).
 
 RMSNorm, rotary position embeddings (NeoX/HF-Llama ``rotate_half`` layout, optionally on the
 first ``rotary_dim`` dims only), SwiGLU MLP or mixture of experts (``moe.py``) and
@@ -10,8 +10,8 @@ Diffusion LMs differ from autoregressive ones mostly in *which* attention patter
 the pattern is always an input (a mask, or the flat batch's attention groups) and never implied
 by the module.
 
-Parameter names are this module's own (Llama-like); ``families.py`` maps each checkpoint
-format's tensor names onto them.
+Parameter names are this module's own (Llama-like); the ``families/`` package maps each
+checkpoint format's tensor names onto them.
 """
 
 from __future__ import annotations

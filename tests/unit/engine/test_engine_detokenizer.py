@@ -171,3 +171,20 @@ def test_overlapping_stops_cut_at_the_first_occurrence_however_the_steps_split()
             text += detok.update(answer[:sent], final=sent == len(answer))
         assert text == "123 + 456 ", size
         assert detok.stop_tokens == len(b"123 + 456 = 57"), size
+
+
+def test_of_stops_starting_at_the_same_place_the_shortest_wins_however_the_steps_split() -> None:
+    """Found by review: with "= 57" and "=" (either order) and include_stop_str_in_output, the
+    text was "x = 57" when the tokens arrived at once and "x =" one by one, and the usage
+    counted 6 or 3 tokens. The shorter stop is complete first, so it is the one that ends."""
+    answer = list(b"x = 57")
+    for stops in (("= 57", "="), ("=", "= 57")):
+        for include in (False, True):
+            for size in range(1, len(answer) + 1):
+                detok = IncrementalDetokenizer(byte_decode, stop=stops, include_stop=include)
+                text, sent = "", 0
+                while sent < len(answer) and not detok.stopped:
+                    sent = min(sent + size, len(answer))
+                    text += detok.update(answer[:sent], final=sent == len(answer))
+                assert text == ("x =" if include else "x "), (stops, include, size)
+                assert detok.stop_tokens == 3, (stops, include, size)
