@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from dllm_serve.decoding.host_values import to_device
-
 
 def topk_commit_rows(confidence: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """LLaDA's low-confidence remasking: commit each row's ``k[r]`` most confident positions.
@@ -43,14 +41,3 @@ def threshold_commit_rows(confidence: torch.Tensor, threshold: torch.Tensor) -> 
     so every step makes progress and a block of ``b`` masks needs at most ``b`` forwards.
     """
     return (confidence >= threshold[:, None]) | argmax_onehot(confidence)
-
-
-def topk_commit(confidence: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`topk_commit_rows` for one row ``[N]``."""
-    return topk_commit_rows(confidence[None], torch.tensor([k]))[0]
-
-
-def threshold_commit(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
-    """:func:`threshold_commit_rows` for one row ``[N]``."""
-    limit = to_device([threshold], confidence.device, confidence.dtype)
-    return threshold_commit_rows(confidence[None], limit)[0]

@@ -61,34 +61,3 @@ def local_leap_commit_rows(
     near = near_anchor_rows(offsets, anchors, radius, span)
     relaxed = near & (confidence >= neighbor_threshold[:, None])
     return threshold_commit_rows(confidence, anchor_threshold) | relaxed
-
-
-def near_anchor(positions: torch.Tensor, anchors: torch.Tensor, radius: int) -> torch.Tensor:
-    """:func:`near_anchor_rows` for one row of ascending canvas ``positions`` ``[N]``."""
-    if positions.numel() == 0:
-        return torch.zeros_like(anchors)
-    offsets = positions - positions[0]
-    span = int(offsets[-1]) + 1
-    return near_anchor_rows(offsets[None], anchors[None], torch.tensor([radius]), span)[0]
-
-
-def local_leap_commit(
-    confidence: torch.Tensor,
-    positions: torch.Tensor,
-    anchor_threshold: float,
-    neighbor_threshold: float,
-    radius: int,
-) -> torch.Tensor:
-    """:func:`local_leap_commit_rows` for one row (``positions``: ascending canvas positions)."""
-    if positions.numel() == 0:
-        return torch.zeros_like(confidence, dtype=torch.bool)
-    offsets = positions - positions[0]
-    span = int(offsets[-1]) + 1
-
-    def scalar(x: float) -> torch.Tensor:
-        return torch.tensor([x], dtype=confidence.dtype)
-
-    return local_leap_commit_rows(
-        confidence[None], offsets[None], scalar(anchor_threshold), scalar(neighbor_threshold),
-        torch.tensor([radius]), span,
-    )[0]  # fmt: skip

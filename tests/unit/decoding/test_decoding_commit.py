@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from one_row_rules import local_leap_commit, near_anchor, threshold_commit, topk_commit
 
 from dllm_serve.decoding.commit import (
     argmax_onehot,
-    threshold_commit,
-    topk_commit,
     topk_commit_rows,
 )
-from dllm_serve.decoding.local_leap import local_leap_commit, near_anchor
 
 KAPPA, TAU, W = 0.9, 0.75, 4
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
+from one_row_rules import topk_commit
 
-from dllm_serve.decoding.commit import topk_commit
 from dllm_serve.decoding.confidence import confidence, entropy_inverse, top1_prob
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from decoding_mock import EOS_ID, EOT_ID, MASK_ID, MockLM, ScriptedLM, StepRecord, decode
+from one_row_rules import local_leap_commit, threshold_commit, topk_commit
 
-from dllm_serve.decoding.commit import threshold_commit, topk_commit
 from dllm_serve.decoding.confidence import confidence
-from dllm_serve.decoding.local_leap import local_leap_commit
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.schedules import block_schedule
 
