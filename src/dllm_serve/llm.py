@@ -66,6 +66,11 @@ class LLM:
     ) -> None:
         """``draft_lora``: a tri-mode model's draft-only LoRA (the server's ``--draft-lora``).
         ``engine_config``'s waiting limit is lifted: offline callers submit whole datasets."""
+        if engine_config is not None and not isinstance(engine_config, EngineConfig):
+            raise TypeError(
+                f"engine_config must be a dllm_serve.config.EngineConfig, got "
+                f"{type(engine_config).__name__}"
+            )
         size = tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")

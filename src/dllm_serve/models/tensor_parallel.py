@@ -66,7 +66,10 @@ def shard_config(
         return tcfg
     moe = tcfg.moe
     if expert_parallel and moe is None:
-        raise ModelLoadError("--expert-parallel-size applies to mixture-of-experts models only")
+        raise ModelLoadError(
+            "expert parallelism (--expert-parallel-size; expert_parallel=True offline) applies "
+            "to mixture-of-experts models only"
+        )
     sizes = [
         ("attention heads", tcfg.n_heads),
         ("MLP width", tcfg.mlp_hidden_size),

@@ -115,6 +115,12 @@ def test_a_call_with_the_wrong_shape_of_arguments_says_what_to_give(llm: LLM) ->
         llm.generate([QUESTION], {"gen_length": 32})  # type: ignore[arg-type]
 
 
+def test_engine_config_of_another_type_is_refused_by_name() -> None:
+    with pytest.raises(TypeError) as refused:
+        LLM("tiny-llada", engine_config="x")  # type: ignore[arg-type]
+    assert str(refused.value) == "engine_config must be a dllm_serve.config.EngineConfig, got str"
+
+
 def test_a_closed_llm_is_a_dead_engine_for_every_call() -> None:
     # Found by QA: chat() on a closed LLM raised InvalidRequestError (a "bad request")
     # while generate() raised EngineDeadError.
