@@ -94,6 +94,12 @@ def gpu_device(args: argparse.Namespace, script: str) -> torch.device | None:
     return device
 
 
+def gpu_report_head(benchmark: str, tiny: bool, device: torch.device) -> dict[str, Any]:
+    """The first keys of a GPU benchmark's report: what ran, at which size, on which device."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"benchmark": benchmark, "tiny": tiny, "device": str(device), "device_name": name}
+
+
 def write_json(path: Path, report: dict[str, Any]) -> Path:
     """Write ``report`` as indented JSON, creating the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)

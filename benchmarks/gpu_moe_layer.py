@@ -34,6 +34,7 @@ from _common import (
     apply_threads,
     at_least,
     gpu_device,
+    gpu_report_head,
     machine_info,
     write_json,
 )
@@ -126,10 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         )
         results.append(row)
     report = {
-        "benchmark": "gpu_moe_layer",
-        "tiny": args.tiny,
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        **gpu_report_head("gpu_moe_layer", args.tiny, device),
         "dtype": str(dtype).removeprefix("torch."),
         "experts": layer.cfg.num_experts,
         "top_k": layer.cfg.top_k,

@@ -29,7 +29,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, at_least, gpu_device, write_json
+from _common import RESULTS_DIR, at_least, gpu_device, gpu_report_head, write_json
 from gpu_llada8b import DEFAULT_CONFIG, build_runner, make_rows, model_for, sync
 
 
@@ -127,10 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             )
         results.append(row)
     report = {
-        "benchmark": "gpu_profile_step",
-        "tiny": args.tiny,
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        **gpu_report_head("gpu_profile_step", args.tiny, device),
         "prefix": args.prefix,
         "block": args.block,
         "calls": args.calls,
