@@ -36,6 +36,13 @@ from dllm_serve.models.transformer_config import MoEConfig
 __all__ = ["FP32_PARAMETERS", "MoE", "Router", "route"]
 
 logger = logging.getLogger(__name__)
+# A device failing (raised), told apart from the grouped op refusing its inputs (a fallback).
+# AcceleratorError (CUDA faults) is newer than the oldest torch this package supports.
+_DEVICE_FAULTS: tuple[type[BaseException], ...] = tuple(
+    getattr(torch, name)
+    for name in ("OutOfMemoryError", "AcceleratorError")
+    if hasattr(torch, name)
+)
 # Why torch._grouped_mm refused some layer's weights (device, dtype, message): logged once each.
 _LOGGED_REFUSALS: set[tuple[str, torch.dtype, str]] = set()
 
@@ -121,16 +128,20 @@ class MoE(nn.Module):
                     torch._grouped_mm(like.new_zeros(experts, d_model), self.gate_up, offs=ends)
                     torch._grouped_mm(like.new_zeros(experts, hidden), self.down, offs=ends)
                 return True
-            except torch.OutOfMemoryError:
-                raise
-            except (NotImplementedError, RuntimeError) as exc:  # the op's own refusal
+            except _DEVICE_FAULTS:
+                raise  # the device failing, not the op refusing these inputs
+            except (NotImplementedError, RuntimeError) as exc:
+                # The op's refusal of a dtype, device or row alignment (CUDA's takes bf16 and
+                # 16-byte-aligned rows only): not an error of the model, which then runs the
+                # equivalent one-by-one path, and says so.
                 why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         cause = (self.gate_up.device.type, self.gate_up.dtype, why)
         if cause not in _LOGGED_REFUSALS:
             _LOGGED_REFUSALS.add(cause)
-            logger.info(
+            logger.warning(
                 "MoE on %s %s: torch._grouped_mm refuses the experts' weights (%s); they run "
-                "one by one, reading their token counts on the host once per layer", *cause,
+                "one by one (same outputs, slower: their token counts are read on the host "
+                "once per layer)", *cause,
             )  # fmt: skip
         return False
 

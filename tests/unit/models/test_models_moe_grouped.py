@@ -99,15 +99,22 @@ def test_a_refused_grouped_op_falls_back_to_the_experts_one_by_one(
     assert len([r for r in caplog.records if "grouped_mm refuses" in r.getMessage()]) == 1
 
 
+@pytest.mark.parametrize(
+    "fault",
+    [
+        torch.OutOfMemoryError("CUDA out of memory"),
+        torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
+    ],
+)
 @torch.no_grad()
-def test_out_of_memory_is_not_taken_for_a_refusal() -> None:
+def test_a_failing_device_is_not_taken_for_a_refusal(fault: RuntimeError) -> None:
     moe = layer(SHAPES[0], seed=2)
 
-    def oom(*args: object, **kwargs: object) -> torch.Tensor:
-        raise torch.OutOfMemoryError("CUDA out of memory")
+    def failing(*args: object, **kwargs: object) -> torch.Tensor:
+        raise fault
 
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(torch.OutOfMemoryError):
-        mp.setattr(torch, "_grouped_mm", oom)
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(type(fault)):
+        mp.setattr(torch, "_grouped_mm", failing)
         moe.fuse()
     assert not moe.grouped_refused
 
