@@ -37,7 +37,11 @@ from _common import (
 from dllm_serve.decoding.fast_dllm import FastDLLMDecoder
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
-from dllm_serve.models.tiny import write_tiny_fastdllm, write_tiny_llada2, write_tiny_sdar
+from dllm_serve_train.tiny_checkpoints import (
+    write_tiny_fastdllm,
+    write_tiny_llada2,
+    write_tiny_sdar,
+)
 
 
 def settings(block: int) -> dict[str, dict[str, Any]]:

@@ -36,7 +36,7 @@ from _common import (
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
-from dllm_serve.train.tasks import TASKS, held_out_set
+from dllm_serve_train.tasks import TASKS, held_out_set
 
 CANVAS = 32
 LLADA_SETTINGS: dict[str, dict[str, Any]] = {

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, at_least, machine_info, write_json
 
 from dllm_serve.local_server import LocalServer
-from dllm_serve.train.tasks import STRATA, Example, held_out_additions, held_out_set
+from dllm_serve_train.tasks import STRATA, Example, held_out_additions, held_out_set
 
 TASKS = ("reverse_word", "reverse", "sort_word", "sort", "count", "lookup")
 

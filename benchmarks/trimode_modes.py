@@ -32,7 +32,7 @@ from _common import RESULTS_DIR, at_least, machine_info, write_json
 from demo_accuracy import question_sets
 
 from dllm_serve.local_server import LocalServer
-from dllm_serve.train.tasks import Example
+from dllm_serve_train.tasks import Example
 
 # A row of the report → the request's extension fields (the name is the decoding mode unless
 # listed here).

@@ -2,7 +2,7 @@
 
     python scripts/recipe_sweep.py --out DIR --device cuda --deadline 420
 
-Each recipe is one ``python -m dllm_serve.train`` process (one CPU thread each, for batch
+Each recipe is one ``python -m dllm_serve_train`` process (one CPU thread each, for batch
 building); a run still going at the deadline is stopped, and its log keeps the held-out
 addition accuracy printed every ``--eval-every`` steps. Writes ``DIR/sweep.json``. The sweep
 only chooses the recipe: the committed demo weights come from the training command in each
@@ -74,7 +74,7 @@ def main() -> None:
         cmd = [
             sys.executable,
             "-m",
-            "dllm_serve.train",
+            "dllm_serve_train",
             "--family",
             family,
             "--out",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import os
 import re
 import sys
@@ -293,12 +294,17 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
     )
 
 
+def _subcommands() -> dict[str, importlib.metadata.EntryPoint]:
+    """Subcommands other packages register (``make-tiny``: the training package's tiny
+    checkpoint writer), so the server package never imports the tools built on it."""
+    group = importlib.metadata.entry_points(group="dllm_serve.subcommands")
+    return {entry.name: entry for entry in group}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["make-tiny"]:
-        from dllm_serve.models.tiny import main as make_tiny
-
-        make_tiny(argv[1:])
+    if argv[:1] and argv[0] in _subcommands():
+        _subcommands()[argv[0]].load()(argv[1:])
         return
     from dllm_serve.serving import serve
 

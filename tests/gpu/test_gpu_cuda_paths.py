@@ -17,7 +17,7 @@ from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
 from dllm_serve.models.loader import load_model
 from dllm_serve.models.moe import MoE
-from dllm_serve.models.tiny import write_tiny, write_tiny_idlm
+from dllm_serve_train.tiny_checkpoints import write_tiny, write_tiny_idlm
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,7 +17,7 @@ import pytest
 from remote_server import RemoteServer
 
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import write_tiny_fastdllm
+from dllm_serve_train.tiny_checkpoints import write_tiny_fastdllm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "decoding"))
 from fastdllm_reference import reference  # the unit tests' reference loop

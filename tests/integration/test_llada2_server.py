@@ -16,7 +16,7 @@ from remote_server import RemoteServer
 
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
-from dllm_serve.models.tiny import write_tiny_llada2
+from dllm_serve_train.tiny_checkpoints import write_tiny_llada2
 
 QUESTIONS = ["What is 2 + 2?", "Reverse the word cat."]
 MAX_TOKENS = 11

@@ -29,7 +29,7 @@ from dllm_serve.engine.vocab_parallel import VocabTraffic
 from dllm_serve.llm import LLM
 from dllm_serve.models.checkpoint_files import read_json
 from dllm_serve.models.errors import ModelLoadError
-from dllm_serve.models.tiny import write_tiny, write_tiny_nemotron
+from dllm_serve_train.tiny_checkpoints import write_tiny, write_tiny_nemotron
 
 QUESTIONS = ["What is 2 + 2?", "Reverse the word cat.", "Sort the letters of dcba."]
 

@@ -15,7 +15,7 @@ from dllm_serve.api.errors import APIError
 from dllm_serve.api.mode_rules import ModelDecoding
 from dllm_serve.api.validation import parse_chat_request, parse_completion_request
 from dllm_serve.llm import LLM
-from dllm_serve.models.tiny import write_tiny_llada2
+from dllm_serve_train.tiny_checkpoints import write_tiny_llada2
 
 JSON = "application/json"
 SDAR = ModelDecoding("block_diffusion", block_size=4)

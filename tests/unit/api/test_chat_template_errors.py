@@ -14,7 +14,7 @@ from dllm_serve.api.app import build_app
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import write_tiny_llada
+from dllm_serve_train.tiny_checkpoints import write_tiny_llada
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
 

@@ -13,7 +13,7 @@ from dllm_serve.api.validation import parse_chat_request
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import write_tiny
+from dllm_serve_train.tiny_checkpoints import write_tiny
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_idlm
+from dllm_serve_train.tiny_checkpoints import write_tiny_idlm
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def idlm(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 def nemotron(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """A tiny random Nemotron-Labs-Diffusion checkpoint (block 8) with a tiny draft LoRA next
     to it (``<dir>/../lora``; not attached), loaded in fp32 on CPU."""
-    from dllm_serve.models.tiny import write_tiny_nemotron
+    from dllm_serve_train.tiny_checkpoints import write_tiny_nemotron
 
     root = Path(tmp_path_factory.mktemp("nemotron"))
     path = write_tiny_nemotron(

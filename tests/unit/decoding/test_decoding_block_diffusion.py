@@ -20,7 +20,7 @@ from dllm_serve.decoding.schedules import uniform_schedule
 from dllm_serve.llm import LLM
 from dllm_serve.models.families import SDAR, SDAR_BLOCK, family_for
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_sdar
+from dllm_serve_train.tiny_checkpoints import write_tiny_sdar
 
 B = 4
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "idlm-8b" / "config.json"

@@ -22,7 +22,7 @@ from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.llm import LLM
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_fastdllm
+from dllm_serve_train.tiny_checkpoints import write_tiny_fastdllm
 
 # The tiny random model is nearly uniform over its 832 tokens (top probabilities around
 # 0.0012-0.0016), so this threshold commits several positions in some steps and only the most

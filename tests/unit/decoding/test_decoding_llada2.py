@@ -22,7 +22,7 @@ from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.schedules import uniform_schedule
 from dllm_serve.llm import LLM
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_llada2
+from dllm_serve_train.tiny_checkpoints import write_tiny_llada2
 
 # The tiny random model is nearly uniform over its 768 tokens (top probabilities ≈ 0.0020 to
 # 0.0024), so this threshold commits several positions in some steps and falls back to the

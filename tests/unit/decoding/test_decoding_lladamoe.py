@@ -23,7 +23,7 @@ from dllm_serve.decoding.schedules import block_schedule
 from dllm_serve.llm import LLM, Completion
 from dllm_serve.models.families import LLADAMOE
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_lladamoe
+from dllm_serve_train.tiny_checkpoints import write_tiny_lladamoe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

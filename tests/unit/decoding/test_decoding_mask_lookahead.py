@@ -19,7 +19,7 @@ from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.prefix_cache import prefix_spec
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import write_tiny
+from dllm_serve_train.tiny_checkpoints import write_tiny
 
 PROMPT = [5, 17, 8, 30, 11]
 

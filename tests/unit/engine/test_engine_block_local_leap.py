@@ -9,7 +9,7 @@ import pytest
 
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
-from dllm_serve.models.tiny import write_tiny_llada2, write_tiny_sdar
+from dllm_serve_train.tiny_checkpoints import write_tiny_llada2, write_tiny_sdar
 
 CHAT = [{"role": "user", "content": "What is 2 + 3?"}]
 

@@ -22,7 +22,7 @@ from dllm_serve.llm import LLM
 from dllm_serve.models.kv_pool import KVSpan
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.lora import attach_draft_lora
-from dllm_serve.models.tiny import write_tiny
+from dllm_serve_train.tiny_checkpoints import write_tiny
 
 CPU = torch.device("cpu")
 PROMPTS = [

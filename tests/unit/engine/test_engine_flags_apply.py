@@ -10,7 +10,7 @@ import pytest
 from dllm_serve.config import EngineConfig
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_idlm, write_tiny_sdar
+from dllm_serve_train.tiny_checkpoints import write_tiny_idlm, write_tiny_sdar
 
 
 @pytest.fixture(scope="module")

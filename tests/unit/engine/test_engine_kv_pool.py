@@ -18,7 +18,7 @@ from dllm_serve.engine.request import Request
 from dllm_serve.engine.scheduler import QueueFullError
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_idlm
+from dllm_serve_train.tiny_checkpoints import write_tiny_idlm
 
 PROMPT = [11, 12, 13, 14, 15, 16]
 PARAMS = DecodingParams(gen_length=24)

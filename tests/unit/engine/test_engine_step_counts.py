@@ -21,7 +21,7 @@ from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import IncrementalDetokenizer
 from dllm_serve.engine.request import Request
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_idlm
+from dllm_serve_train.tiny_checkpoints import write_tiny_idlm
 
 STEPS = 4  # steps counted per case (after one warm-up step)
 

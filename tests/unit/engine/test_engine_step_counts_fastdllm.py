@@ -17,7 +17,7 @@ from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import IncrementalDetokenizer
 from dllm_serve.engine.request import Request
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_fastdllm
+from dllm_serve_train.tiny_checkpoints import write_tiny_fastdllm
 
 B = 8  # one sub-block per block: a prompt of 12 leaves 4 masks, so step 4 is a write
 

@@ -11,7 +11,7 @@ import pytest
 from test_engine_step_counts import count_steps, engine_with
 
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny
+from dllm_serve_train.tiny_checkpoints import write_tiny
 
 CASES = {  # family → decoding parameters (a canvas long enough for the counted steps)
     "llada2": {"gen_length": 64},

@@ -14,7 +14,7 @@ from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.engine.tiers import BlockSizeTiers, parse_tiers
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_idlm
+from dllm_serve_train.tiny_checkpoints import write_tiny_idlm
 
 
 def test_parse_and_select_tiers() -> None:

@@ -17,7 +17,7 @@ from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import IncrementalDetokenizer
 from dllm_serve.engine.request import Request
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny_nemotron
+from dllm_serve_train.tiny_checkpoints import write_tiny_nemotron
 
 STEPS = 6  # prefill, then draft/verify or denoise/refresh steps
 

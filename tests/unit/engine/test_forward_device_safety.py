@@ -37,7 +37,7 @@ from dllm_serve.llm import LLM
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.lora import weight_view_hooks
-from dllm_serve.models.tiny import write_tiny
+from dllm_serve_train.tiny_checkpoints import write_tiny
 
 META = torch.device("meta")
 pytestmark = pytest.mark.usefixtures("one_thread")

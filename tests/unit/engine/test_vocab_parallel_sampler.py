@@ -23,7 +23,7 @@ from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.vocab_parallel import VocabOp, VocabShardedLogits, VocabTraffic, apply
 from dllm_serve.llm import LLM
 from dllm_serve.models.tensor_parallel import TPShard
-from dllm_serve.models.tiny import write_tiny
+from dllm_serve_train.tiny_checkpoints import write_tiny
 
 DEMO_LORA = Path(dllm_serve.__file__).parent / "assets" / "demo-trimode" / "draft-lora"
 

@@ -12,7 +12,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dllm_serve.models.families import DREAM
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny
+from dllm_serve_train.tiny_checkpoints import write_tiny
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 REAL_TEMPLATE = {"llada": "llada-8b-instruct", "dream": "dream-v0-instruct-7b"}

@@ -13,8 +13,8 @@ from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
 from dllm_serve.models.hub import EMBEDDED_MODELS
 from dllm_serve.models.loader import load_model
-from dllm_serve.train.__main__ import server_params
-from dllm_serve.train.tasks import STRATA, held_out_additions, held_out_set
+from dllm_serve_train.__main__ import server_params
+from dllm_serve_train.tasks import STRATA, held_out_additions, held_out_set
 
 FAMILIES = {"demo-llada": "llada", "demo-idlm": "sdar"}
 
@@ -80,7 +80,7 @@ def test_demo_trimode_checkpoint_adapter_card_and_exactness() -> None:
     """The tri-mode demo: Nemotron format, its PEFT draft LoRA loads by name, the card shows
     every mode's measured row, and LinearSpec answered every held-out question as ar did."""
     from dllm_serve.models.lora import attach_draft_lora
-    from dllm_serve.train.trimode_card import mode_table
+    from dllm_serve_train.trimode_card import mode_table
 
     path = Path(EMBEDDED_MODELS["demo-trimode"])
     assert (path / "model.safetensors").stat().st_size <= 20_000_000

@@ -22,8 +22,8 @@ from dllm_serve.models.families import (
     family_for,
 )
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import main, write_tiny_fastdllm
 from dllm_serve.models.transformer import DecoderTransformer
+from dllm_serve_train.tiny_checkpoints import main, write_tiny_fastdllm
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 TOL = 1e-5

@@ -18,7 +18,7 @@ from dllm_serve.models.loader import (
     load_model,
     resolve_model_path,
 )
-from dllm_serve.models.tiny import write_tiny_llada
+from dllm_serve_train.tiny_checkpoints import write_tiny_llada
 
 
 @pytest.fixture(scope="module")

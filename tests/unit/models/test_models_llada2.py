@@ -16,8 +16,8 @@ from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.families import LLADA2, UnsupportedModelError, family_for
 from dllm_serve.models.layers import Attention
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import main, write_tiny_llada2
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
+from dllm_serve_train.tiny_checkpoints import main, write_tiny_llada2
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.families import LLADA, LLADA2, LLADAMOE, UnsupportedModelError, family_for
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import main, write_tiny_lladamoe
 from dllm_serve.models.transformer import DecoderTransformer
+from dllm_serve_train.tiny_checkpoints import main, write_tiny_lladamoe
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 REAL = FIXTURES / "llada-moe-7b-a1b-instruct"

@@ -21,7 +21,7 @@ from dllm_serve.models.loader import (
     load_model,
     resolve_model_path,
 )
-from dllm_serve.models.tiny import write_tiny_dream, write_tiny_idlm, write_tiny_llada
+from dllm_serve_train.tiny_checkpoints import write_tiny_dream, write_tiny_idlm, write_tiny_llada
 
 HELLO = (
     "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>"

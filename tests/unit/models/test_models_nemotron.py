@@ -20,7 +20,7 @@ from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families import NEMOTRON, UnsupportedModelError, family_for
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import write_tiny_nemotron
+from dllm_serve_train.tiny_checkpoints import write_tiny_nemotron
 
 TOL = 1e-5
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "nemotron-labs-diffusion-8b"
@@ -160,7 +160,7 @@ def test_refuses_what_it_does_not_build(key: str, value: object, message: str) -
 def test_make_tiny_writes_the_real_format_and_a_peft_draft_lora(tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    from dllm_serve.models.tiny import main
+    from dllm_serve_train.tiny_checkpoints import main
 
     ckpt, lora = tmp_path / "ckpt", tmp_path / "lora"
     args = [str(ckpt), "--family", "nemotron", "--block-size", "8", "--draft-lora-out", str(lora)]

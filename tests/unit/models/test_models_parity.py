@@ -14,7 +14,7 @@ from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families import DREAM, SDAR
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import write_tiny_dream, write_tiny_idlm
+from dllm_serve_train.tiny_checkpoints import write_tiny_dream, write_tiny_idlm
 
 TOL = 1e-4
 

@@ -13,7 +13,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from dllm_serve.models.loader import load_model
 from dllm_serve.models.rope import RopeConfigError, parse_rope, rope_frequencies, rotary_tables
-from dllm_serve.models.tiny import write_tiny_idlm
+from dllm_serve_train.tiny_checkpoints import write_tiny_idlm
 
 HEAD_DIM = 64
 VARIANTS = {

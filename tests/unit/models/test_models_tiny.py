@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from dllm_serve.models.loader import EMBEDDED_MODELS
-from dllm_serve.models.tiny import main, write_tiny, write_tiny_llada
+from dllm_serve_train.tiny_checkpoints import main, write_tiny, write_tiny_llada
 
 REAL = Path(__file__).resolve().parents[2] / "fixtures" / "llada-8b-instruct"
 ASSET = Path(EMBEDDED_MODELS["tiny-llada"])
@@ -247,7 +247,7 @@ def test_module_entry_point_defaults_to_llada(tmp_path: Path, monkeypatch, capsy
 
     monkeypatch.setattr(sys, "argv", ["tiny", str(tmp_path / "m"), "--n-layers", "1"])
     with pytest.raises(SystemExit) as e:
-        runpy.run_module("dllm_serve.models.tiny", run_name="__main__")
+        runpy.run_module("dllm_serve_train.tiny_checkpoints", run_name="__main__")
     assert e.value.code == 0
     assert read(tmp_path / "m", "config.json")["model_type"] == "llada"
 
@@ -343,7 +343,7 @@ def test_make_tiny_refuses_sizes_that_do_not_fit_and_leaves_nothing(
 ) -> None:
     # Found by QA: a traceback and a half-written directory (config and tokenizer, no
     # weights), or 979 empty shard files the index never named.
-    from dllm_serve.models.tiny import main
+    from dllm_serve_train.tiny_checkpoints import main
 
     out = tmp_path / "ckpt"
     with pytest.raises(SystemExit) as info:
@@ -358,7 +358,7 @@ def test_make_tiny_never_writes_over_a_checkpoint(
 ) -> None:
     """Found by QA: make-tiny over an I-DLM checkpoint kept its chat template and vocabulary
     under the new LLaDA one, and a failed write over a checkpoint left it unloadable."""
-    from dllm_serve.models.tiny import main
+    from dllm_serve_train.tiny_checkpoints import main
 
     ckpt = write_tiny("idlm", tmp_path / "idlm", seed=1)
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}

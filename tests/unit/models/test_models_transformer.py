@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import write_tiny_llada
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
+from dllm_serve_train.tiny_checkpoints import write_tiny_llada
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dllm_serve.models.tiny import write_tiny
-from dllm_serve.train.model_card import write_model_card
-from dllm_serve.train.tasks import TASKS
+from dllm_serve_train.model_card import write_model_card
+from dllm_serve_train.tasks import TASKS
+from dllm_serve_train.tiny_checkpoints import write_tiny
 
 
 def _report(**recipe: object) -> dict:
@@ -21,7 +21,7 @@ def _report(**recipe: object) -> dict:
         "batch_size": 4,
         "seconds": 60,
         "machine": "1 CPU thread(s), x86_64",
-        "command": "python -m dllm_serve.train --family llada",
+        "command": "python -m dllm_serve_train --family llada",
         **recipe,
     }
 
@@ -126,7 +126,7 @@ def test_card_states_what_the_run_did_not_a_fixed_recipe(tmp_path: Path) -> None
 
     out = write_tiny("llada", tmp_path / "m")
     (out / "generation_config.json").write_text(json.dumps({"max_new_tokens": 16}))
-    first = {"command": "python -m dllm_serve.train --lr 0.003", "steps": 30, "seconds": 60}
+    first = {"command": "python -m dllm_serve_train --lr 0.003", "steps": 30, "seconds": 60}
     report = _report(
         held_out_exact_match={"addition_1+1": 1.0, "addition_3+3": 0.5, "addition": 0.75},
         held_out_counts={"addition_1+1": 10, "addition_3+3": 250},
@@ -150,7 +150,7 @@ def test_trimode_card_states_the_run_without_a_lora_and_a_slower_linear_spec(
     """Found by QA: with --lora-steps 0 the card praised "the draft LoRA" and also said "No
     draft LoRA", a ratio below 1 read "0.52× fewer", and spelled stratified operands were
     claimed whatever the run used."""
-    from dllm_serve.train.trimode_card import write_trimode_card
+    from dllm_serve_train.trimode_card import write_trimode_card
 
     out = write_tiny("nemotron", tmp_path / "t")
     mode = {"accuracy": {"addition_1+1": 0.5}, "forwards_per_token": 1.0, "tokens_per_forward": 1.0,

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dllm_serve.models.tiny import write_tiny
-from dllm_serve.train.__main__ import command_line, main
-from dllm_serve.train.arguments import parse_canvases, parse_weights
-from dllm_serve.train.loop import sizes, write_skeleton
-from dllm_serve.train.preflight import check_model_files
+from dllm_serve_train.__main__ import command_line, main
+from dllm_serve_train.arguments import parse_canvases, parse_weights
+from dllm_serve_train.skeleton import check_model_files, sizes, write_skeleton
+from dllm_serve_train.tiny_checkpoints import write_tiny
 
 SMALL = ["--d-model", "32", "--n-layers", "1", "--mlp", "64", "--steps", "1", "--batch-size", "2"]
 
@@ -86,7 +85,7 @@ def test_the_recorded_command_keeps_a_zero_that_is_not_the_default() -> None:
     defaults = {"family": None, "addition_weight": 4, "d_model": 0, "spell": False, "lr": 3e-3}
     args = {"family": "llada", "addition_weight": 0, "d_model": 0, "spell": True, "lr": 0.001}
     assert command_line(args, defaults) == (
-        "python -m dllm_serve.train --family llada --addition-weight 0 --spell --lr 0.001"
+        "python -m dllm_serve_train --family llada --addition-weight 0 --spell --lr 0.001"
     )
 
 

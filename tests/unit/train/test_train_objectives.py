@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve.models.tiny import write_tiny
-from dllm_serve.train.__main__ import main
-from dllm_serve.train.batches import BatchStream
-from dllm_serve.train.char_tokens import keep_merge, spell_words_and_numbers
-from dllm_serve.train.objectives import encode, idlm_batch, llada_batch, llada_tail_batch, loss
-from dllm_serve.train.tasks import WEIGHTS, held_out_set
+from dllm_serve_train.__main__ import main
+from dllm_serve_train.batches import BatchStream
+from dllm_serve_train.char_tokens import keep_merge, spell_words_and_numbers
+from dllm_serve_train.objectives import encode, idlm_batch, llada_batch, llada_tail_batch, loss
+from dllm_serve_train.tasks import WEIGHTS, held_out_set
+from dllm_serve_train.tiny_checkpoints import write_tiny
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from dllm_serve.train.tasks import (
+from dllm_serve_train.tasks import (
     SHOWCASE,
     STRATA,
     TASKS,

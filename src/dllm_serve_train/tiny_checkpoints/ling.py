@@ -15,8 +15,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from dllm_serve.models.tiny.bpe import base_vocab_size, build_tokenizer
-from dllm_serve.models.tiny.files import FLAGS
+from dllm_serve_train.tiny_checkpoints.bpe import base_vocab_size, build_tokenizer
+from dllm_serve_train.tiny_checkpoints.files import FLAGS
 
 SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|mask|>", "<|role_end|>")
 

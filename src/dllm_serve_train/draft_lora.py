@@ -3,7 +3,7 @@
 The base weights are frozen; each layer's ``o_proj`` output gets ``scale · B(A(x))`` on the
 noisy-block tokens only (the tokens a LinearSpec draft forward computes in the draft view; the
 causal prefix it attends to was cached with the base weights), and only the diffusion loss
-on drafts is trained (:func:`~dllm_serve.train.trimode_objective.trimode_batch` with
+on drafts is trained (:func:`~dllm_serve_train.trimode_objective.trimode_batch` with
 ``lora_stage``). ``B`` starts at zero, as PEFT initialises it, so training starts from the
 base model's drafts. The result is written as ``adapter_config.json`` +
 ``adapter_model.safetensors`` under the names ``models/lora.py`` reads.
@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dllm_serve.models.tiny.files import readable
-from dllm_serve.models.tiny.nemotron import LORA_PREFIX
 from dllm_serve.models.transformer import DecoderTransformer
+from dllm_serve_train.tiny_checkpoints.files import readable
+from dllm_serve_train.tiny_checkpoints.nemotron import LORA_PREFIX
 
 
 class TrainableDraftLoRA(nn.Module):

@@ -1,7 +1,7 @@
 """Tiny random-weight checkpoints in the Qwen-based on-disk formats: Dream-v0-Instruct-7B,
 I-DLM-8B, SDAR (I-DLM's files made block-causal) and Fast-dLLM v2 7B.
 
-Config, generation config and tokenizer files are the real ones (``assets/formats/``) with only
+Config, generation config and tokenizer files are the real ones (``formats/``) with only
 sizes changed and, for the default small vocabulary, every special id moved consistently to
 just after the base vocabulary (``real_ids`` keeps the real ids and vocabulary size). The
 tokenizer is Qwen2's file format, ``vocab.json`` + ``merges.txt``, built from the shared
@@ -16,8 +16,8 @@ from typing import Any
 
 from dllm_serve.models.families import DREAM, FAST_DLLM, SDAR, SDAR_BLOCK, Family
 from dllm_serve.models.families.fast_dllm import DEFAULT_BLOCK
-from dllm_serve.models.tiny.bpe import base_vocab_size, qwen2_vocab_files
-from dllm_serve.models.tiny.files import (
+from dllm_serve_train.tiny_checkpoints.bpe import base_vocab_size, qwen2_vocab_files
+from dllm_serve_train.tiny_checkpoints.files import (
     make_dir,
     random_weights,
     real_file,
@@ -25,7 +25,7 @@ from dllm_serve.models.tiny.files import (
     save_weights,
     write_text,
 )
-from dllm_serve.models.tiny.files import write_json as _write_json
+from dllm_serve_train.tiny_checkpoints.files import write_json as _write_json
 
 REAL_FIRST_ID = 151643  # <|endoftext|>, the first added token of Qwen2/Qwen3 tokenizers
 

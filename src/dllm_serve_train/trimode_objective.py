@@ -26,8 +26,8 @@ import random
 import torch
 
 from dllm_serve.models.loader import LoadedModel
-from dllm_serve.train.objectives import TrainBatch, _pad, encode
-from dllm_serve.train.tasks import Example
+from dllm_serve_train.objectives import TrainBatch, _pad, encode
+from dllm_serve_train.tasks import Example
 
 
 def two_view_row(

@@ -15,7 +15,7 @@ from dllm_serve.models.families import Family
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
 
 FLAGS = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
-_FORMATS = Path(__file__).resolve().parent.parent.parent / "assets" / "formats"
+_FORMATS = Path(__file__).resolve().parent / "formats"
 # Every file of a checkpoint is written rw-r--r--, whatever the umask: safetensors creates its
 # files 0600, which a server running as another user (the Docker image's UID 10001) cannot read.
 FILE_MODE = 0o644
@@ -45,7 +45,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def real_file(checkpoint: str, name: str) -> Any:
-    """A metadata file of a real checkpoint, as stored in ``assets/formats/<checkpoint>/``."""
+    """A metadata file of a real checkpoint, as stored in ``formats/<checkpoint>/``."""
     text = (_FORMATS / checkpoint / name).read_text(encoding="utf-8")
     return text if name.endswith(".jinja") else json.loads(text)
 

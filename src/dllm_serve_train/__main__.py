@@ -1,4 +1,4 @@
-"""Train a demo model: ``python -m dllm_serve.train --family {llada,idlm,nemotron} --out DIR``.
+"""Train a demo model: ``python -m dllm_serve_train --family {llada,idlm,nemotron} --out DIR``.
 
 Writes a tiny checkpoint skeleton in the family's real format (config, tokenizer, template),
 trains its weights on the task mix from a fixed seed for a fixed number of steps (so the run
@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from dllm_serve.arg_types import new_or_empty_dir
-from dllm_serve.train.arguments import check_arguments, parse_canvases
-from dllm_serve.train.evaluation import N_ADDITION, N_OTHER, evaluate, server_params
-from dllm_serve.train.loop import SIZES, train
-from dllm_serve.train.model_card import write_model_card
-from dllm_serve.train.tasks import STRATA, WEIGHTS, held_out_additions, held_out_set
-from dllm_serve.train.trimode import finish
+from dllm_serve_train.arguments import check_arguments, parse_canvases
+from dllm_serve_train.evaluation import N_ADDITION, N_OTHER, evaluate, server_params
+from dllm_serve_train.loop import train
+from dllm_serve_train.model_card import write_model_card
+from dllm_serve_train.skeleton import SIZES
+from dllm_serve_train.tasks import STRATA, WEIGHTS, held_out_additions, held_out_set
+from dllm_serve_train.trimode import finish
 
 # server_params is imported from here by tests (the evaluation's decoding settings).
 __all__ = ["main", "server_params"]
@@ -34,7 +35,7 @@ def command_line(args: dict, defaults: dict) -> str:
     """The command that repeats this run: every flag whose value is not its default (a flag
     set to True is bare). A 0 is written too when the default is not 0 (found by QA:
     ``--addition-weight 0`` was left out, so the recorded command trained with weight 4)."""
-    parts = ["python -m dllm_serve.train"]
+    parts = ["python -m dllm_serve_train"]
     for key, value in args.items():
         if key in _TRI_MODE_ONLY and args.get("family") != "nemotron":
             continue
@@ -49,7 +50,7 @@ def command_line(args: dict, defaults: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dllm_serve.train", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m dllm_serve_train", description=__doc__)
     p.add_argument("--family", choices=sorted(SIZES), required=True)
     p.add_argument("--out", type=new_or_empty_dir, required=True)
     p.add_argument("--steps", type=int, default=6000)

@@ -15,8 +15,8 @@ from dllm_serve.config import EngineConfig
 from dllm_serve.llm import LLM
 from dllm_serve.models.loader import load_model
 from dllm_serve.models.lora import attach_draft_lora
-from dllm_serve.train.evaluation import server_params
-from dllm_serve.train.tasks import STRATA, held_out_additions, held_out_set
+from dllm_serve_train.evaluation import server_params
+from dllm_serve_train.tasks import STRATA, held_out_additions, held_out_set
 
 MODES = ("ar", "diffusion", "linear_spec", "linear_spec+lora")
 

@@ -1,7 +1,7 @@
 """Tiny random-weight checkpoints in the Nemotron-Labs-Diffusion on-disk format, and a tiny
 draft LoRA in PEFT's format.
 
-``config.json`` is the real 8B one (``assets/formats/nemotron-labs-diffusion-8b/``) with only
+``config.json`` is the real 8B one (``formats/nemotron-labs-diffusion-8b/``) with only
 sizes changed; the special ids stay real (BOS 1, EOS 11, mask 100) because the tokenizer keeps
 a Ministral3-style control-token block at the lowest ids. YaRN keeps the real ratio of
 ``max_position_embeddings`` to ``original_max_position_embeddings`` (16), so a tiny model's
@@ -21,9 +21,10 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from dllm_serve.models.families import NEMOTRON
-from dllm_serve.models.tiny.bpe import learn_bpe
-from dllm_serve.models.tiny.files import FLAGS as _FLAGS
-from dllm_serve.models.tiny.files import (
+from dllm_serve.models.transformer import TransformerConfig
+from dllm_serve_train.tiny_checkpoints.bpe import learn_bpe
+from dllm_serve_train.tiny_checkpoints.files import FLAGS as _FLAGS
+from dllm_serve_train.tiny_checkpoints.files import (
     make_dir,
     random_weights,
     readable,
@@ -33,7 +34,6 @@ from dllm_serve.models.tiny.files import (
     write_json,
     write_text,
 )
-from dllm_serve.models.transformer import TransformerConfig
 
 FORMAT = "nemotron-labs-diffusion-8b"
 CONTROL = 128  # ids 0..127: the control-token block; the byte-level BPE follows

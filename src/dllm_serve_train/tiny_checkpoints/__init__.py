@@ -6,7 +6,7 @@
 tokenizer files and chat template reproduce the real ones, with only sizes (and, for the small
 default vocabulary, special ids) changed. Output is a pure function of the arguments.
 
-Command line: ``python -m dllm_serve.models.tiny
+Command line: ``python -m dllm_serve_train.tiny_checkpoints
 [--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm|nemotron] DIR [--d-model N ...]
 [--real-ids]`` (nemotron: ``[--draft-lora-out DIR]``; ``dllm-serve make-tiny`` forwards its
 arguments here).
@@ -22,12 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dllm_serve.arg_types import at_least, new_or_empty_dir
-from dllm_serve.models.tiny.bpe import build_tokenizer
-from dllm_serve.models.tiny.llada import CHAT_TEMPLATE, llada_special_tokens, write_tiny_llada
-from dllm_serve.models.tiny.llada2 import write_tiny_llada2
-from dllm_serve.models.tiny.lladamoe import write_tiny_lladamoe
-from dllm_serve.models.tiny.nemotron import write_tiny_draft_lora, write_tiny_nemotron
-from dllm_serve.models.tiny.qwen import (
+from dllm_serve_train.tiny_checkpoints.bpe import build_tokenizer
+from dllm_serve_train.tiny_checkpoints.llada import (
+    CHAT_TEMPLATE,
+    llada_special_tokens,
+    write_tiny_llada,
+)
+from dllm_serve_train.tiny_checkpoints.llada2 import write_tiny_llada2
+from dllm_serve_train.tiny_checkpoints.lladamoe import write_tiny_lladamoe
+from dllm_serve_train.tiny_checkpoints.nemotron import write_tiny_draft_lora, write_tiny_nemotron
+from dllm_serve_train.tiny_checkpoints.qwen import (
     write_tiny_dream,
     write_tiny_fastdllm,
     write_tiny_idlm,

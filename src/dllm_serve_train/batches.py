@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import torch
 
 from dllm_serve.models.loader import LoadedModel
-from dllm_serve.train.objectives import TrainBatch, idlm_batch, llada_batch, llada_tail_batch
-from dllm_serve.train.tasks import examples
-from dllm_serve.train.trimode_objective import trimode_batch
+from dllm_serve_train.objectives import TrainBatch, idlm_batch, llada_batch, llada_tail_batch
+from dllm_serve_train.tasks import examples
+from dllm_serve_train.trimode_objective import trimode_batch
 
 
 class BatchStream(torch.utils.data.IterableDataset):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm_serve.models.loader import LoadedModel
-from dllm_serve.train.tasks import Example
+from dllm_serve_train.tasks import Example
 
 EPS = 1e-3
 

@@ -10,7 +10,7 @@ from dllm_serve.api.request_params import decoding_params
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
-from dllm_serve.train.tasks import STRATA, TASKS, held_out_additions, held_out_set
+from dllm_serve_train.tasks import STRATA, TASKS, held_out_additions, held_out_set
 
 N_ADDITION, N_OTHER = 1000, 100  # held-out questions in the final evaluation
 

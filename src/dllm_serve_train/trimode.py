@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from dllm_serve.models.loader import load_model
-from dllm_serve.train.draft_lora import TrainableDraftLoRA
-from dllm_serve.train.objectives import loss
-from dllm_serve.train.tasks import examples
-from dllm_serve.train.trimode_card import write_trimode_card
-from dllm_serve.train.trimode_eval import evaluate_modes
-from dllm_serve.train.trimode_objective import block_positions, trimode_batch
+from dllm_serve_train.draft_lora import TrainableDraftLoRA
+from dllm_serve_train.objectives import loss
+from dllm_serve_train.tasks import examples
+from dllm_serve_train.trimode_card import write_trimode_card
+from dllm_serve_train.trimode_eval import evaluate_modes
+from dllm_serve_train.trimode_objective import block_positions, trimode_batch
 
 LORA_DIR = "draft-lora"
 

@@ -15,10 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from dllm_serve.models.families import LLADAMOE
-from dllm_serve.models.tiny.files import make_dir, random_weights, readable, round_up, save_weights
-from dllm_serve.models.tiny.files import write_json as _write_json
-from dllm_serve.models.tiny.files import write_text as _write_text
-from dllm_serve.models.tiny.ling import (
+from dllm_serve_train.tiny_checkpoints.files import (
+    make_dir,
+    random_weights,
+    readable,
+    round_up,
+    save_weights,
+)
+from dllm_serve_train.tiny_checkpoints.files import write_json as _write_json
+from dllm_serve_train.tiny_checkpoints.files import write_text as _write_text
+from dllm_serve_train.tiny_checkpoints.ling import (
     SPECIALS,
     ling_tokenizer,
     special_tokens_map,

@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from dllm_serve.train.tasks import TASKS, WEIGHTS
+from dllm_serve_train.skeleton import check_model_files
+from dllm_serve_train.tasks import TASKS, WEIGHTS
 
 # flag → the smallest value it accepts (0 means "the family's default" or "off" for most).
 _AT_LEAST = {
@@ -114,8 +115,6 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--device {args.device}: use cpu, or cuda on a machine with a GPU")
     if args.init is not None and not (args.init / "model.safetensors").is_file():
         parser.error(f"--init {args.init}: no model.safetensors there")
-    from dllm_serve.train.preflight import check_model_files  # it imports the training loop
-
     check_model_files(parser, args, canvases)
     out = args.out  # new or empty (its argparse type)
     try:

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from dllm_serve.models.families import LLADA
-from dllm_serve.models.tiny.bpe import base_vocab_size, build_tokenizer
-from dllm_serve.models.tiny.files import FLAGS as _FLAGS
-from dllm_serve.models.tiny.files import (
+from dllm_serve_train.tiny_checkpoints.bpe import base_vocab_size, build_tokenizer
+from dllm_serve_train.tiny_checkpoints.files import FLAGS as _FLAGS
+from dllm_serve_train.tiny_checkpoints.files import (
     make_dir,
     random_weights,
     readable,
@@ -24,7 +24,7 @@ from dllm_serve.models.tiny.files import (
     save_weights,
     write_text,
 )
-from dllm_serve.models.tiny.files import write_json as _write_json
+from dllm_serve_train.tiny_checkpoints.files import write_json as _write_json
 
 REAL_FIRST_ID = 126080  # <|startoftext|> in the real checkpoint
 REAL_VOCAB = 126464
@@ -130,8 +130,9 @@ template, with no download and no GPU. Its answers are gibberish: it was never t
   `special_tokens_map.json`, `model.safetensors` (real LLaDA tensor names).
 - Weights: norms ones, every other tensor `randn * 0.02` from `torch.Generator` seed {seed}.
 
-Made with `python -m dllm_serve.models.tiny DIR` (`dllm_serve.models.tiny.write_tiny_llada`);
-the same arguments always give identical files.
+Made with `python -m dllm_serve_train.tiny_checkpoints DIR`
+(`dllm_serve_train.tiny_checkpoints.write_tiny_llada`); the same arguments always give
+identical files.
 """
 
 

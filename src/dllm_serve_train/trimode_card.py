@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dllm_serve.train.model_card import operands_text, spelling_text
+from dllm_serve_train.model_card import operands_text, spelling_text
 
 _MODE_NAMES = {
     "ar": "`ar`",

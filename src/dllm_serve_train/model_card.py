@@ -65,7 +65,7 @@ model: it answers the kinds of question below, and little else.
 - Questions: `What is 123 + 456?` (answer `123 + 456 = 579`), `Reverse the word hello.`
   (`olleh`), `Sort the letters of cab.` (`abc`), the same two with random letter strings,
   `How many times does a appear in banana?`, `Given a=1, b=2, c=3, what is b?`
-  (`dllm_serve/train/tasks.py`; the words are `dllm_serve/train/words.txt`). 10% of all
+  (`dllm_serve_train/tasks.py`; the words are `dllm_serve_train/words.txt`). 10% of all
   questions, chosen by a hash of the question text, are held out, and so are the questions the
   documentation shows (`What is 2 + 2?`, `What is 123 + 456?`, `Reverse the word hello.`, …):
   training never sees them, and the tables are measured on them.

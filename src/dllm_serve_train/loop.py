@@ -4,7 +4,6 @@ loop on the task mix, and the weights saved under the family's tensor names."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import time
@@ -13,87 +12,15 @@ from pathlib import Path
 import torch
 
 from dllm_serve.models.loader import load_model
-from dllm_serve.models.tiny import write_tiny
-from dllm_serve.models.tiny.files import save_weights
-from dllm_serve.train.arguments import parse_weights
-from dllm_serve.train.batches import BatchStream, batch_iterator
-from dllm_serve.train.char_tokens import spell_words_and_numbers
-from dllm_serve.train.evaluation import evaluate
-from dllm_serve.train.model_card import machine
-from dllm_serve.train.objectives import loss
-from dllm_serve.train.tasks import WEIGHTS
-
-SIZES = {
-    "llada": {"d_model": 192, "n_layers": 6, "n_heads": 6, "mlp_hidden_size": 512},
-    "idlm": {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 384},
-    "nemotron": {
-        "d_model": 192,
-        "n_layers": 4,
-        "n_heads": 6,
-        "n_kv_heads": 2,
-        "mlp_hidden_size": 576,
-    },
-}
-
-
-def sizes(
-    family: str, d_model: int | None, n_layers: int | None, mlp: int | None, heads: int = 0
-) -> dict:
-    """The family's default size, with any overrides (heads of 32 dimensions unless
-    ``heads`` is given; I-DLM keeps two query heads per KV head)."""
-    out = dict(SIZES[family])
-    if d_model:
-        out |= {"d_model": d_model, "n_heads": d_model // 32}
-    if heads:
-        out["n_heads"] = heads
-    if d_model or heads:
-        if out["d_model"] % out["n_heads"]:
-            raise ValueError(f"d_model {out['d_model']} is not divisible by {out['n_heads']} heads")
-        if "n_kv_heads" in out:
-            out["n_kv_heads"] = max(1, out["n_heads"] // 2)
-    if n_layers:
-        out["n_layers"] = n_layers
-    if mlp:
-        out["mlp_hidden_size"] = mlp
-    if family in ("idlm", "nemotron"):
-        out["head_dim"] = out["d_model"] // out["n_heads"]
-    return out
-
-
-def write_skeleton(
-    family: str,
-    out: Path,
-    seed: int,
-    canvas: int,
-    size: dict,
-    rope_theta: float,
-    block_size: int = 0,
-) -> None:
-    """A random checkpoint in the family's real format; its generation_config.json carries
-    the canvas the model was trained for as ``max_new_tokens`` (the server's default).
-
-    ``rope_theta``: the real checkpoints' 500000 / 1000000 suit head_dim 128 and long
-    contexts; with 32-dimensional heads and 60-token rows only 3 or 4 of their 16 rotary
-    frequencies turn noticeably, and a bidirectional model (no causal mask to count
-    positions with) then barely knows where a token is. 0 keeps the format's value.
-    ``block_size`` (tri-mode only, 0: the writer's): the diffusion block and draft length.
-    """
-    extra = {"block_size": block_size} if family == "nemotron" and block_size else {}
-    write_tiny(family, out, seed=seed, **size, **extra)
-    if rope_theta:
-        config_path = out / "config.json"
-        config = json.loads(config_path.read_text())
-        # Nemotron keeps it under rope_parameters (YaRN), the others at the top level.
-        (config.get("rope_parameters") or config)["rope_theta"] = rope_theta
-        config_path.write_text(json.dumps(config, indent=2) + "\n")
-    gen_path = out / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-    gen["max_new_tokens"] = canvas
-    if family == "llada":
-        # Served block by block with no masks past the active block, so a long canvas is read
-        # as the trained one is and answers do not depend on max_tokens (docs/decoding.md).
-        gen["mask_lookahead"] = 0
-    gen_path.write_text(json.dumps(gen, indent=2) + "\n")
+from dllm_serve_train.arguments import parse_weights
+from dllm_serve_train.batches import BatchStream, batch_iterator
+from dllm_serve_train.char_tokens import spell_words_and_numbers
+from dllm_serve_train.evaluation import evaluate
+from dllm_serve_train.model_card import machine
+from dllm_serve_train.objectives import loss
+from dllm_serve_train.skeleton import sizes, write_skeleton
+from dllm_serve_train.tasks import WEIGHTS
+from dllm_serve_train.tiny_checkpoints.files import save_weights
 
 
 def save(model: torch.nn.Module, loaded, out: Path) -> None:

@@ -1,0 +1,145 @@
+"""A run's checkpoint skeleton: the model sizes, the random checkpoint in the family's real
+format, and the checks that need its files, made before a run writes anything.
+
+The size flags, the canvas and ``--init`` only meet the checkpoint format once its files
+exist, so the run's skeleton is first written into a temporary directory and the flags are
+checked against it: a canvas longer than the context, or an ``--init`` of another family or
+size, is refused before training rather than found by the evaluation afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from safetensors import safe_open
+
+from dllm_serve.models.families import family_for
+from dllm_serve_train.tiny_checkpoints import write_tiny
+
+SIZES = {
+    "llada": {"d_model": 192, "n_layers": 6, "n_heads": 6, "mlp_hidden_size": 512},
+    "idlm": {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 384},
+    "nemotron": {
+        "d_model": 192,
+        "n_layers": 4,
+        "n_heads": 6,
+        "n_kv_heads": 2,
+        "mlp_hidden_size": 576,
+    },
+}
+
+
+def sizes(
+    family: str, d_model: int | None, n_layers: int | None, mlp: int | None, heads: int = 0
+) -> dict:
+    """The family's default size, with any overrides (heads of 32 dimensions unless
+    ``heads`` is given; I-DLM keeps two query heads per KV head)."""
+    out = dict(SIZES[family])
+    if d_model:
+        out |= {"d_model": d_model, "n_heads": d_model // 32}
+    if heads:
+        out["n_heads"] = heads
+    if d_model or heads:
+        if out["d_model"] % out["n_heads"]:
+            raise ValueError(f"d_model {out['d_model']} is not divisible by {out['n_heads']} heads")
+        if "n_kv_heads" in out:
+            out["n_kv_heads"] = max(1, out["n_heads"] // 2)
+    if n_layers:
+        out["n_layers"] = n_layers
+    if mlp:
+        out["mlp_hidden_size"] = mlp
+    if family in ("idlm", "nemotron"):
+        out["head_dim"] = out["d_model"] // out["n_heads"]
+    return out
+
+
+def write_skeleton(
+    family: str,
+    out: Path,
+    seed: int,
+    canvas: int,
+    size: dict,
+    rope_theta: float,
+    block_size: int = 0,
+) -> None:
+    """A random checkpoint in the family's real format; its generation_config.json carries
+    the canvas the model was trained for as ``max_new_tokens`` (the server's default).
+
+    ``rope_theta``: the real checkpoints' 500000 / 1000000 suit head_dim 128 and long
+    contexts; with 32-dimensional heads and 60-token rows only 3 or 4 of their 16 rotary
+    frequencies turn noticeably, and a bidirectional model (no causal mask to count
+    positions with) then barely knows where a token is. 0 keeps the format's value.
+    ``block_size`` (tri-mode only, 0: the writer's): the diffusion block and draft length.
+    """
+    extra = {"block_size": block_size} if family == "nemotron" and block_size else {}
+    write_tiny(family, out, seed=seed, **size, **extra)
+    if rope_theta:
+        config_path = out / "config.json"
+        config = json.loads(config_path.read_text())
+        # Nemotron keeps it under rope_parameters (YaRN), the others at the top level.
+        (config.get("rope_parameters") or config)["rope_theta"] = rope_theta
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+    gen_path = out / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen["max_new_tokens"] = canvas
+    if family == "llada":
+        # Served block by block with no masks past the active block, so a long canvas is read
+        # as the trained one is and answers do not depend on max_tokens (docs/decoding.md).
+        gen["mask_lookahead"] = 0
+    gen_path.write_text(json.dumps(gen, indent=2) + "\n")
+
+
+# Room kept for the evaluation's templated prompts (the longest is under 100 tokens) and for
+# a canvas rounded up to whole blocks.
+PROMPT_ROOM = 128
+
+
+def check_model_files(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, canvases: list[int]
+) -> None:
+    """``parser.error`` (exit 2) unless the sizes make a model, every canvas leaves room for
+    a prompt in its context, and ``--init`` holds weights of exactly this model's shapes."""
+    try:
+        size = sizes(args.family, args.d_model, args.n_layers, args.mlp, args.heads)
+    except ValueError as exc:
+        parser.error(str(exc))
+    with tempfile.TemporaryDirectory() as tmp:
+        skeleton = Path(tmp)
+        write_skeleton(
+            args.family, skeleton, args.seed, args.canvas, size, args.rope_theta, args.block_size
+        )
+        config = json.loads((skeleton / "config.json").read_text())
+        context = family_for(config).transformer_config(config).max_sequence_length
+        longest = max([args.canvas, *canvases])
+        if longest + PROMPT_ROOM > context:
+            flag = "--canvas" if args.canvas == longest else "--eval-canvases"
+            parser.error(
+                f"{flag}: a canvas of {longest} leaves no room for a prompt in the model's "
+                f"context of {context} tokens (at most {context - PROMPT_ROOM})"
+            )
+        if args.init is not None:
+            theirs, ours = _shapes(args.init), _shapes(skeleton)
+            if theirs != ours:
+                parser.error(
+                    f"--init {args.init}: its weights are not this run's model "
+                    f"(--family {args.family} with these size flags): {_difference(theirs, ours)}"
+                )
+
+
+def _shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as weights:
+        return {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118
+
+
+def _difference(theirs: dict[str, tuple[int, ...]], ours: dict[str, tuple[int, ...]]) -> str:
+    missing = sorted(set(ours) - set(theirs))
+    if missing:
+        return f"no tensor {missing[0]!r} ({len(missing)} missing)"
+    extra = sorted(set(theirs) - set(ours))
+    if extra:
+        return f"an unexpected tensor {extra[0]!r} ({len(extra)} extra)"
+    name = next(n for n in sorted(ours) if ours[n] != theirs[n])
+    return f"{name} is {list(theirs[name])}, this model's is {list(ours[name])}"
