@@ -64,7 +64,7 @@ from gpu_llada8b import DEFAULT_CONFIG, build_model, tiny_config
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.engine.cuda_graphs import StaticForward
+from dllm_serve.engine.graphs import StaticForward
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.scheduler import Scheduler
 from dllm_serve.llm import LLM
@@ -116,8 +116,8 @@ def engine_run(
     # called once per forward, so the timers cost a few clock reads a step.
     runner.build = timed(phases, "build", runner.build)  # type: ignore[method-assign]
     algorithm.sample = timed(phases, "sample", algorithm.sample)  # type: ignore[method-assign]
-    engine._prepare_rows = timed(phases, "prepare", engine._prepare_rows)  # type: ignore[method-assign]
-    engine._commit_rows = timed(phases, "commit", engine._commit_rows)  # type: ignore[method-assign]
+    engine._prepare = timed(phases, "prepare", engine._prepare)  # type: ignore[method-assign]
+    engine._commit = timed(phases, "commit", engine._commit)  # type: ignore[method-assign]
 
     def recording_forward(batch: FlatBatch) -> torch.Tensor:
         recorded.append(batch)  # a list append: negligible next to a forward
@@ -143,7 +143,7 @@ def engine_run(
         seconds = time.perf_counter() - start
     finally:
         del runner.forward, runner.forward_graph, runner.build  # back to the class's methods
-        del algorithm.sample, engine._prepare_rows, engine._commit_rows
+        del algorithm.sample, engine._prepare, engine._commit
     return seconds, recorded, sum(o.completion_tokens for o in outs), inside[0], phases
 
 

@@ -61,7 +61,7 @@ from _common import (
     write_json,
 )
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families.llada import LLADA
 from dllm_serve.models.kv_pool import KVSpan

@@ -15,11 +15,10 @@ import re
 import sys
 from collections.abc import Sequence
 
-from dllm_serve import __version__
 from dllm_serve.arg_types import finite_float, port
 from dllm_serve.config import KV_CACHE_MODES, EngineConfig, ModelConfig, ServerConfig
-from dllm_serve.decoding.modes import REQUEST_MODES
-from dllm_serve.engine.tiers import parse_tiers
+from dllm_serve.decoding.params import REQUEST_MODES, parse_tiers
+from dllm_serve.version import __version__
 
 _DEFAULT = ServerConfig()
 # What a Bearer token can carry: visible ASCII, inner spaces allowed.

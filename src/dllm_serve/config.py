@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dllm_serve.decoding.modes import REQUEST_MODES
+from dllm_serve.decoding.params import DEFAULT_ISD_STRIDE, REQUEST_MODES
 
 KV_CACHE_MODES = ("none", "prefix")
 
@@ -31,17 +31,17 @@ class EngineConfig:
     max_waiting_requests: int = 256  # beyond this, new requests get HTTP 429
     # I-DLM (sdar family) self-speculation: default stride N (1 = plain autoregressive) and
     # the block-size tiers ((min running requests, stride), ...) that shrink it under load.
-    isd_stride: int = 4
+    isd_stride: int = DEFAULT_ISD_STRIDE
     block_size_tiers: tuple[tuple[int, int], ...] = ()
     kv_cache: str = "none"  # none (exact) | prefix (Fast-dLLM block-level prefix KV cache)
     # GiB of KV pool (every model that keeps K/V: I-DLM, block diffusion, tri-mode, LLaDA/Dream
     # with --kv-cache prefix); None: 90% of free GPU memory after the weights less 1 GiB for
     # activations on CUDA, 1 GiB on CPU, never more than max_running_requests full contexts.
     kv_cache_memory: float | None = None
-    # The decoding mode of requests that name none (decoding/modes.py): a tri-mode model's
+    # The decoding mode of requests that name none (decoding/params.py): a tri-mode model's
     # default (None: linear_spec); any other model accepts only its own mode here.
     decoding_mode: str | None = None
-    # CUDA graphs for the fixed-shape decode steps (engine/cuda_graphs.py); CUDA only.
+    # CUDA graphs for the fixed-shape decode steps (engine/graphs.py); CUDA only.
     cuda_graph: bool = True
 
     def __post_init__(self) -> None:

@@ -10,18 +10,21 @@ import logging
 import sys
 from typing import NoReturn
 
+import uvicorn
+
+from dllm_serve.api.app import build_app
+from dllm_serve.api.server import DrainingServer
 from dllm_serve.config import ServerConfig
-from dllm_serve.models.loader import LoadedModel
+from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.engine.parallel.rendezvous import multi_node_rank
+from dllm_serve.engine.workers import launch, worker_main
+from dllm_serve.logs import configure_logging
+from dllm_serve.models.families import UnsupportedModelError
+from dllm_serve.models.loader import LoadedModel, ModelLoadError, load_model
+from dllm_serve.models.lora import attach_served_draft_lora
 
 
 def serve(config: ServerConfig) -> None:
-    import uvicorn
-
-    from dllm_serve.api.app import build_app
-    from dllm_serve.api.server import DrainingServer
-    from dllm_serve.engine.engine import AsyncEngine
-    from dllm_serve.logs import configure_logging
-
     log_config = configure_logging(config.log_level, config.log_format)
     loaded = _load(config)
     if loaded is None:  # this process was a launcher-started worker rank, now done
@@ -30,7 +33,7 @@ def serve(config: ServerConfig) -> None:
         engine = AsyncEngine(loaded, config.engine)
     except ValueError as exc:  # e.g. a --decoding-mode the model does not have
         _exit_refused(loaded, f"dllm-serve: {exc}")
-    # After the engine: a refused flag must not be preceded by "serving" (found by QA).
+    # After the engine: a refused flag must not be preceded by "serving".
     logging.getLogger("dllm_serve").info(
         "serving %s from %s on %s (%s)", loaded.name, loaded.path, loaded.device, loaded.dtype
     )
@@ -55,11 +58,6 @@ def serve(config: ServerConfig) -> None:
 def _load(config: ServerConfig) -> LoadedModel | None:
     """The served model (rank 0's shard under tensor parallelism), its draft LoRA attached;
     None when a launcher started this process as a worker rank (it ran the worker's loop)."""
-    from dllm_serve.engine.tp_rendezvous import multi_node_rank
-    from dllm_serve.models.families import UnsupportedModelError
-    from dllm_serve.models.loader import ModelLoadError, load_model
-    from dllm_serve.models.lora import attach_served_draft_lora
-
     mc = config.model
     loaded: LoadedModel | None = None
     try:
@@ -67,8 +65,6 @@ def _load(config: ServerConfig) -> LoadedModel | None:
         # would otherwise have every rank load the whole model and open the API port.
         rank = multi_node_rank(mc.tensor_parallel_size)
         if mc.tensor_parallel_size > 1:
-            from dllm_serve.engine.tensor_parallel import launch, worker_main
-
             size, ep = mc.tensor_parallel_size, mc.expert_parallel_size > 1
             if rank:  # a launcher started this process as a worker rank: no API here
                 worker_main(
@@ -100,8 +96,8 @@ def _load(config: ServerConfig) -> LoadedModel | None:
 
 def _exit_refused(loaded: LoadedModel | None, message: str) -> NoReturn:
     """Exit 1 with ``message``, stopping the tensor-parallel workers first: left to
-    multiprocessing's exit handler, their end was reported as a worker that died (found by
-    QA: a false CRITICAL after a start-up refusal)."""
+    multiprocessing's exit handler, their end would be reported as a worker that died (a false
+    CRITICAL after a start-up refusal)."""
     if loaded is not None and loaded.parallel is not None:
         loaded.parallel.stop(timeout=5)
     sys.exit(message)

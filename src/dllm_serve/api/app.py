@@ -16,7 +16,6 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dllm_serve import __version__
 from dllm_serve.api.completions import install_completion_routes
 from dllm_serve.api.deviations import DEVIATIONS_TABLE
 from dllm_serve.api.error_handlers import install_error_handlers, record_rejection
@@ -27,6 +26,7 @@ from dllm_serve.api.middleware import (
     BodyLimitMiddleware,
     DrainGate,
     HeadAsGet,
+    Lifecycle,
     RequestIdMiddleware,
 )
 from dllm_serve.api.openapi_docs import error_responses, without_validation_errors
@@ -39,6 +39,7 @@ from dllm_serve.api.protocol import (
 )
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.version import __version__
 
 DESCRIPTION = f"""OpenAI-compatible server for diffusion LLMs.
 
@@ -49,26 +50,13 @@ The full contract, with the reason for each rule, is docs/api-contract.md in the
 {DEVIATIONS_TABLE}"""
 
 
-class Lifecycle:
-    """Server-wide state the routes and middleware share (draining for shutdown)."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self._counter = 0
-
-    def engine_request_id(self, request_id: str) -> str:
-        # Clients may reuse an X-Request-ID; the engine id must stay unique (abort is by id).
-        self._counter += 1
-        return f"{request_id}#{self._counter}"
-
-
 def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     lifecycle = Lifecycle()
 
     def rank_failed() -> bool:
         # Tensor parallelism: a rank died and the process exits in a moment (status 1,
-        # engine/tensor_parallel.py); until then /health and new requests answer 503.
+        # engine/parallel/group.py); until then /health and new requests answer 503.
         group = engine.loaded.parallel
         return group is not None and group.failure is not None
 

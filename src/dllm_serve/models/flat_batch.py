@@ -69,3 +69,30 @@ class FlatBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def prefix_keys(
+    base: torch.Tensor,
+    prefix: torch.Tensor,
+    cols: torch.Tensor,
+    query: torch.Tensor,
+    causal: bool,
+    zero_slot: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key slots ``[rows, S]`` and mask ``[rows, 1, q, S]`` of rows whose prefixes differ.
+
+    Row ``r`` owns span slots from ``base[r]``; its keys are its ``prefix[r]`` cached tokens,
+    then its ``q`` current ones. Columns past them read the pool's zero slot, masked — never
+    another request's slots, whatever they hold. Causal: key ``j`` is visible to query ``i``
+    iff ``j <= prefix + i``; else every key of the row is. ``cols`` is ``arange(S)``,
+    ``query`` ``arange(q)``. Device ops only (a captured graph computes it, too).
+    """
+    q_len = query.shape[0]
+    own = cols[None, :] < (prefix + q_len)[:, None]
+    kv_slots = torch.where(own, base[:, None] + cols[None, :], zero_slot)
+    if causal:
+        limit = prefix[:, None] + query[None, :]
+    else:
+        limit = (prefix + q_len - 1)[:, None].expand(-1, q_len)
+    mask = (cols[None, None, :] <= limit[:, :, None])[:, None]
+    return kv_slots, mask

@@ -52,7 +52,7 @@ class KVPool:
         # ragged rows point there, so a non-finite K/V elsewhere in the pool (another request's,
         # or a stale one) can never reach a row through its masked keys (0 · NaN = NaN).
         # ``scratch_slots`` after it belong to no request: the padding rows of a captured
-        # graph (engine/cuda_graphs.py) write and read their K/V there.
+        # graph (engine/graphs.py) write and read their K/V there.
         shape = (n_layers, slots + 1 + scratch_slots, n_kv_heads, head_dim)
         try:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -63,7 +63,7 @@ class KVPool:
                 raise  # a device fault is not a sizing problem
             per_slot = self.bytes_per_slot(n_layers, n_kv_heads, head_dim, dtype)
             gib = per_slot * shape[1] / 2**30
-            # One line at start-up (found by QA: a torch traceback), naming the size's flag.
+            # One line at start-up, not a torch traceback, naming the size's flag.
             raise ValueError(
                 f"the KV pool ({slots} slots, {gib:.1f} GiB) does not fit in {device} memory; "
                 "lower --kv-cache-memory (or --max-running-requests)"

@@ -279,7 +279,7 @@ def test_trimode_modes(tmp_path: Path) -> None:
 def test_decoding_modes_times_a_model_that_stops_early() -> None:
     """Found by QA: on the default demo-llada (which answers within its first block) the
     mid-canvas timing stepped a finished request and crashed before writing any JSON."""
-    from dllm_serve.decoding.denoise import LLaDADenoiser
+    from dllm_serve.decoding.canvas import LLaDADenoiser
     from dllm_serve.decoding.params import DecodingParams
     from dllm_serve.engine.model_runner import ModelRunner
     from dllm_serve.models.loader import load_model

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
-from dllm_serve.decoding.isd import ISDecoder, ISDState
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
+from dllm_serve.decoding.selfspec import ISDecoder, ISDState
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.kv_pool import KVSpan

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dllm_serve.decoding.isd import ISDecoder
-from dllm_serve.decoding.isd_verify import residual, sample, target_probs, verify_row
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.sampler import sample, target_probs
+from dllm_serve.decoding.selfspec import ISDecoder, residual, verify_row
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.loader import LoadedModel
 

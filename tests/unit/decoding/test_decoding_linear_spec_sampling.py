@@ -13,9 +13,9 @@ import pytest
 import torch
 from trimode_support import CPU, drive
 
-from dllm_serve.decoding.isd_verify import target_probs
-from dllm_serve.decoding.linear_spec import DRAFT, VERIFY, LinearSpecDecoder, sample_inverse_cdf
+from dllm_serve.decoding.linear_spec import DRAFT, VERIFY, LinearSpecDecoder
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.sampler import sample_inverse_cdf, target_probs
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.loader import LoadedModel
 

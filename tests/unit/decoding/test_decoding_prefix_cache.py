@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dllm_serve.decoding.denoise import DenoiseState, LLaDADenoiser
-from dllm_serve.decoding.forward_spec import RowSpec, StepResult
+from dllm_serve.decoding.blocks import DenoiseState
+from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import RowSpec, StepResult
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.loader import LoadedModel, load_model
 

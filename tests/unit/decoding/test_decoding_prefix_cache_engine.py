@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from dllm_serve.api.metrics import Metrics
 from dllm_serve.cli import parse_config
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.denoise import LLaDADenoiser
+from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine, KVCapacityError
 from dllm_serve.engine.model_runner import ModelRunner

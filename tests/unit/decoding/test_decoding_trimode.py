@@ -9,10 +9,10 @@ import torch
 from trimode_support import CPU, admit, greedy_ar
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.decoding.linear_spec import LinearSpecDecoder
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.trimode import TriModeDecoder
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
+from dllm_serve.decoding.registry import TriModeDecoder
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.llm import LLM
 from dllm_serve.models.errors import ModelLoadError
@@ -138,7 +138,7 @@ def test_phase_hooks_give_the_same_views_as_the_per_token_lora(
     merged_draft = runner.run([plain])
     hooks.before_verify()
     assert torch.equal(runner.run([verify]), eager_verify)
-    hooks.after_capture()
+    hooks.after_graph()
     assert (merged_draft - eager_draft).abs().max() <= 1e-5
     assert torch.equal(runner.run([draft]), eager_draft)  # eager state restored
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine import engine as engine_module
-from dllm_serve.engine.cuda_graphs import CONTEXT_QUANTUM, MAX_Q, GraphKey, graph_key
+from dllm_serve.engine.graphs import CONTEXT_QUANTUM, MAX_Q, GraphKey, graph_key
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.llm import LLM
 from dllm_serve.models.kv_pool import KVSpan

@@ -12,10 +12,9 @@ import torch
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
-from dllm_serve.engine.kv_budget import KVCapacityError
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 from dllm_serve.engine.request import Request
-from dllm_serve.engine.scheduler import QueueFullError
+from dllm_serve.engine.scheduler import KVCapacityError, QueueFullError
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve_train.tiny_checkpoints import write_tiny_idlm
@@ -85,8 +84,8 @@ def test_requests_waiting_for_kv_count_against_the_waiting_limit(idlm: LoadedMod
     outs: list[RequestOutput] = []
     engine._submit(request(engine, "a", outs))
     engine._submit(request(engine, "b", outs))  # 2 in the queue, 32 free slots: accepted
-    engine.scheduler.waiting.extend(engine._inbox)
-    engine._inbox.clear()
+    engine.scheduler.waiting.extend(engine.inbox.requests)
+    engine.inbox.requests.clear()
     engine._admit()
     assert engine.num_running == 1 and engine.num_waiting == 1  # b waits for KV
     with pytest.raises(QueueFullError, match=r"^1 request\(s\) already waiting \(limit 1\)"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.kv_pool import KVSpan
 from dllm_serve.models.loader import LoadedModel, load_model

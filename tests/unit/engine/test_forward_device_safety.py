@@ -28,10 +28,10 @@ from test_engine_cuda_graphs import CASES as GRAPH_CASES
 from test_engine_cuda_graphs import PROMPTS, StaticRunner, tiny_models
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.forward_spec import RowSpec
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import RowSpec
 from dllm_serve.engine import engine as engine_module
-from dllm_serve.engine.cuda_graphs import MAX_Q, GraphKey, GraphRunner
+from dllm_serve.engine.graphs import MAX_Q, GraphKey, GraphRunner
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.llm import LLM
 from dllm_serve.models.kv_pool import KVPool

@@ -12,7 +12,7 @@ import torch
 from hf_reference import float_mask, hf_reference, perturb_norms
 from safetensors.torch import load_file
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families import (
     FAST_DLLM,

@@ -16,7 +16,7 @@ import torch
 from hf_reference import perturb_norms
 from nemotron_reference import ministral3_reference, reference_logits
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families import NEMOTRON, UnsupportedModelError, family_for
 from dllm_serve.models.loader import load_model

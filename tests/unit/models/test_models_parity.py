@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_reference import float_mask, hf_reference, padded_mask, perturb_norms
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families import DREAM, SDAR
 from dllm_serve.models.loader import load_model

@@ -220,7 +220,7 @@ def test_kv_prefix_matches_llama_block_mask(tiny_pair) -> None:
     two rows have different prefixes and share one attention call (a ragged group)."""
     import copy
 
-    from dllm_serve.decoding.forward_spec import RowSpec
+    from dllm_serve.decoding.protocol import RowSpec
     from dllm_serve.engine.model_runner import ModelRunner
 
     ours, llama = tiny_pair

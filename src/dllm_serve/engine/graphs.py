@@ -22,7 +22,7 @@ writing and reading their K/V in the pool's scratch slots, never a request's.
 
 Phases (:class:`~dllm_serve.models.lora.PhaseHooks`): a graph of draft rows is captured and
 replayed with the draft weight view set (``before_draft``), any other with the base view
-(``before_verify``); ``after_capture`` restores the eager state after either.
+(``before_verify``); ``after_graph`` restores the eager state after either.
 
 On CPU the same static forward runs without capture (``capture=False``): the padded forward
 is then the code path a GPU replays, and tests compare its tokens with the eager forward's.
@@ -33,19 +33,15 @@ from __future__ import annotations
 import logging
 from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
-from dllm_serve.decoding.host_values import staged
-from dllm_serve.engine.batch_packing import prefix_keys
-from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
-
-if TYPE_CHECKING:
-    from dllm_serve.models.kv_pool import KVPool
-    from dllm_serve.models.lora import PhaseHooks
-    from dllm_serve.models.transformer import DecoderTransformer
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
+from dllm_serve.decoding.sampler import staged
+from dllm_serve.models.flat_batch import AttnGroup, FlatBatch, prefix_keys
+from dllm_serve.models.kv_pool import KVPool
+from dllm_serve.models.lora import PhaseHooks
+from dllm_serve.models.transformer import DecoderTransformer
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +248,7 @@ class GraphRunner:
                 try:
                     static.capture(self._pool_handle)
                 finally:
-                    self.hooks.after_capture()
+                    self.hooks.after_graph()
             self.graphs[key] = static
             return static
         static.fill(rows)
@@ -264,7 +260,7 @@ class GraphRunner:
         try:
             out = static.replay()
         finally:
-            self.hooks.after_capture()
+            self.hooks.after_graph()
         self.replays += 1
         key = static.key
         logits = out.view(key.rows, key.width, -1)[:rows, :width]

@@ -2,11 +2,11 @@
 
 After a tensor-parallel forward every rank holds its vocabulary slice of the step's logits
 (``[R, M, V / N]``). Rank 0's :class:`VocabShardedLogits` is what the decoding algorithms
-sample (``decoding/sharded_vocab.py`` has the math); each of its methods that needs the other
+sample (the math below); each of its methods that needs the other
 ranks is one :class:`VocabOp`: rank 0 computes its own part first (so a bad argument fails
 there, before any worker is involved), announces the op on the control channel, and every
 rank runs :func:`apply` on its slice and joins one ``gather`` to rank 0. A worker runs the
-ops it is told until the next step (``engine/tensor_parallel.py``).
+ops it is told until the next step (``engine/workers.py``).
 
 One op is never announced: right after the forward every rank reduces all rows greedily (the
 model's mask id excluded) and gathers that on rank 0 (:func:`reduce_greedy`,
@@ -17,6 +17,32 @@ whole-row gathers announce ops of their own.
 Traffic per step: 6 float64 per position for proposals and confidences, instead of ``V / N``
 floats per position and rank; whole rows only for the rows whose rule needs the whole
 distribution (``dense``).
+
+**The math.** Under tensor parallelism each rank's LM head produces the logits of its
+vocabulary slice ``[R, M, V / N]``. Gathering them brings ``(N − 1)/N · R·M·V`` floats to rank
+0 every step (at TP 2, 16 rows × 32 positions of LLaDA-8B's 126k vocabulary: 129.5 MB). What
+the samplers need per position is much less:
+
+- the **proposal**: the argmax with the mask id excluded, or at T > 0 a Gumbel-max sample
+  ``argmax(z + T·g)``. A maximum over the vocabulary is the maximum of the shards' maxima,
+  so each rank reduces its slice to ``(key, token, z[token])`` and the largest key wins (the
+  lowest rank on a tie, which is the first maximum of the concatenation, as torch's argmax);
+- the **confidence**: ``top1_prob = exp(z[x] − LSE)`` and ``entropy_inverse = exp(−H)``. With
+  each shard's ``m_r = max z``, ``s_r = Σ exp(z − m_r)`` and ``t_r = Σ exp(z − m_r)(z − m_r)``,
+  and ``M = max_r m_r``, ``w_r = exp(m_r − M)``, ``S = Σ w_r s_r``:
+
+      LSE = M + log S,        H = log S − Σ_r w_r (t_r + (m_r − M) s_r) / S,
+
+  because ``H = LSE − E_p[z]`` and ``E_p[z − M] = Σ_r w_r Σ_{v∈r} e^{z_v − m_r}(z_v − M) / S``.
+  Both are exact identities; only float rounding differs from the dense softmax (as the TP
+  all-reduce already makes the logits differ in their last bits).
+
+So each rank sends 6 numbers per position (:func:`shard_statistics`) and rank 0 combines them
+(:func:`combine_statistics`). Gumbel noise stays the request's own: every rank draws the same
+``[m, V]`` uniforms from the request's generator state and uses its slice, so a seeded
+sample at TP = N is exactly the sample at TP = 1. Rows whose rule needs the whole
+distribution (speculative verification, inverse-CDF samples at T > 0) gather just those rows
+(:meth:`ShardedLogits.dense`).
 """
 
 from __future__ import annotations
@@ -24,36 +50,74 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from dllm_serve.decoding.host_values import to_device
-from dllm_serve.decoding.sharded_vocab import (
-    Proposals,
-    combine_statistics,
-    gumbel_keys,
-    shard_statistics,
-)
-from dllm_serve.models.tensor_parallel import TPShard
+from dllm_serve.decoding.protocol import Proposals
+from dllm_serve.decoding.sampler import argmax, to_device
+from dllm_serve.engine.parallel.group import REDUCE, TensorParallelGroup, VocabTraffic
+from dllm_serve.models.sharding import TPShard
 
-if TYPE_CHECKING:
-    from dllm_serve.engine.tensor_parallel import TensorParallelGroup
-
-REDUCE = "reduce"  # control message: run this VocabOp on the last step's logits
+# Columns of a shard's statistics (float64, so token ids up to 2^53 travel exactly).
+KEY, TOKEN, Z_AT_TOKEN, MAX, SUM_EXP, SUM_EXP_Z = range(6)
+STATISTICS = 6
 
 
-@dataclass
-class VocabTraffic:
-    """What the sampler's reductions brought to rank 0: ``collectives`` gathers,
-    ``reduced_positions`` positions reduced to statistics, ``dense_rows`` rows gathered whole,
-    ``bytes`` received from the other ranks."""
+def gumbel_keys(z: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch.Tensor:
+    """``z + T·g`` in float64 with ``g = −log(−log u)``: the Gumbel-max keys whose argmax is a
+    sample of ``softmax(z / T)`` (see :func:`~dllm_serve.decoding.sampler.gumbel_argmax`,
+    which takes the argmax of exactly this expression)."""
+    return z.to(torch.float64) - temperature * torch.log(-torch.log(uniforms))
 
-    collectives: int = 0
-    reduced_positions: int = 0
-    dense_rows: int = 0
-    bytes: int = 0
+
+def shard_statistics(
+    z: torch.Tensor, offset: int, keys: dict[int, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """One shard's reduction of ``z`` ``[P, V_r]`` (vocabulary ids ``offset …``, the mask id
+    already −inf): ``[P, 6]`` float64 with the columns named at the top of this module.
+
+    ``keys`` maps a position to its Gumbel keys ``[V_r]`` (a sampled position); every other
+    position's key is ``z`` itself (the argmax).
+    """
+    token = argmax(z).to(z.device)  # numpy's first-maximum argmax on CPU
+    z_at = z.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+    key = z_at.to(torch.float64)
+    if keys:
+        positions = to_device(list(keys), z.device)
+        stacked = torch.stack(list(keys.values()))
+        best = stacked.argmax(-1)
+        key = key.index_copy(0, positions, stacked.gather(-1, best[:, None]).squeeze(-1))
+        token = token.index_copy(0, positions, best)
+        z_at = z_at.index_copy(0, positions, z[positions].gather(-1, best[:, None]).squeeze(-1))
+    m = z.max(dim=-1).values
+    finite = torch.isfinite(m)
+    d = (z - torch.where(finite, m, 0.0)[:, None]).clamp_min(torch.finfo(z.dtype).min)
+    e = torch.exp(d)  # −inf entries (the mask id) give 0, and 0·(finite d) stays 0
+    return torch.stack(
+        [key, (token + offset).to(torch.float64), z_at.to(torch.float64), m.to(torch.float64),
+         e.sum(-1).to(torch.float64), (e * d).sum(-1).to(torch.float64)],
+        dim=-1,
+    )  # fmt: skip
+
+
+def combine_statistics(stats: torch.Tensor) -> Proposals:
+    """Rank 0's combination of every shard's :func:`shard_statistics` ``[N, ..., 6]`` (shard
+    ``r`` = vocabulary slice ``r``) into the proposals and confidences of the whole vocabulary
+    (the formulas in the module docstring)."""
+    winner = stats[..., KEY].argmax(dim=0, keepdim=True)  # first maximum: the lowest rank
+    pick = stats.gather(0, winner.unsqueeze(-1).expand(1, *stats.shape[1:])).squeeze(0)
+    m, s, t = stats[..., MAX], stats[..., SUM_EXP], stats[..., SUM_EXP_Z]
+    top = m.max(dim=0).values
+    finite = torch.isfinite(m)  # a shard holding only the mask id adds nothing
+    gap = torch.where(finite, m - top, 0.0)
+    w = torch.where(finite, torch.exp(gap), 0.0)
+    total = (w * s).sum(0)
+    mean_shifted = (w * (t + gap * s)).sum(0) / total  # E_p[z − M]
+    log_total = torch.log(total)
+    top1 = torch.exp(pick[..., Z_AT_TOKEN] - (top + log_total))
+    entropy = (log_total - mean_shifted).clamp_min(0.0)  # rounding can dip a hair below 0
+    return Proposals(pick[..., TOKEN].long(), top1, torch.exp(-entropy))
 
 
 @dataclass(frozen=True)

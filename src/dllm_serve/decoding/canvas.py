@@ -1,29 +1,51 @@
-"""LLaDA-style block denoising, batched: every running request advances in one tensor pass."""
+"""LLaDA-style canvas denoising (LLaDA, Dream; I-DLM checkpoints served as plain diffusion
+models), batched: every running request advances in one tensor pass.
+
+**Block-level prefix KV cache** (``--kv-cache prefix``; Fast-dLLM ``generate_with_prefix_cache``,
+arXiv:2505.22618 §3.3).
+Semi-autoregressive decoding finishes blocks left to right, so when block ``k`` (canvas
+``[lo, hi)``) starts, every position before ``lo`` is committed and never changes again. Only
+the attention *context* of those positions still changes (bidirectional attention lets the
+prompt see the later blocks), and Fast-dLLM's observation is that their keys/values move
+little within one block. So, per block:
+
+1. **Refresh** (first step of the block): one full forward over the whole canvas, exactly the
+   no-cache forward, whose logits drive this step's commits. Its K/V land in the request's KV
+   span; the request keeps those of the *committed prefix* ``[0, c)`` (``span.length = c``),
+   with ``c = lo − shift`` (below). Nothing from an older block survives: the whole prefix is
+   recomputed with the current canvas.
+2. **Cached steps** (the rest of the block): forward only ``x[c:]`` (the current block and the
+   later, still-masked blocks — up to ``state.visible_end`` with a mask lookahead) at
+   positions ``c, c+1, …``, attending to the cached prefix. Their
+   K/V are written past the prefix and never kept. The prefix K/V are stale w.r.t. the commits
+   made since the refresh — that is the approximation, and it is reset at every block boundary.
+
+Only committed positions are ever kept ("KV trimming"): ``c ≤ lo`` and the previous blocks are
+complete, so the masked positions' K/V (which change every step) are never read as a prefix.
+
+``shift`` is 1 for families with shifted logits (Dream, I-DLM), where the logits predicting
+position ``j`` come from the hidden state at ``j − 1``. The block's first position ``lo``
+therefore needs the hidden state of ``lo − 1``, a committed prefix position; keeping
+``lo − 1`` *out* of the prefix and re-forwarding it at every cached step gives it a hidden
+state (and fresh K/V) at the cost of one extra token per forward. The prompt is non-empty for
+these families, so ``c = lo − 1 ≥ 0``.
+
+With causal attention the prefix K/V do not depend on later tokens, so the cache is exact.
+"""
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
-from itertools import compress
 
 import torch
 
-from dllm_serve.decoding.commit_rows import commit_by_row_rule
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
-from dllm_serve.decoding.host_values import host_to_device
+from dllm_serve.decoding.blocks import BlockDecoder, DenoiseState
+from dllm_serve.decoding.commit_rules import block_schedule
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.prefix_cache import after_step, prefix_spec, reset_for_block
-from dllm_serve.decoding.proposals import propose
-from dllm_serve.decoding.sampling import new_generator
-from dllm_serve.decoding.schedules import block_schedule
-from dllm_serve.decoding.sharded_vocab import ShardedLogits
-from dllm_serve.decoding.state import DenoiseState
-from dllm_serve.decoding.stops import request_stop_ids
-
-__all__ = ["DenoiseState", "LLaDADenoiser"]
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec, StepResult
 
 
-class LLaDADenoiser:
+class LLaDADenoiser(BlockDecoder):
     """Semi-autoregressive masked-diffusion sampling (LLaDA), with three commit rules.
 
     The answer region of ``G`` masks is split into ``G / block_length`` blocks decoded left to
@@ -37,9 +59,8 @@ class LLaDADenoiser:
       the rest stay masked ("low-confidence remasking"). With the uniform schedule and
       ``top1_prob`` this is exactly LLaDA's reference ``generate()``, restricted to the
       positions it could commit (it sets every other confidence to ``-inf``).
-    - ``threshold`` (Fast-dLLM) and ``local_leap``: see ``decoding/commit.py`` and
-      ``decoding/local_leap.py``; each step commits at least one token, so a block takes
-      between 1 and ``block_length`` forwards.
+    - ``threshold`` (Fast-dLLM) and ``local_leap``: see ``commit_rules.py``; each step commits
+      at least one token, so a block takes between 1 and ``block_length`` forwards.
 
     Family rules: with ``logit_shift`` (Dream, I-DLM) the logits that predict position ``j``
     come from position ``j − 1``; with ``bidirectional=False`` the forward is causal.
@@ -50,7 +71,7 @@ class LLaDADenoiser:
     trained on canvases of one block (the demos) then reads a 1024-token canvas block by
     block exactly as it reads a one-block canvas, and a forward costs a block, not a canvas.
 
-    Prefix KV cache (``prefix_cache``; ``decoding/prefix_cache.py``): the first step of each
+    Prefix KV cache (``prefix_cache``; the module docstring): the first step of each
     block is the full forward and keeps the committed prefix's keys and values; the block's
     other steps forward only the canvas from the block on. Commit rules, schedules and the
     early stop are unchanged: only the logits differ (Fast-dLLM's approximation).
@@ -77,10 +98,7 @@ class LLaDADenoiser:
         prefix_cache: bool = False,
         mask_lookahead: int | None = None,
     ) -> None:
-        if mask_id in stop_ids:
-            raise ValueError("the mask id cannot be a stop id")
-        self.mask_id = mask_id
-        self.stop_ids = tuple(stop_ids)
+        super().__init__(mask_id, stop_ids)
         self.logit_shift = logit_shift
         self.attention = AttentionKind.BIDIRECTIONAL if bidirectional else AttentionKind.CAUSAL
         self.prefix_cache = prefix_cache
@@ -95,19 +113,13 @@ class LLaDADenoiser:
     ) -> DenoiseState:
         """The canvas ``[prompt ; mask × gen_length]`` and the request's generator."""
         prompt = [int(t) for t in prompt_ids]
-        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         if self.logit_shift and not prompt:
             # The first answer position is predicted from the last prompt position.
             raise ValueError("a model with shifted logits needs a non-empty prompt")
-        state = DenoiseState(
-            tokens=prompt + [self.mask_id] * params.gen_length,
-            prompt_len=len(prompt),
-            params=params,
-            generator=new_generator(params, device),
-            mask_id=self.mask_id,
-            stop_ids=stop_ids,
+        state: DenoiseState = self._new_state(
+            DenoiseState, prompt, len(prompt) + params.gen_length, params, device,
             mask_lookahead=self.mask_lookahead,
-        )
+        )  # fmt: skip
         self._start_block(state)
         return state
 
@@ -132,89 +144,34 @@ class LLaDADenoiser:
             attention=self.attention,
         )
 
-    def sample(
-        self, states: Sequence[DenoiseState], logits: torch.Tensor | ShardedLogits
-    ) -> torch.Tensor:
-        """Proposals and commits for every row: ``[R, M]`` committed tokens (else ``mask_id``).
-
-        ``logits`` ``[R, M, V]``: row ``r``'s first ``len(states[r].masked)`` entries are its
-        masked positions in ascending order (padding after); dense logits are consumed
-        (overwritten in place), sharded ones are reduced per rank. No value is read back here.
-        """
-        rows, width = logits.shape[0], logits.shape[1]
-        device = logits.device
-        counts = [len(s.masked) for s in states]
-        topk = [s.schedule[s.step] if s.params.mode == "topk" else -1 for s in states]
-        ints = host_to_device(torch.frombuffer(array("q", counts + topk), dtype=torch.long), device)
-        count, k = ints[:rows], ints[rows:]
-        # Padding entries (rows with fewer masks than the widest) must never commit; when
-        # every row is as wide as the batch there is none, and no mask is needed.
-        ragged = any(c != width for c in counts)
-        valid = torch.arange(width, device=device)[None, :] < count[:, None] if ragged else None
-
-        metrics = [s.params.confidence_metric for s in states]
-        # A zero-commit step draws no noise, so the generator stays in step.
-        draws = {
-            r: (s.params.temperature, s.generator)
-            for r, s in enumerate(states)
-            if s.params.temperature > 0 and topk[r] != 0
-        }
-        x0, score = propose(logits, self.mask_id, counts, draws, metrics)
-        if valid is not None:
-            score = score.masked_fill(~valid, float("-inf"))
-
-        commit = commit_by_row_rule(states, score, k, device)
-        if valid is not None:
-            commit &= valid
-        return torch.where(commit, x0, self.mask_id)
-
-    def commit(
-        self, states: Sequence[DenoiseState], committed: Sequence[Sequence[int]]
-    ) -> list[StepResult]:
-        """Apply one step's commits (host lists, row ``r`` aligned with ``states[r].masked``)."""
-        return [self._commit_row(s, row) for s, row in zip(states, committed, strict=True)]
-
     def _commit_row(self, state: DenoiseState, row: Sequence[int]) -> StepResult:
         if state.finished:
             raise RuntimeError("commit() called on a finished request")
-        mask_id, tokens, masked = self.mask_id, state.tokens, state.masked
-        row = row[: len(masked)]  # the padding entries after them are always mask_id
-        # ``compress`` walks the row in C; the Python loop only runs over this step's commits.
-        still = list(compress(masked, map(mask_id.__eq__, row)))
-        for pos, token in compress(zip(masked, row, strict=True), map(mask_id.__ne__, row)):
-            tokens[pos] = token
-        committed = len(masked) - len(still)
-        params = state.params
-        if params.mode == "topk":
-            # The schedule sums to the block's mask count and each step commits exactly its
-            # entry, so the masks left always cover it.
-            assert committed == state.schedule[state.step], "schedule out of sync with the canvas"
-        state.masked = still
-        state.committed += committed
+        scheduled = state.schedule[state.step] if state.params.mode == "topk" else None
+        committed = self._commit_masked(state, row)
+        # The schedule sums to the block's mask count and each step commits exactly its entry,
+        # so the masks left always cover it.
+        assert scheduled in (None, committed), "schedule out of sync with the canvas"
         state.nfe += 1
-        state.step += 1
         after_step(state, self._shift)
-        new = state.advance_final()
-        if state.stop_at is not None:
-            # Exact early stop: the answer is the canvas cut before its first stop id. Every
-            # position up to and including that stop id is committed, and committed tokens
-            # never change, so no later step can alter the answer; decoding the rest of the
-            # canvas would only fill positions that are discarded anyway.
-            return self._finish(state, committed, "stop", new)
-        if state.final_len == params.answer_budget:
-            # The whole answer is committed and no stop id appeared. Trailing zero-commit
-            # steps of the last block (steps_per_block > block_length) would change nothing,
-            # and neither would the canvas positions past an answer limit: skip them.
-            return self._finish(state, committed, "length", new)
+        # Exact early stop: the answer is the canvas cut before its first stop id. Every
+        # position up to and including that stop id is committed, and committed tokens never
+        # change, so no later step can alter the answer; decoding the rest of the canvas would
+        # only fill positions that are discarded anyway. Likewise once the whole answer is
+        # committed: trailing zero-commit steps of the last block (steps_per_block >
+        # block_length) would change nothing, nor would canvas positions past an answer limit.
+        result = self._finish_or_continue(state, committed)
+        if result.finished:
+            return result
         # A block is done when it has no mask left. In top-k mode that can come before its
         # schedule ends: with more steps per block than positions, the uniform schedule's
         # zero-commit steps come last, and they would change nothing (no noise is drawn for
         # them either), so the next block starts at once, as in the last block above.
-        if not still:
+        if not state.masked:
             state.block += 1
             state.step = 0
             self._start_block(state)
-        return StepResult(committed=committed, finished=False, new_tokens=new)
+        return result
 
     # ---- one request at a time (tests, simple drivers) -------------------------------------------
     def update(self, state: DenoiseState, logits: torch.Tensor) -> StepResult:
@@ -244,8 +201,45 @@ class LLaDADenoiser:
             state.params.block_schedule, len(state.masked), state.params.steps_per_block
         )
 
-    @staticmethod
-    def _finish(state: DenoiseState, committed: int, reason: str, new: int) -> StepResult:
-        state.finished = True
-        state.finish_reason = reason
-        return StepResult(committed=committed, finished=True, finish_reason=reason, new_tokens=new)
+
+# ---- prefix KV cache ---------------------------------------------------------------------------
+
+
+def cached_start(state: DenoiseState, shift: int) -> int:
+    """``c``: where the active block's cached prefix ends (and the forwarded tokens begin)."""
+    lo, _ = state.active_block
+    return lo - shift
+
+
+def prefix_spec(state: DenoiseState, shift: int, attention: AttentionKind) -> RowSpec:
+    """The row of one step with a prefix cache.
+
+    Refresh step (nothing cached): the whole canvas. Cached step: ``x[c:]`` against the cached
+    ``[0, c)``. Output offsets are relative to the forwarded tokens: position ``j`` is
+    predicted at ``j − shift − start``.
+    """
+    span = state.kv
+    assert span is not None
+    c = cached_start(state, shift)
+    if span.length not in (0, c):
+        raise RuntimeError(f"prefix cache holds {span.length} positions, expected {c}")
+    start = span.length
+    return RowSpec(
+        tokens=state.tokens[start : state.visible_end],
+        start=start,
+        logits_at=[p - shift - start for p in state.masked],
+        attention=attention,
+        kv=span,
+    )
+
+
+def after_step(state: DenoiseState, shift: int) -> None:
+    """Keep the committed prefix of a refresh step (``c`` positions); cached steps keep it."""
+    if state.kv is not None and state.kv.length == 0:
+        state.kv.length = cached_start(state, shift)
+
+
+def reset_for_block(state: DenoiseState) -> None:
+    """Forget the previous block's prefix; the next forward (the refresh) rebuilds it."""
+    if state.kv is not None:
+        state.kv.length = 0

@@ -3,24 +3,16 @@ are worker processes that only run the forward.
 
 ``launch`` starts the workers (``spawn``), joins the ``torch.distributed`` group with them
 (gloo on CPU; NCCL for the forward's collectives on CUDA, with a gloo group for control;
-``engine/tp_rendezvous.py``) and loads rank 0's shard. Each step, rank 0's
+``engine/parallel/rendezvous.py``) and loads rank 0's shard. Each step, rank 0's
 :class:`~dllm_serve.engine.model_runner.ModelRunner` broadcasts the step's rows (``RowSpec``
 objects: tokens, positions, KV spans — a few hundred bytes) on the control group; every rank
 builds the same flat batch on its own device and runs its shard of the forward. The logits stay
 sharded by vocabulary: rank 0's sampler asks the workers for per-position reductions of their
-slices (``engine/vocab_parallel.py``), and gathers whole rows only where a rule needs the whole
+slices (``engine/parallel/vocab.py``), and gathers whole rows only where a rule needs the whole
 distribution. The KV pool's slots are chosen by rank 0's scheduler and travel in the rows, so
 every rank's pool (its own KV heads) stays in step without any other message.
 
-Failure of any rank fails the server visibly: rank 0 watches the workers' processes, and
-when one ends unexpectedly (or a control message cannot be sent) it logs which rank died,
-marks the group failed — the API then answers 503 to /health and to new requests — and
-exits with status 1 after :data:`FAILURE_GRACE_S`, so that a load balancer's probe sees the
-503 rather than only a closed port. A worker whose rank 0 is gone sees its control channel
-close and exits. Every rank also beats and watches in the group's store
-(``engine/heartbeat.py``), so that a rank that died, froze or dropped off the network while
-the server was idle, including one a launcher started on another node, fails the group within
-seconds as well. Nothing waits forever.
+A failure of any rank fails the server visibly (``engine/parallel/group.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, NoReturn
 
@@ -37,117 +27,32 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dllm_serve.engine.heartbeat import Heartbeat, store_address
-from dllm_serve.engine.tp_rendezvous import agree, device_for, free_port, join, multi_node_rank
-from dllm_serve.engine.vocab_parallel import REDUCE, VocabTraffic
+from dllm_serve.engine.model_runner import INIT, RUN, ModelRunner
+from dllm_serve.engine.parallel.group import (
+    REDUCE,
+    STOP,
+    Heartbeat,
+    TensorParallelGroup,
+    kill_workers,
+    store_address,
+)
+from dllm_serve.engine.parallel.rendezvous import (
+    agree,
+    device_for,
+    free_port,
+    join,
+    multi_node_rank,
+)
+from dllm_serve.logs import configure_logging
 from dllm_serve.models.checkpoint_files import read_json
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.families import family_for
 from dllm_serve.models.hub import resolve_model_path
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.lora import attach_draft_lora
-from dllm_serve.models.tensor_parallel import TPShard, shard_config
+from dllm_serve.models.sharding import shard_config
 
 logger = logging.getLogger(__name__)
-
-STOP = "stop"
-# How long a failed server keeps answering 503 before it exits: long enough for a probe or a
-# retrying client to see it, short enough that the orchestrator restarts the pod promptly.
-FAILURE_GRACE_S = 2.0
-
-
-@dataclass
-class TensorParallelGroup:
-    """Rank 0's handle on the group: the control channel and the worker processes."""
-
-    shard: TPShard
-    control: Any
-    workers: list[Any]
-    # Why the group failed (set once by :meth:`fail`); the API answers 503 while it is set.
-    failure: str | None = None
-    grace_s: float = FAILURE_GRACE_S
-    heartbeat: Heartbeat | None = None
-    # What the vocab-parallel sampler brought to rank 0, all steps together.
-    traffic: VocabTraffic = field(default_factory=VocabTraffic)
-    _stopping: bool = False
-    _watcher: threading.Thread | None = field(default=None, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _exit_at: float = 0.0
-
-    def send(self, message: tuple) -> None:
-        """A control message to every worker (rank 0 only); on a failed group, or when the
-        message cannot be sent (a rank is gone), the server fails (:meth:`fail`)."""
-        if self.failure is not None:  # no new step on a group that lost a rank
-            self.fail(self.failure)
-        try:
-            dist.broadcast_object_list([message], src=0, group=self.control)
-        except (RuntimeError, OSError) as exc:
-            self.fail(f"tensor-parallel collective failed: {exc}")
-
-    def fail(self, reason: str) -> NoReturn:
-        """Mark the group failed, log ``reason`` once, and exit the process with status 1
-        after :attr:`grace_s` (counted from the first call; later callers, e.g. the engine
-        thread after the watcher, wait only what is left of it)."""
-        with self._lock:
-            if self.failure is None:
-                self.failure = reason
-                self._exit_at = time.monotonic() + self.grace_s
-                logger.critical(
-                    "%s; answering 503 and exiting with status 1 in %.1f s", reason, self.grace_s
-                )
-        time.sleep(max(0.0, self._exit_at - time.monotonic()))
-        # os._exit skips multiprocessing's clean-up of its children: a frozen worker would
-        # outlive the server (found by QA), holding its GPU memory.
-        _kill(self.workers)
-        os._exit(1)
-
-    def watch(self) -> None:
-        """Fail the server (:meth:`fail`) as soon as a worker dies unexpectedly."""
-
-        def run() -> None:
-            ready = wait([p.sentinel for p in self.workers])
-            if self._stopping:
-                return
-            # A sentinel closes while the process exits, a moment before waitpid can report
-            # it: join the ended ones briefly so their exit codes are known.
-            ended = [(i, p) for i, p in enumerate(self.workers) if p.sentinel in ready]
-            for _, process in ended:
-                process.join(timeout=1.0)
-            dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in ended]
-            self.fail("tensor-parallel worker died: " + ", ".join(dead))
-
-        self._watcher = threading.Thread(target=run, name="dllm-tp-watch", daemon=True)
-        self._watcher.start()
-
-    def lost(self, reason: str) -> None:
-        """A rank stopped beating (engine/heartbeat.py): fail, unless shutting down."""
-        if not self._stopping:
-            self.fail(reason)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self._stopping:
-            return
-        self._stopping = True
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-        try:  # not self.send: a worker gone at shutdown must not turn a clean exit into 1
-            dist.broadcast_object_list([(STOP,)], src=0, group=self.control)
-        except Exception:  # a worker already gone: nothing to tell it
-            logger.warning("could not send stop to the tensor-parallel workers", exc_info=True)
-        # One deadline for all: joined one after another with ``timeout`` each, seven hung
-        # workers would hold the exit for 70 s, past the pod's grace period.
-        deadline = time.monotonic() + timeout
-        for p in self.workers:
-            p.join(max(0.0, deadline - time.monotonic()))
-        _kill(self.workers)
-        dist.destroy_process_group()
-
-
-def _kill(workers: list[Any]) -> None:
-    """SIGKILL every worker still running (a stopped or frozen one too)."""
-    for p in workers:
-        if p.is_alive():
-            p.kill()
 
 
 def _watch_start_up(workers: list[Any]) -> threading.Event:
@@ -155,8 +60,8 @@ def _watch_start_up(workers: list[Any]) -> threading.Event:
 
     A worker that dies before it joins the group (a bad environment, an offline script
     without ``if __name__ == "__main__":``, a kill) would otherwise leave rank 0 waiting for
-    it in ``init_process_group`` for the rendezvous timeout, ten minutes, silently (found by
-    QA); the group's own watcher (:meth:`TensorParallelGroup.watch`) takes over after.
+    it in ``init_process_group`` for the rendezvous timeout, ten minutes, silently; the
+    group's own watcher (:meth:`TensorParallelGroup.watch`) takes over after.
     """
     joined = threading.Event()
 
@@ -175,7 +80,7 @@ def _watch_start_up(workers: list[Any]) -> threading.Event:
                 "exiting with status 1",
                 dead,
             )
-            _kill(workers)
+            kill_workers(workers)
             os._exit(1)
 
     threading.Thread(target=run, name="dllm-tp-start-watch", daemon=True).start()
@@ -199,9 +104,6 @@ def worker_main(
     ``log`` is the server's ``(level, format)``: a spawned worker starts with no logging set
     up, so its lines would otherwise bypass the server's format (None: already set up).
     """
-    from dllm_serve.engine.model_runner import INIT, RUN, ModelRunner
-    from dllm_serve.logs import configure_logging
-
     if log is not None:
         configure_logging(*log)
     if threads:
@@ -304,7 +206,7 @@ def launch(
     try:
         shard, control = join(0, size, init_method, dev, expert_parallel)
     except BaseException:
-        _kill(workers)  # they would wait for rank 0 in vain
+        kill_workers(workers)  # they would wait for rank 0 in vain
         raise
     group = TensorParallelGroup(shard, control, workers)
     if workers:

@@ -1,7 +1,8 @@
 """How the ranks of a tensor-parallel group meet: each rank's device, the standard launcher
-environment (``WORLD_SIZE``/``RANK``/``MASTER_*``), joining the ``torch.distributed`` group (the
-forward's collectives and a gloo control group), and the check that every rank loads the same
-checkpoint with the same world size. What the group then does is ``engine/tensor_parallel.py``.
+environment (``WORLD_SIZE``/``RANK``/``MASTER_*``), joining the ``torch.distributed`` group
+(the forward's collectives and a gloo control group), and the check that every rank loads the
+same checkpoint with the same world size. What the group then does is ``group.py`` and
+``engine/workers.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.hub import resolve_model_path
-from dllm_serve.models.tensor_parallel import TPShard
+from dllm_serve.models.sharding import TPShard
 
 # The control channel idles as long as the server has no request; the forward's collectives
 # never wait long for a live peer.
@@ -86,10 +87,10 @@ def multi_node_rank(size: int) -> int | None:
     for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
             raise ModelLoadError(f"WORLD_SIZE={world} is set but {key} is not")
-    if not 0 < _env_int("MASTER_PORT") < 65536:  # found by QA: torch's traceback otherwise
+    if not 0 < _env_int("MASTER_PORT") < 65536:  # one line, not torch's traceback
         raise ModelLoadError(f"MASTER_PORT={os.environ['MASTER_PORT']} is not a TCP port")
     rank = _env_int("RANK")
-    # Found by QA: RANK=5 of 2 hung silently, or died in gloo while rank 0 waited for it.
+    # A rank outside the group would hang, or die in gloo while rank 0 waits for it.
     if not 0 <= rank < size:
         raise ModelLoadError(f"RANK={rank} in the environment: it must be 0 to {size - 1}")
     return rank
