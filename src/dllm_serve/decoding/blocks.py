@@ -69,6 +69,7 @@ from dllm_serve.decoding.sampler import (
 from dllm_serve.models.kv_pool import KVSpan
 
 PREFILL, DECODE, WRITE = "prefill", "decode", "write"  # block diffusion's phases
+CONFIDENCE_SCALE = 1_000_000  # a reported confidence's unit in a step's integer result
 
 
 @dataclass(slots=True, eq=False)
@@ -113,6 +114,9 @@ class DenoiseState:
     # the reference loop). A model trained on short canvases sets it (generation_config.json
     # ``mask_lookahead``) so that a long canvas is seen block by block as a short one is.
     mask_lookahead: int | None = None
+    # A traced request (the playground): the step's result carries each masked position's
+    # confidence after its tokens, for the trace event (see ``BlockDecoder.sample``).
+    report_confidence: bool = False
 
     @property
     def canvas(self) -> torch.Tensor:
@@ -236,6 +240,9 @@ class BlockDecoder:
         ``logits`` ``[R, M, V]``: row ``r``'s first ``len(states[r].masked)`` entries are its
         masked positions in ascending order (padding after); dense logits are consumed
         (overwritten in place), sharded ones are reduced per rank. No value is read back here.
+        When a row reports its confidences (``report_confidence``) the result is ``[R, 2M]``:
+        column ``M + j`` holds the confidence of masked position ``j`` in millionths
+        (:data:`CONFIDENCE_SCALE`); the commit reads only the first ``M``.
         """
         rows, width = logits.shape[0], logits.shape[1]
         device = logits.device
@@ -262,7 +269,13 @@ class BlockDecoder:
         commit = _commit_by_row_rule(states, score, k, device)
         if valid is not None:
             commit &= valid
-        return torch.where(commit, x0, self.mask_id)
+        out = torch.where(commit, x0, self.mask_id)
+        if any(s.report_confidence for s in states):
+            # Traced rows only: the confidences ride in the step's one copy, in millionths
+            # after the M tokens (padding, at -inf, reads 0).
+            millionths = (score.clamp(0.0, 1.0) * CONFIDENCE_SCALE).round().long()
+            out = torch.cat([out, millionths], dim=1)
+        return out
 
     def _sample_seeded(
         self,

@@ -347,7 +347,7 @@ class AsyncEngine:
             return
         tokens = sum(len(s.tokens) for s in specs)
         self.observer.on_forward(len(rows), tokens, self.runner.forward_seconds())
-        self._commit(rows, host)
+        self._commit(rows, host, logits.shape[1])
 
     def _end_early(self, aborts: Aborts) -> None:
         """Aborted and timed-out requests end before the step (waiting or running)."""
@@ -388,6 +388,8 @@ class AsyncEngine:
                 self._fail_exc(request, exc, "admission")
                 continue
             request.state.kv = span
+            if request.trace and hasattr(request.state, "report_confidence"):
+                request.state.report_confidence = True  # commit confidences for the trace
             self.scheduler.run(request)
 
     def _prepare(self, group: list[Request]) -> tuple[list[Request], list[RowSpec]]:
@@ -406,14 +408,15 @@ class AsyncEngine:
                 self._fail_exc(request, exc, "prepare")
         return rows, specs
 
-    def _commit(self, rows: list[Request], host: list[list[int]]) -> None:
+    def _commit(self, rows: list[Request], host: list[list[int]], width: int) -> None:
         """Write each row's result into its state and emit what it made final; a failure
-        fails that row only."""
+        fails that row only. ``width``: the logits per row (a traced row's commit
+        confidences follow its first ``width`` entries)."""
         commit = self.algorithm.commit
         for request, row in zip(rows, host, strict=True):
             state = request.state
             try:
-                before = snapshot(state) if request.trace else None
+                before = snapshot(state, row, width) if request.trace else None
                 result = commit([state], [row])[0]
                 events = None
                 if before is not None:

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from dllm_serve.decoding.blocks import CONFIDENCE_SCALE
+
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
@@ -246,11 +248,19 @@ def _deliver(items: list[tuple[Sink, RequestOutput]]) -> None:
 Snapshot = tuple[Any, ...]
 
 
-def snapshot(state: Any) -> Snapshot:
-    """What :func:`step_event` compares against after the step (taken before the commit)."""
+def snapshot(state: Any, row: Sequence[int] = (), width: int = 0) -> Snapshot:
+    """What :func:`step_event` compares against after the step (taken before the commit):
+    the answer canvas, and the confidence of each masked position when the step's ``row``
+    carries them after its ``width`` tokens (``BlockDecoder.sample``)."""
     if hasattr(state, "emitted"):  # self-speculation
         return ("round", list(state.specs), state.accepted_drafts, len(state.emitted))
-    return ("step", state.tokens[state.prompt_len :])
+    confidence = {}
+    if getattr(state, "report_confidence", False) and len(row) >= width + len(state.masked):
+        base = state.prompt_len
+        confidence = {
+            pos - base: row[width + j] / CONFIDENCE_SCALE for j, pos in enumerate(state.masked)
+        }
+    return ("step", state.tokens[state.prompt_len :], confidence)
 
 
 def step_event(state: Any, before: Snapshot, piece: Callable[[int], str]) -> dict[str, Any]:
@@ -273,18 +283,24 @@ def step_event(state: Any, before: Snapshot, piece: Callable[[int], str]) -> dic
             "emitted": [piece(t) for t in state.emitted[emitted_before:]],
         }
         return event
-    _, old = before
+    _, old, confidence = before
     new = state.tokens[state.prompt_len :]
     mask_id = state.mask_id
+    changed = [i for i, (a, t) in enumerate(zip(old, new, strict=True)) if a != t]
     event |= {
         "step": state.nfe,
         "block": state.block,
-        "commits": [
-            [i, t, piece(t)] for i, (a, t) in enumerate(zip(old, new, strict=True)) if a != t
-        ],
+        "commits": [[i, new[i], piece(new[i])] for i in changed],
+        # The confidence each commit was made with (its rule's metric), beside ``commits``;
+        # None for a token no masked position's rule committed (a block's seed).
+        "confidences": [_rounded(confidence.get(i)) for i in changed],
         "masked": sum(t == mask_id for t in new),
     }
     return event
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def start_event(state: Any) -> dict[str, Any]:
