@@ -53,6 +53,10 @@ def serve(config: ServerConfig) -> None:
     )
     server = DrainingServer(uv_config, engine, app.state.lifecycle, config.shutdown_timeout)
     server.run()
+    if engine.dead is not None:
+        # The engine stopped for good (a device fault): a non-zero status makes Docker or
+        # Kubernetes restart the server, which a zombie answering 503 would never get.
+        sys.exit(1)
 
 
 def _load(config: ServerConfig) -> LoadedModel | None:

@@ -8,6 +8,10 @@ uvicorn close connections and run the lifespan shutdown. The process exits 0.
 A second signal ends the wait: whatever is still running is aborted now, with the same errors,
 and the shutdown goes on as above (the engine thread is stopped before the process exits, so
 no torch work is cut off mid-kernel). A third signal exits at once, with status 1.
+
+An engine that stops for good (a device fault; every request has had its final error by then)
+makes the server answer 503 for :data:`FAILURE_GRACE_S`, so that probes see it, then shut
+down; ``serving.serve`` exits with status 1.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # sse-starlette would end every open stream at the first signal; we drain them ourselves.
 AppStatus.disable_automatic_graceful_drain()
+# How long a server whose engine died keeps answering 503 before it exits.
+FAILURE_GRACE_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -43,6 +49,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
         self._hurry = asyncio.Event()  # set by the second signal: stop waiting, abort now
+        engine.on_dead.append(self._engine_died)
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -72,6 +79,27 @@ class DrainingServer(uvicorn.Server):
             logger.warning("shutdown: third signal, exiting now")
             logging.shutdown()
             os._exit(1)
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """Engine thread: the engine stopped for good. Shut the server down (it can serve
+        nothing), after a short grace in which every request and probe gets a 503."""
+        loop = self._loop
+        if loop is None:  # not serving yet: nothing to answer
+            self.should_exit = True
+            return
+        loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self._fail(exc)), context=contextvars.Context()
+        )
+
+    async def _fail(self, exc: BaseException) -> None:
+        logger.critical(
+            "the engine stopped (%s); answering 503 and exiting with status 1 in %.1f s",
+            exc, FAILURE_GRACE_S,
+        )  # fmt: skip
+        self.lifecycle.draining = True  # type: ignore[attr-defined]
+        await asyncio.sleep(FAILURE_GRACE_S)
+        AppStatus.should_exit = True
+        self.should_exit = True
 
     async def _drain(self) -> None:
         self.lifecycle.draining = True  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
@@ -58,11 +58,18 @@ from dllm_serve.engine.scheduler import (
     pool_slots,
 )
 from dllm_serve.engine.tokenizer_pool import TokenizerPool
+from dllm_serve.models.errors import DeviceFault, is_device_fault
 from dllm_serve.models.loader import LoadedModel, decode_answer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "KVCapacityError", "QueueFullError"]
+__all__ = [
+    "AsyncEngine",
+    "DeviceFault",
+    "EngineDeadError",
+    "KVCapacityError",
+    "QueueFullError",
+]
 
 
 class EngineDeadError(RuntimeError):
@@ -102,6 +109,9 @@ class AsyncEngine:
         self.inbox = Inbox()
         self.outbox = Outbox()
         self._dead: BaseException | None = None
+        # Called on the engine thread once it has stopped for good (``_run``), after every
+        # request got its final output: the server exits non-zero through one of these.
+        self.on_dead: list[Callable[[BaseException], None]] = []
         # Set by each admission pass: the head of the queue waits for KV-pool room, so free
         # running slots do not help the queue now.
         self._kv_blocked = False
@@ -124,6 +134,12 @@ class AsyncEngine:
     def default_gen_length(self) -> int:
         """The canvas of a request that sets no max_tokens: the model's own, else 128."""
         return self.loaded.default_gen_length or DEFAULT_GEN_LENGTH
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the engine thread stopped for good (None while it serves, or after a clean
+        shutdown)."""
+        return self._dead
 
     @property
     def is_alive(self) -> bool:
@@ -299,14 +315,23 @@ class AsyncEngine:
             with torch.inference_mode():
                 while self.step():
                     pass
-        except BaseException as exc:  # a bug in the loop itself: fail everyone, report dead
-            logger.exception("engine loop died")
+        except BaseException as exc:  # a device fault, or a bug in the loop itself
+            if isinstance(exc, DeviceFault):
+                logger.critical("device fault, the engine stops: %s", exc.__cause__ or exc)
+            else:
+                logger.exception("engine loop died")
             self._dead = exc
         finally:
             reason = "engine stopped" if self._dead is None else f"engine died: {self._dead!r}"
             for request in self.inbox.drain(self.scheduler):
-                self._fail(request, "error", reason)
+                try:
+                    self._fail(request, "error", reason)
+                except Exception:  # one failing hand-off must not cost the others theirs
+                    logger.exception("final output of %s lost", request.request_id)
             self.outbox.flush()
+            if self._dead is not None:
+                for callback in self.on_dead:
+                    callback(self._dead)
 
     def step(self) -> bool:
         """One iteration: every running request advances by exactly one step. Returns False
@@ -342,6 +367,8 @@ class AsyncEngine:
             # The step's one device→host copy: every row's commits or verdicts.
             host = self.algorithm.sample(states, logits).tolist()
         except Exception as exc:
+            if is_device_fault(exc):  # nothing can run on this device any more
+                raise DeviceFault(f"{type(exc).__name__}: {exc}") from exc
             for request in rows:
                 self._fail_exc(request, exc, "forward")
             return
@@ -370,7 +397,13 @@ class AsyncEngine:
         pool = self.runner.pool
         self._kv_blocked = False
         for request in self.scheduler.admit():
-            need = self.kv.need(len(request.prompt_ids), request.params)
+            # A request popped from the queue is in no list until it runs: whatever fails from
+            # here on must finish it, or it would never get an output.
+            try:
+                need = self.kv.need(len(request.prompt_ids), request.params)
+            except Exception as exc:
+                self._fail_exc(request, exc, "admission")
+                continue
             span = None
             if need and pool is not None:
                 span = pool.allocate(need)

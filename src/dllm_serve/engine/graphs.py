@@ -38,6 +38,7 @@ import torch
 
 from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.decoding.sampler import staged
+from dllm_serve.models.errors import is_device_fault
 from dllm_serve.models.flat_batch import AttnGroup, FlatBatch, prefix_keys
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.lora import PhaseHooks
@@ -224,6 +225,8 @@ class GraphRunner:
         model.rope(torch.zeros(1, dtype=torch.long, device=device), self.max_context)
         self._rope_tables = list(model._rope_tables.values())
         self.graphs: dict[GraphKey, StaticForward] = {}
+        # Shapes whose capture failed run eagerly from then on: a capture is never retried.
+        self.failed: set[GraphKey] = set()
         self._pool_handle = torch.cuda.graph_pool_handle() if capture else None
         self._full_logged = False
         self.replays = 0  # steps served by a static forward (tests, benchmarks)
@@ -233,7 +236,9 @@ class GraphRunner:
 
     def static_for(self, key: GraphKey, rows: list[RowSpec]) -> StaticForward | None:
         """The filled static forward of ``key`` (captured now if new), or None when the cache
-        of shapes is full (the step then runs eagerly)."""
+        of shapes is full or this shape failed to capture (the step then runs eagerly)."""
+        if key in self.failed:
+            return None
         static = self.graphs.get(key)
         if static is None:
             if len(self.graphs) >= MAX_GRAPHS:
@@ -247,6 +252,15 @@ class GraphRunner:
                 self._phase(key)
                 try:
                     static.capture(self._pool_handle)
+                except Exception as exc:
+                    if is_device_fault(exc):
+                        raise  # the device itself failed: not a shape to run eagerly
+                    self.failed.add(key)
+                    logger.warning(
+                        "capturing the graph of %s failed (%s: %s); that shape runs eagerly",
+                        key, type(exc).__name__, exc,
+                    )  # fmt: skip
+                    return None
                 finally:
                     self.hooks.after_graph()
             self.graphs[key] = static

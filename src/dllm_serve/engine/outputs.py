@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dllm_serve.decoding.blocks import CONFIDENCE_SCALE
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +226,10 @@ class Outbox:
         tests, the offline LLM) ``sink`` runs now, on the engine thread, and must return at
         once."""
         if loop is None:
-            sink(output)
+            try:
+                sink(output)
+            except Exception:  # the consumer's fault: the engine and the other rows go on
+                logger.exception("a synchronous output sink raised")
         else:
             self._items.setdefault(loop, []).append((sink, output))
 
