@@ -202,7 +202,7 @@ def plain_run(
                 need = engine.kv.need(len(prompt), params)
                 if need:
                     assert runner.pool is not None
-                    state.kv = runner.pool.allocate(need)
+                    state.kv = runner.pool.reserve(need)
                     assert state.kv is not None, "the pool holds every running request"
                 scheduler.running.append(_PlainRow(state, params))  # type: ignore[arg-type]
             for group in scheduler.groups():

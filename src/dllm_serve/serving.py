@@ -52,6 +52,7 @@ def serve(config: ServerConfig) -> None:
         loop="asyncio",
     )
     server = DrainingServer(uv_config, engine, app.state.lifecycle, config.shutdown_timeout)
+    engine.on_dead.append(server.engine_died)
     server.run()
     if engine.dead is not None:
         # The engine stopped for good (a device fault): a non-zero status makes Docker or

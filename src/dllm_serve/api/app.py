@@ -84,7 +84,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.state.config = config
     app.state.lifecycle = lifecycle
     metrics = Metrics(
-        lambda: engine.num_running, lambda: engine.num_waiting, lambda: engine.kv_cache_bytes
+        lambda: engine.num_running,
+        lambda: engine.num_waiting,
+        lambda: engine.kv_cache_bytes,
+        lambda: engine.kv_pages,
     )
     engine.observer = metrics
     app.state.metrics = metrics

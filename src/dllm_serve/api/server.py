@@ -49,7 +49,6 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
         self._hurry = asyncio.Event()  # set by the second signal: stop waiting, abort now
-        engine.on_dead.append(self._engine_died)
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -80,7 +79,7 @@ class DrainingServer(uvicorn.Server):
             logging.shutdown()
             os._exit(1)
 
-    def _engine_died(self, exc: BaseException) -> None:
+    def engine_died(self, exc: BaseException) -> None:
         """Engine thread: the engine stopped for good. Shut the server down (it can serve
         nothing), after a short grace in which every request and probe gets a 503."""
         loop = self._loop

@@ -66,7 +66,7 @@ from dllm_serve.decoding.sampler import (
     target_probs,
     to_device,
 )
-from dllm_serve.models.kv_pool import KVSpan
+from dllm_serve.models.kv_pool import KVPages
 
 PREFILL, DECODE, WRITE = "prefill", "decode", "write"  # block diffusion's phases
 CONFIDENCE_SCALE = 1_000_000  # a reported confidence's unit in a step's integer result
@@ -107,7 +107,7 @@ class DenoiseState:
     stop_at: int | None = None  # answer index of the first stop id in that prefix
     finished: bool = False
     finish_reason: str | None = None
-    kv: KVSpan | None = None
+    kv: KVPages | None = None
     drafted: int | None = None  # self-speculation counters (not used by diffusion decoding)
     accepted_drafts: int | None = None
     # Masked positions past the active block that a forward includes (None: the whole canvas,

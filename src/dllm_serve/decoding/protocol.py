@@ -26,7 +26,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.models.kv_pool import KVSpan
+from dllm_serve.models.kv_pool import KVPages
 
 # ---- rows of a forward -------------------------------------------------------------------------
 
@@ -50,7 +50,7 @@ class RowSpec:
     KV: with ``kv`` (the request's span in the KV pool) the row's queries also attend to the
     span's cached prefix, positions ``[0, start)`` — so ``start`` must equal what the span
     holds — and the K/V of all ``tokens`` are written to their slots; the algorithm then says
-    how many of them the request keeps (``KVSpan.length``). Without ``kv`` the row attends to
+    how many of them the request keeps (``KVPages.length``). Without ``kv`` the row attends to
     its own tokens only. ``attention`` applies among the current tokens and towards the prefix:
     CAUSAL sees every earlier position, BIDIRECTIONAL sees all of them.
 
@@ -61,7 +61,7 @@ class RowSpec:
     start: int
     logits_at: list[int]
     attention: AttentionKind = AttentionKind.BIDIRECTIONAL
-    kv: KVSpan | None = None
+    kv: KVPages | None = None
     block: int = 0  # the block size of BLOCK_CAUSAL attention
     # The draft weight view (a tri-mode model's draft-only LoRA applies to this row's tokens);
     # False: base weights. A property of the phase, never of the request.
@@ -162,7 +162,7 @@ class DecodeState(Protocol):
     block: int
     finished: bool
     finish_reason: str | None
-    kv: KVSpan | None
+    kv: KVPages | None
     drafted: int | None  # self-speculation only (None for diffusion decoding)
     accepted_drafts: int | None
 

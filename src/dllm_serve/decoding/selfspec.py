@@ -68,7 +68,7 @@ from dllm_serve.decoding.sampler import (
     to_device,
     writable,
 )
-from dllm_serve.models.kv_pool import KVSpan
+from dllm_serve.models.kv_pool import KVPages
 
 # ---- the state every self-speculative request shares -------------------------------------------
 
@@ -93,7 +93,7 @@ class SelfSpecState:
     params: DecodingParams
     generator: torch.Generator | None
     stop_ids: tuple[int, ...]
-    kv: KVSpan | None = None
+    kv: KVPages | None = None
     specs: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
     generated: int = 0  # tokens counted against max tokens (gen_length), stop id included

@@ -49,6 +49,7 @@ from dllm_serve.engine.outputs import (
 )
 from dllm_serve.engine.request import Request
 from dllm_serve.engine.scheduler import (
+    MAX_BYPASS,
     Aborts,
     Inbox,
     KVBudget,
@@ -180,8 +181,14 @@ class AsyncEngine:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the KV pool held by running requests (read by the metrics scrape)."""
+        """Bytes of the KV pool reserved by running requests (read by the metrics scrape)."""
         return self.kv.reserved_bytes
+
+    @property
+    def kv_pages(self) -> tuple[int, int]:
+        """(pages requests hold now, pages in the pool); (0, 0) without a pool."""
+        pool = self.runner.pool
+        return (0, 0) if pool is None else (pool.pages_used, pool.num_pages)
 
     def generate(
         self,
@@ -388,42 +395,54 @@ class AsyncEngine:
                 self._fail(request, "timeout", "the request exceeded its time limit")
 
     def _admit(self) -> None:
-        """Start waiting requests, in order, while slots and KV budget allow.
+        """Start waiting requests, in order, while running slots and the KV pool allow.
 
-        A request whose worst-case KV does not fit now waits (and so does everyone behind it:
-        first come, first served); one that could never fit the whole pool was refused at
-        submission (``KVCapacityError``).
+        A request whose worst-case KV does not fit the unreserved pages now waits, and the
+        requests behind it that do fit may start before it — at most
+        :data:`~dllm_serve.engine.scheduler.MAX_BYPASS` of them, after which everyone waits
+        for it (running requests always finish and give their pages back, so it starts).
+        One that could never fit the whole pool was refused at submission
+        (``KVCapacityError``).
         """
         pool = self.runner.pool
         self._kv_blocked = False
-        for request in self.scheduler.admit():
-            # A request popped from the queue is in no list until it runs: whatever fails from
-            # here on must finish it, or it would never get an output.
-            try:
-                need = self.kv.need(len(request.prompt_ids), request.params)
-            except Exception as exc:
-                self._fail_exc(request, exc, "admission")
-                continue
-            span = None
-            if need and pool is not None:
-                span = pool.allocate(need)
-                if span is None:
-                    self.scheduler.requeue(request)
-                    self._kv_blocked = True
-                    return
-            try:
-                request.state = self.algorithm.init_state(
-                    request.prompt_ids, request.params, self.loaded.device
-                )
-            except Exception as exc:
-                if span is not None and pool is not None:
-                    pool.free(span)
-                self._fail_exc(request, exc, "admission")
-                continue
-            request.state.kv = span
-            if request.trace and hasattr(request.state, "report_confidence"):
-                request.state.report_confidence = True  # commit confidences for the trace
-            self.scheduler.run(request)
+        blocked: list[Request] = []  # popped, but waiting for pages: back at the head, in order
+        try:
+            for request in self.scheduler.admit():
+                if blocked and blocked[0].bypassed >= MAX_BYPASS:
+                    blocked.append(request)  # the head has waited long enough: nobody passes
+                    break
+                # A request popped from the queue is in no list until it runs: whatever fails
+                # from here on must finish it, or it would never get an output.
+                try:
+                    need = self.kv.need(len(request.prompt_ids), request.params)
+                except Exception as exc:
+                    self._fail_exc(request, exc, "admission")
+                    continue
+                span = None
+                if need and pool is not None:
+                    span = pool.reserve(need)
+                    if span is None:
+                        blocked.append(request)
+                        self._kv_blocked = True
+                        continue
+                try:
+                    request.state = self.algorithm.init_state(
+                        request.prompt_ids, request.params, self.loaded.device
+                    )
+                except Exception as exc:
+                    if span is not None and pool is not None:
+                        pool.free(span)
+                    self._fail_exc(request, exc, "admission")
+                    continue
+                request.state.kv = span
+                if request.trace and hasattr(request.state, "report_confidence"):
+                    request.state.report_confidence = True  # commit confidences for the trace
+                self.scheduler.run(request)
+                if blocked:
+                    blocked[0].bypassed += 1
+        finally:
+            self.scheduler.waiting.extendleft(reversed(blocked))
 
     def _prepare(self, group: list[Request]) -> tuple[list[Request], list[RowSpec]]:
         """Each row's tokens and logit positions (the rows whose ``prepare`` succeeded)."""
@@ -451,6 +470,8 @@ class AsyncEngine:
             try:
                 before = snapshot(state, row, width) if request.trace else None
                 result = commit([state], [row])[0]
+                if state.kv is not None and not result.finished:
+                    self.runner.pool.trim(state.kv)  # pages past what the request keeps
                 events = None
                 if before is not None:
                     events = (step_event(state, before, self._piece),)

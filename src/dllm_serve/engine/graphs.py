@@ -14,11 +14,11 @@ A graph is keyed by :class:`GraphKey`: the batch rounded up to a bucket of rows,
 attention kind, the keys per row rounded up to ``CONTEXT_QUANTUM`` and the logits per row
 rounded up to a power of two, and the phase's weight view (``draft``). Its inputs are static
 tensors filled by one host→device copy per step: token ids, positions, KV slots to write,
-logit positions, and each row's span start and prefix length — the key slots and the
+logit positions, and each row's page table and prefix length — the key slots and the
 attention mask (``[rows, 1, q, S]``: a row sees its prefix and, causal or not, its own tokens)
 are computed *inside* the graph from the last two, so no ``[L, L]`` tensor is ever built on
 the host. Rows of the bucket past the real ones are padding: token 0 at positions ``0..q−1``,
-writing and reading their K/V in the pool's scratch slots, never a request's.
+writing and reading their K/V in the pool's scratch pages, never a request's.
 
 Phases (:class:`~dllm_serve.models.lora.PhaseHooks`): a graph of draft rows is captured and
 replayed with the draft weight view set (``before_draft``), any other with the base view
@@ -104,19 +104,24 @@ class StaticForward:
         self.model = model
         self.pool = pool
         b, q, w = key.rows, key.q_len, key.width
+        self.pages = pool.pages_for(key.context)  # page-table entries per row
+        p = self.pages
         # One int64 buffer for every per-step input: a single host→device copy fills it.
-        self.inputs = torch.zeros(3 * b * q + b * w + 2 * b, dtype=torch.long, device=device)
-        views = self.inputs.split([b * q, b * q, b * q, b * w, b, b])
+        self.inputs = torch.zeros(3 * b * q + b * w + b * p + b, dtype=torch.long, device=device)
+        views = self.inputs.split([b * q, b * q, b * q, b * w, b * p, b])
         self.input_ids, self.positions, self.slot_mapping, self.logits_index = views[:4]
-        self.base, self.prefix = views[4:]
+        self.table, self.prefix = views[4].view(b, p), views[5]
         self.cols = torch.arange(key.context, device=device)
         self.query = torch.arange(q, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
-        # Padding rows: positions 0..q-1 in the scratch slots, prefix 0 (they see only
+        # Padding rows: positions 0..q-1 in the scratch pages, prefix 0 (they see only
         # themselves); the same for every padding row (their K/V are never read by anyone).
         scratch = pool.scratch_start
-        self._pad_row = ([0] * q, list(range(q)), list(range(scratch, scratch + q)))
+        first = scratch // pool.page_size
+        used = pool.pages_for(q)
+        table = [first + i for i in range(used)] + [pool.zero_page] * (p - used)
+        self._pad_row = ([0] * q, list(range(q)), list(range(scratch, scratch + q)), table)
 
     def fill(self, rows: list[RowSpec]) -> None:
         """Write this step's rows into the static inputs (one host→device copy)."""
@@ -125,38 +130,43 @@ class StaticForward:
         positions: list[int] = []
         slots: list[int] = []
         index: list[int] = []
-        bases: list[int] = []
+        tables: list[int] = []
         prefixes: list[int] = []
+        p, zero_page = self.pages, self.pool.zero_page
         for r, row in enumerate(rows):
-            assert row.kv is not None
+            kv = row.kv
+            assert kv is not None
             ids.extend(row.tokens)
             positions.extend(range(row.start, row.start + q))
-            slots.extend(range(row.kv.start + row.start, row.kv.start + row.start + q))
+            slots.extend(kv.slots(row.start, row.start + q))
             offset = r * q
             index.extend(map(offset.__add__, row.logits_at))
             # Past a row's own outputs, repeat its first (as the eager runner pads).
             index.extend([offset + row.logits_at[0]] * (key.width - len(row.logits_at)))
-            bases.append(row.kv.start)
+            tables.extend(kv.pages[:p])
+            tables.extend([zero_page] * (p - min(p, len(kv.pages))))
             prefixes.append(row.start)
         padding = key.rows - len(rows)
-        pad_ids, pad_positions, pad_slots = self._pad_row
+        pad_ids, pad_positions, pad_slots, pad_table = self._pad_row
         ids.extend(pad_ids * padding)
         positions.extend(pad_positions * padding)
         slots.extend(pad_slots * padding)
         index.extend([0] * (key.width * padding))
-        bases.extend([self.pool.scratch_start] * padding)
+        tables.extend(pad_table * padding)
         prefixes.extend([0] * padding)
         host = torch.frombuffer(
-            array("q", ids + positions + slots + index + bases + prefixes), dtype=torch.long
+            array("q", ids + positions + slots + index + tables + prefixes), dtype=torch.long
         )
         self.inputs.copy_(staged(host, self.inputs.device), non_blocking=True)
 
     def forward(self) -> torch.Tensor:
         """The padded forward over the static inputs: logits ``[rows·width, V]``."""
         key = self.key
+        pool = self.pool
         kv_slots, mask = prefix_keys(
-            self.base, self.prefix, self.cols, self.query, key.causal, self.pool.zero_slot
-        )
+            self.table, self.prefix, self.cols, self.query, key.causal, pool.zero_slot,
+            pool.page_size,
+        )  # fmt: skip
         group = AttnGroup(0, key.rows, key.q_len, kv_slots=kv_slots, mask=mask)
         batch = FlatBatch(
             self.input_ids,

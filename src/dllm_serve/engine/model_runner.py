@@ -38,7 +38,7 @@ from dllm_serve.engine.parallel.vocab import (
     gather_parts,
     reduce_greedy,
 )
-from dllm_serve.models.flat_batch import AttnGroup, FlatBatch, prefix_keys
+from dllm_serve.models.flat_batch import AttnGroup, FlatBatch, page_slots, prefix_keys
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.lora import PhaseHooks, weight_view_hooks
 from dllm_serve.models.transformer import DecoderTransformer
@@ -129,7 +129,18 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
     def build(self, rows: list[RowSpec]) -> tuple[FlatBatch, int]:
         """The flat batch of ``rows`` and ``M`` (logits per row after padding)."""
+        self._take_pages(rows)
         return self.packer.build(rows)
+
+    def _take_pages(self, rows: list[RowSpec]) -> None:
+        """Pages for every position the rows write. Rank 0 allocates; under tensor parallelism
+        the workers take the page tables as they come with the rows, so their pools stay in
+        step."""
+        pool = self.pool
+        if pool is not None and (self.tp is None or self.tp.rank == 0):
+            for row in rows:
+                if row.kv is not None:
+                    pool.grow(row.kv, row.start + len(row.tokens))
 
     def run(self, rows: list[RowSpec]) -> torch.Tensor | VocabShardedLogits:
         """Logits ``[len(rows), M, V]`` for one step (see the module docstring). Under tensor
@@ -140,6 +151,7 @@ class ModelRunner:
             # more than a small step's whole sampler, so only other callers pay for it here.
             with torch.inference_mode():
                 return self.run(rows)
+        self._take_pages(rows)  # before the rows go to the workers or into a graph
         if self.tp is None:
             graphs = self.graphs
             if graphs is not None and (key := graphs.key_for(rows)) is not None:
@@ -245,7 +257,7 @@ class _Group:
     causal: bool
     cached: bool  # the rows read a cached prefix from the KV pool
     rows: int = 1
-    bases: list[int] = field(default_factory=list)  # each row's span start (cached groups)
+    tables: list[list[int]] = field(default_factory=list)  # each row's pages (cached groups)
     prefixes: list[int] = field(default_factory=list)  # each row's cached prefix length
 
 
@@ -287,10 +299,10 @@ class BatchPacker:
             kv = row.kv
             if any_kv:
                 if kv is None:
-                    raise ValueError("rows with and without a KV span cannot share a forward")
-                if end > kv.capacity:
-                    raise ValueError(f"a row of {end} tokens overflows its KV span")
-                slots.extend(range(kv.start + row.start, kv.start + end))
+                    raise ValueError("rows with and without a KV cache cannot share a forward")
+                if end > len(kv.pages) * kv.page_size:
+                    raise ValueError(f"a row of {end} tokens has pages for fewer")
+                slots.extend(kv.slots(row.start, end))
             if row.draft:
                 draft.extend(range(offset, offset + n))
             # ``map`` over a bound add runs in C: no Python frame per requested position.
@@ -309,9 +321,8 @@ class BatchPacker:
                 if key is None:
                     block_rows[len(groups) - 1] = row
             last_key = key
-            if cached:
-                assert kv is not None
-                groups[-1].bases.append(kv.start)
+            if kv is not None and (cached or key is None):
+                groups[-1].tables.append(kv.pages)
                 groups[-1].prefixes.append(row.start)
             offset += n
         t = len(ids)
@@ -341,20 +352,34 @@ class BatchPacker:
         if not g.cached:
             return AttnGroup(g.start, g.rows, g.q_len, is_causal=g.causal)
         # Keys: each row's prefix then its current tokens, gathered from the pool.
+        pool = self.pool
+        assert pool is not None
         longest = max(g.prefixes) + g.q_len
-        packed = to_device(g.bases + g.prefixes, self.device, torch.long)
-        base, prefix = packed[: g.rows], packed[g.rows :]
+        table, prefix = self._tables(g, pool.pages_for(longest), pool.zero_page)
         cols = torch.arange(longest, device=self.device)
         query = torch.arange(g.q_len, device=self.device)
         if len(set(g.prefixes)) == 1:
             mask = None
             if g.causal:  # lower-right causal: query i sees keys j <= prefix + i ([q_len, S])
                 mask = cols[None, :] <= (query + g.prefixes[0])[:, None]
-            kv_slots = base[:, None] + cols[None, :]
+            kv_slots = page_slots(table, cols, pool.page_size)
             return AttnGroup(g.start, g.rows, g.q_len, kv_slots=kv_slots, mask=mask)
-        assert self.pool is not None
-        kv_slots, mask = prefix_keys(base, prefix, cols, query, g.causal, self.pool.zero_slot)
+        kv_slots, mask = prefix_keys(
+            table, prefix, cols, query, g.causal, pool.zero_slot, pool.page_size
+        )
         return AttnGroup(g.start, g.rows, g.q_len, kv_slots=kv_slots, mask=mask)
+
+    def _tables(self, g: _Group, width: int, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's page tables ``[rows, width]`` (past a row's pages: ``fill``) and its
+        rows' prefix lengths ``[rows]``, in one host→device copy."""
+        flat: list[int] = []
+        for pages in g.tables:
+            flat.extend(pages[:width])
+            flat.extend([fill] * (width - min(width, len(pages))))
+        flat.extend(g.prefixes)
+        packed = to_device(flat, self.device, torch.long)
+        rows = len(g.tables)
+        return packed[: rows * width].view(rows, width), packed[rows * width :]
 
     def _block_causal(self, g: _Group, row: RowSpec) -> AttnGroup:
         """One block-causal row: query at position p sees key q iff block(q) <= block(p).
@@ -367,6 +392,8 @@ class BatchPacker:
         mask = (keys[None, :] // row.block) <= (queries[:, None] // row.block)
         if not g.cached:
             return AttnGroup(g.start, g.rows, g.q_len, mask=mask)
-        first = to_device(g.bases, self.device, torch.long)
-        kv_slots = first[:, None] + keys[None, :]
+        pool = self.pool
+        assert pool is not None
+        table, _ = self._tables(g, pool.pages_for(keys.shape[0]), pool.zero_page)
+        kv_slots = page_slots(table, keys, pool.page_size)
         return AttnGroup(g.start, g.rows, g.q_len, kv_slots=kv_slots, mask=mask)

@@ -33,6 +33,8 @@ class Request:
     loop: asyncio.AbstractEventLoop | None = None  # where ``sink`` runs (None: engine thread)
     trace: bool = False  # one trace event per step in the outputs (engine/outputs.py)
     trace_started: bool = False  # the start event went out (with the first step's)
+    # Requests that started before this one while it waited for KV pages (bounded bypass).
+    bypassed: int = 0
     # Nobody reads the deltas before the end (a non-streamed answer without stop strings):
     # the text is decoded once, when the request finishes, and nothing is sent before.
     final_only: bool = False

@@ -4,11 +4,11 @@ in the KV pool.
 - :class:`Inbox` — the hand-off from other threads (submissions, aborts) to the engine thread.
 - :class:`Scheduler` — ``waiting`` (FIFO) and ``running``; every iteration it picks the rows
   of this step's forwards.
-- :class:`KVBudget` — what a request reserves in the KV pool when it starts. Each request
-  reserves one span for its worst case (``kv_tokens`` of its algorithm); one whose worst case
-  is larger than the whole pool could never run, so it is refused when it is submitted
-  (:class:`KVCapacityError`, an HTTP 400) rather than failing when it reaches the head of the
-  queue.
+- :class:`KVBudget` — what a request reserves in the KV pool when it starts: the pages of its
+  worst case (``kv_tokens`` of its algorithm), taken physically as its context grows. One whose
+  worst case is larger than the whole pool could never run, so it is refused when it is
+  submitted (:class:`KVCapacityError`, an HTTP 400) rather than failing when it reaches the
+  head of the queue.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.protocol import DecodingAlgorithm
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.request import Request
-from dllm_serve.models.kv_pool import KVPool
+from dllm_serve.models.kv_pool import PAGE_SIZE, KVPool
 from dllm_serve.models.loader import LoadedModel
 
 
@@ -105,6 +105,11 @@ class Aborts:
 # ---- waiting and running -----------------------------------------------------------------------
 
 
+# How many later requests may start before a request that waits for KV pages at the head of
+# the queue: small requests are not held up by a large one, and the large one does not starve.
+MAX_BYPASS = 16
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at its limit; the request is refused (HTTP 429)."""
 
@@ -130,10 +135,6 @@ class Scheduler:
         """Yield waiting requests that fit; the caller initialises them and calls :meth:`run`."""
         while self.waiting and len(self.running) < self.config.max_running_requests:
             yield self.waiting.popleft()
-
-    def requeue(self, request: Request) -> None:
-        """Put a request :meth:`admit` yielded back at the head of the queue (it must wait)."""
-        self.waiting.appendleft(request)
 
     def run(self, request: Request) -> None:
         self.running.append(request)
@@ -199,18 +200,25 @@ def pool_slots(loaded: LoadedModel, config: EngineConfig, algorithm: DecodingAlg
                 "--kv-cache-memory (LLaDA and Dream keep one with --kv-cache prefix); omit the flag"
             )
         return 0
-    most = config.max_running_requests * longest
+    # Whole pages: each request reserves its worst case rounded up to pages.
+    most = config.max_running_requests * _whole_pages(longest)
     slots = ModelRunner.pool_slots(loaded.model, loaded.device, config.kv_cache_memory, most)
+    slots -= slots % PAGE_SIZE
     # The smallest request (one prompt token, one answer token, the decoding's scratch): a
     # pool that cannot hold it would start healthy and refuse every request.
     smallest = algorithm.kv_tokens(1, DecodingParams(gen_length=1))
-    if slots < smallest:
+    if slots < _whole_pages(smallest):
         raise ValueError(
-            f"--kv-cache-memory leaves room for {slots} KV slots, fewer than the smallest "
-            f"request needs ({smallest}: one prompt token, one answer token and the decoding's "
-            "scratch)"
+            f"--kv-cache-memory leaves room for {slots} KV slots (pages of {PAGE_SIZE}), fewer "
+            f"than the smallest request needs ({smallest}: one prompt token, one answer token "
+            "and the decoding's scratch)"
         )
     return slots
+
+
+def _whole_pages(tokens: int) -> int:
+    """``tokens`` rounded up to whole pages."""
+    return -(-tokens // PAGE_SIZE) * PAGE_SIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,11 +230,15 @@ class KVBudget:
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes of the pool held by running requests (0 when idle or without a pool); read
-        from other threads (metrics scrape): one integer read under the GIL."""
+        """Bytes of the pool reserved by running requests (0 when idle or without a pool);
+        read from other threads (metrics scrape): one integer read under the GIL."""
         if self.pool is None:
             return 0
-        return self.pool.used * (self.pool.nbytes // self.pool.slots)
+        return self.pool.reserved_pages * self.pool.page_size * self.bytes_per_slot
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return 0 if self.pool is None else self.pool.nbytes // self.pool.slots
 
     def need(self, prompt_tokens: int, params: DecodingParams) -> int:
         """Slots a request reserves when it starts (0 without a pool)."""
@@ -237,20 +249,20 @@ class KVBudget:
     def check(self, prompt_tokens: int, params: DecodingParams) -> None:
         """Raise :class:`KVCapacityError` for a request the whole pool cannot hold."""
         need = self.need(prompt_tokens, params)
-        if self.pool is not None and need > self.pool.slots:
+        if self.pool is not None and self.pool.pages_for(need) > self.pool.num_pages:
             raise KVCapacityError(
                 f"the request needs {need} KV-cache slots (its prompt, max tokens and decoding "
                 f"scratch), but the KV cache holds {self.pool.slots}"
             )
 
     def startable(self, queue: Sequence[Request]) -> int:
-        """How many of ``queue``, in order, the free pool can hold (free-slot count only: a
-        fragmented pool may start fewer, which the admission pass then finds)."""
+        """How many of ``queue``, in order, the unreserved pages can hold (pages need not be
+        contiguous, so this is exactly what admission will find)."""
         if self.pool is None:
             return len(queue)
-        room, starting = self.pool.free_slots, 0
+        room, starting = self.pool.free_pages, 0
         for request in queue:
-            room -= self.need(len(request.prompt_ids), request.params)
+            room -= self.pool.pages_for(self.need(len(request.prompt_ids), request.params))
             if room < 0:
                 break
             starting += 1

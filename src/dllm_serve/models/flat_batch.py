@@ -71,25 +71,34 @@ class FlatBatch:
         return int(self.input_ids.shape[0])
 
 
+def page_slots(table: torch.Tensor, cols: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pool slots ``[rows, S]`` of positions ``cols`` (``arange(S)``) through page tables
+    ``[rows, P]`` (``P * page_size >= S``). Device ops only (a captured graph computes it)."""
+    return table.gather(1, (cols // page_size)[None, :].expand(table.shape[0], -1)) * page_size + (
+        cols % page_size
+    )
+
+
 def prefix_keys(
-    base: torch.Tensor,
+    table: torch.Tensor,
     prefix: torch.Tensor,
     cols: torch.Tensor,
     query: torch.Tensor,
     causal: bool,
     zero_slot: int,
+    page_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Key slots ``[rows, S]`` and mask ``[rows, 1, q, S]`` of rows whose prefixes differ.
 
-    Row ``r`` owns span slots from ``base[r]``; its keys are its ``prefix[r]`` cached tokens,
-    then its ``q`` current ones. Columns past them read the pool's zero slot, masked — never
-    another request's slots, whatever they hold. Causal: key ``j`` is visible to query ``i``
-    iff ``j <= prefix + i``; else every key of the row is. ``cols`` is ``arange(S)``,
-    ``query`` ``arange(q)``. Device ops only (a captured graph computes it, too).
+    Row ``r``'s keys are its ``prefix[r]`` cached tokens, then its ``q`` current ones, at the
+    slots its page table ``table[r]`` gives. Columns past them read the pool's zero slot,
+    masked — never another request's slots, whatever they hold. Causal: key ``j`` is visible to
+    query ``i`` iff ``j <= prefix + i``; else every key of the row is. ``cols`` is
+    ``arange(S)``, ``query`` ``arange(q)``. Device ops only (a captured graph computes it, too).
     """
     q_len = query.shape[0]
     own = cols[None, :] < (prefix + q_len)[:, None]
-    kv_slots = torch.where(own, base[:, None] + cols[None, :], zero_slot)
+    kv_slots = torch.where(own, page_slots(table, cols, page_size), zero_slot)
     if causal:
         limit = prefix[:, None] + query[None, :]
     else:

@@ -180,7 +180,7 @@ def test_serving_path_block_over_its_cached_prefix(tiny: Path) -> None:
         0, ours.config.vocab_size, (lo + b,), generator=torch.Generator().manual_seed(1)
     )
     row = ids.tolist()
-    span = runner.pool.allocate(lo + b)
+    span = runner.pool.reserve(lo + b)
     prefill = RowSpec(row[:lo], 0, list(range(lo)), AttentionKind.BLOCK_CAUSAL, kv=span, block=b)
     first = runner.run([prefill])
     span.length = lo

@@ -103,7 +103,7 @@ def test_block_over_causal_prefix_through_the_kv_pool(nemotron) -> None:
     loaded, ref = nemotron
     runner = ModelRunner(loaded.model, torch.device("cpu"), kv_slots=256)
     assert runner.pool is not None
-    span = runner.pool.allocate(160)
+    span = runner.pool.reserve(160)
     assert span is not None
     p, b = 140, 8
     prompt = ids_at(loaded.vocab_size, p, 11)
