@@ -8,6 +8,7 @@ it: docs/images/playground.png is made this way).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -264,3 +265,33 @@ def test_docs_and_redoc_render_from_local_files(llada_server: RemoteServer, page
     assert page.evaluate("document.querySelectorAll('.opblock').length") >= 5
     page.goto(llada_server.url + "/redoc", "document.querySelector('h1') !== null")
     assert page.evaluate("document.querySelector('h1').textContent").startswith("dllm-serve")
+
+
+def test_docs_try_it_out_executes_the_chat_example(
+    llada_server: RemoteServer, page: Browser
+) -> None:
+    """/docs: "Try it out" then "Execute" on POST /v1/chat/completions, with the body Swagger UI
+    fills in from the schema's example, shows a 200 and the demo's answer."""
+    op = "#operations-openai-chat_completions_v1_chat_completions_post"
+
+    def find(selector: str) -> str:
+        return f"document.querySelector({json.dumps(f'{op} {selector}')})"
+
+    page.goto(llada_server.url + "/docs", f"{find('.opblock-summary-control')} !== null")
+    page.evaluate(f"{find('.opblock-summary-control')}.click()")
+    page.wait_for(f"{find('.try-out__btn')} !== null", timeout=10)
+    page.evaluate(f"{find('.try-out__btn')}.click()")
+    page.wait_for(f"{find('textarea.body-param__text')} !== null", timeout=10)
+    body = json.loads(page.evaluate(f"{find('textarea.body-param__text')}.value"))
+    assert body == {
+        "model": "demo-llada",
+        "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+    }
+    page.evaluate(f"{find('.execute')}.click()")
+    status = find(".live-responses-table tbody .response-col_status")
+    page.wait_for(f"{status} !== null", timeout=60)
+    assert page.evaluate(f"{status}.textContent.trim()") == "200"
+    shown = page.evaluate(
+        f"{find('.live-responses-table tbody .response-col_description')}.textContent"
+    )
+    assert '"content": "2 + 2 = 4"' in shown
