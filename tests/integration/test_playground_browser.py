@@ -165,9 +165,16 @@ def test_llada_canvas_denoises_live_in_chromium(
         assert float(title.split(" · confidence ")[1].split(" ")[0]) == conf
         assert colour.startswith("rgb(")
         assert colours.setdefault(conf, colour) == colour  # one confidence, one shade
-    # Different confidences are told apart: the least sure commit is shaded apart from a sure one.
-    assert colours[min(colours)] != colours[max(colours)]
-    assert min(colours) < 0.999 and max(colours) == 1.0
+    # Each shade is the page's colour of that confidence (as the legend's scale draws it), and
+    # confidences a nine apart get different shades, whatever the model answers.
+    shade = (
+        "(c) => { const probe = document.createElement('span');"
+        " probe.style.background = confidenceColor(c); return probe.style.backgroundColor; }"
+    )
+    for conf, colour in colours.items():
+        assert page.evaluate(f"({shade})({conf})") == colour
+    tiers = page.evaluate(f"[0.5, 0.9, 0.99, 0.999, 1].map({shade})")
+    assert len(set(tiers)) == 5
 
     # The chart: one bar per step, as tall as the step's commits.
     bars = page.evaluate(
