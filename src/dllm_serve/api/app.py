@@ -29,7 +29,14 @@ from dllm_serve.api.middleware import (
     Lifecycle,
     RequestIdMiddleware,
 )
-from dllm_serve.api.openapi_docs import error_responses, without_validation_errors
+from dllm_serve.api.openapi_docs import (
+    EXAMPLE_MESSAGES,
+    EXAMPLE_QUESTION,
+    error_responses,
+    request_examples,
+    with_request_examples,
+    without_validation_errors,
+)
 from dllm_serve.api.playground import install_playground
 from dllm_serve.api.protocol import (
     ChatCompletionRequest,
@@ -165,12 +172,31 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     chat_spec, submit, facts = install_completion_routes(app, engine, config, lifecycle, metrics)
     install_playground(app, engine, chat_spec, submit, facts)
-    _register_request_schema(app)
+    examples = request_examples(engine.model_name, _raw_example_prompt(engine))
+    _register_request_schema(app, examples)
     return app
 
 
-def _register_request_schema(app: FastAPI) -> None:
-    """Publish the request models in /openapi.json (the routes parse the bodies themselves)."""
+def _raw_example_prompt(engine: AsyncEngine) -> str:
+    """The completions example's prompt: the example question in the served model's chat
+    template (a model trained on chat answers it as it answers the chat example), else the
+    bare question. Rendered here, once, before the server takes requests."""
+    tokenizer = engine.loaded.tokenizer
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return str(
+                tokenizer.apply_chat_template(
+                    EXAMPLE_MESSAGES, tokenize=False, add_generation_prompt=True
+                )
+            )
+        except Exception:  # any template error: the bare question still gets a 200
+            pass
+    return EXAMPLE_QUESTION
+
+
+def _register_request_schema(app: FastAPI, examples: dict[str, dict[str, Any]]) -> None:
+    """Publish the request models in /openapi.json (the routes parse the bodies themselves),
+    each request body with its examples."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -182,6 +208,6 @@ def _register_request_schema(app: FastAPI) -> None:
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(defs.pop("$defs", {}))
             components[model.__name__] = defs
-        return without_validation_errors(schema)
+        return with_request_examples(without_validation_errors(schema), examples)
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -117,20 +117,25 @@ def install_playground(
         request_id = request.state.request_id
         outputs = submit(request_id, spec, prompt_ids, spec.stop, trace=True)
         return EventSourceResponse(
-            trace_events(outputs, spec.params.gen_length),
+            trace_events(outputs, spec.params.gen_length, len(prompt_ids)),
             headers={REQUEST_ID_HEADER: request_id},
         )
 
 
 async def trace_events(
-    outputs: AsyncGenerator[RequestOutput, None], canvas_length: int
+    outputs: AsyncGenerator[RequestOutput, None], canvas_length: int, prompt_tokens: int
 ) -> AsyncGenerator[dict[str, str], None]:
-    """The engine's outputs as named server-sent events (see the module docstring)."""
+    """The engine's outputs as named server-sent events (see the module docstring). The
+    ``start`` event also carries ``prompt_tokens``: a block-diffusion model's blocks are
+    counted from the prompt's first token, so the page needs it to draw the answer's blocks."""
     parts: list[str] = []
     async with contextlib.aclosing(outputs):  # a closed stream aborts its request now
         async for output in outputs:
             for event in output.trace or ():
-                yield {"event": event["type"], "data": json.dumps(event)}
+                data = (
+                    event | {"prompt_tokens": prompt_tokens} if event["type"] == "start" else event
+                )
+                yield {"event": event["type"], "data": json.dumps(data)}
             if output.delta_text:
                 parts.append(output.delta_text)
                 yield {"event": "delta", "data": json.dumps({"content": output.delta_text})}

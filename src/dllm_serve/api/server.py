@@ -21,6 +21,7 @@ import contextvars
 import logging
 import os
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -40,12 +41,19 @@ class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first exit signal drains in-flight requests first."""
 
     def __init__(
-        self, config: uvicorn.Config, engine: AsyncEngine, lifecycle: object, timeout: float
+        self,
+        config: uvicorn.Config,
+        engine: AsyncEngine,
+        lifecycle: object,
+        timeout: float,
+        on_started: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
         self.engine = engine
         self.lifecycle = lifecycle
         self.drain_timeout = timeout
+        # Called once the server listens (the start-up log's last line).
+        self.on_started = on_started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
         self._hurry = asyncio.Event()  # set by the second signal: stop waiting, abort now
@@ -53,6 +61,11 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in uvicorn's _captured_signals: re-raising SIGTERM after a clean drain
