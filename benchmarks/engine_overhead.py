@@ -68,8 +68,8 @@ from dllm_serve.engine.graphs import StaticForward
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.scheduler import Scheduler
 from dllm_serve.llm import LLM
+from dllm_serve.models.attention import FlatBatch
 from dllm_serve.models.families.llada import LLADA
-from dllm_serve.models.flat_batch import FlatBatch
 from dllm_serve.models.loader import load_model
 
 

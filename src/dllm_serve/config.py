@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from dllm_serve.decoding.params import DEFAULT_ISD_STRIDE, REQUEST_MODES
 
 KV_CACHE_MODES = ("none", "prefix")
+# auto: FlexAttention on CUDA, SDPA on CPU (where the compiled flex kernel is the slower one).
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,7 @@ class EngineConfig:
     decoding_mode: str | None = None
     # CUDA graphs for the fixed-shape decode steps (engine/graphs.py); CUDA only.
     cuda_graph: bool = True
+    attention_backend: str = "auto"  # see ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
         # Messages name the field; the CLI turns the name into its flag (cli.flag_names).
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError("isd_stride must be >= 1")
         if self.kv_cache_memory is not None and not 0 < self.kv_cache_memory < math.inf:
             raise ValueError("kv_cache_memory must be a finite number of GiB > 0")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}")
         if self.decoding_mode is not None and self.decoding_mode not in REQUEST_MODES:

@@ -58,14 +58,13 @@ from dllm_serve.decoding.params import DecodingParams, request_stop_ids
 from dllm_serve.decoding.protocol import AttentionKind, RowSpec, ShardedLogits, StepResult
 from dllm_serve.decoding.sampler import (
     dense_rows,
-    host_to_device,
     new_generator,
     propose,
     sample_inverse_cdf,
     seed_tokens,
     target_probs,
-    to_device,
 )
+from dllm_serve.models.attention import host_to_device, to_device
 from dllm_serve.models.kv_pool import KVPages
 
 PREFILL, DECODE, WRITE = "prefill", "decode", "write"  # block diffusion's phases

@@ -55,8 +55,9 @@ from dllm_serve.decoding.protocol import (
     ShardedLogits,
     StepResult,
 )
-from dllm_serve.decoding.sampler import select_rows, to_device
+from dllm_serve.decoding.sampler import select_rows
 from dllm_serve.decoding.selfspec import ISDecoder
+from dllm_serve.models.attention import to_device
 from dllm_serve.models.families import FastDLLMFamily
 from dllm_serve.models.loader import LoadedModel
 

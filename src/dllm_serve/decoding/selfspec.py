@@ -65,9 +65,9 @@ from dllm_serve.decoding.sampler import (
     new_generator,
     sample,
     target_probs,
-    to_device,
     writable,
 )
+from dllm_serve.models.attention import to_device
 from dllm_serve.models.kv_pool import KVPages
 
 # ---- the state every self-speculative request shares -------------------------------------------

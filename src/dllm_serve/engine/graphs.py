@@ -37,9 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from dllm_serve.decoding.protocol import AttentionKind, RowSpec
-from dllm_serve.decoding.sampler import staged
+from dllm_serve.models.attention import AttnGroup, FlatBatch, prefix_keys, staged
 from dllm_serve.models.errors import is_device_fault
-from dllm_serve.models.flat_batch import AttnGroup, FlatBatch, prefix_keys
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.lora import PhaseHooks
 from dllm_serve.models.transformer import DecoderTransformer

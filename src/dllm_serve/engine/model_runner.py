@@ -28,7 +28,6 @@ from typing import NoReturn
 import torch
 
 from dllm_serve.decoding.protocol import AttentionKind, RowSpec
-from dllm_serve.decoding.sampler import host_to_device, to_device
 from dllm_serve.engine.graphs import MAX_Q, GraphRunner, StaticForward
 from dllm_serve.engine.parallel.group import TensorParallelGroup, VocabTraffic
 from dllm_serve.engine.parallel.vocab import (
@@ -38,7 +37,17 @@ from dllm_serve.engine.parallel.vocab import (
     gather_parts,
     reduce_greedy,
 )
-from dllm_serve.models.flat_batch import AttnGroup, FlatBatch, page_slots, prefix_keys
+from dllm_serve.models.attention import (
+    KV_BLOCK,
+    AttnGroup,
+    FlatBatch,
+    RowAttention,
+    build_plan,
+    host_to_device,
+    page_slots,
+    prefix_keys,
+    to_device,
+)
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.lora import PhaseHooks, weight_view_hooks
 from dllm_serve.models.transformer import DecoderTransformer
@@ -65,6 +74,7 @@ class ModelRunner:
         graph_max_rows: int = 32,
         capture: bool | None = None,
         mask_id: int | None = None,
+        attention: str = "sdpa",
     ) -> None:
         self.model = model.fuse_projections()
         self.device = device
@@ -76,21 +86,30 @@ class ModelRunner:
         # model's mask id excluded (engine/parallel/vocab.py); rank 0 tells the workers which.
         self.mask_id = mask_id
         if parallel is not None:
-            parallel.send((INIT, kv_slots, mask_id))
+            parallel.send((INIT, kv_slots, mask_id, attention))
         self.pool: KVPool | None = None
         # Fixed-shape decode steps replay static forwards (engine/graphs.py): CUDA graphs
         # on CUDA (``capture``, default there), the same padded forward uncaptured elsewhere.
         # Not for MoE layers (grouped expert GEMMs not yet checked under capture; their fallback
         # reads the expert counts on the host mid-forward) nor under tensor parallelism, and
         # only for algorithms that keep K/V.
-        graphs = cuda_graph and kv_slots > 0 and model.config.moe is None and self.tp is None
+        # The static forwards below read keys through SDPA: with FlexAttention every step
+        # runs eagerly.
+        graphs = (
+            cuda_graph
+            and attention == "sdpa"
+            and kv_slots > 0
+            and model.config.moe is None
+            and self.tp is None
+        )
         if kv_slots > 0:
             cfg, weight = model.config, model.embed_tokens.weight
             self.pool = KVPool(
                 cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_slots,
                 dtype=weight.dtype, device=device, scratch_slots=MAX_Q if graphs else 0,
             )  # fmt: skip
-        self.packer = BatchPacker(device, self.pool)
+        self.attention = attention
+        self.packer = BatchPacker(device, self.pool, attention)
         self.last_batch: FlatBatch | None = None  # the last eager batch, for tests to inspect
         # The weight view per phase (a tri-mode model's draft-only LoRA; models/lora.py).
         # Eager forwards apply it per token from RowSpec.draft; the graph runner calls
@@ -264,9 +283,12 @@ class _Group:
 class BatchPacker:
     """Builds the :class:`FlatBatch` of a step's rows on ``device``."""
 
-    def __init__(self, device: torch.device, pool: KVPool | None) -> None:
+    def __init__(self, device: torch.device, pool: KVPool | None, attention: str = "sdpa") -> None:
+        if attention not in ("flex", "sdpa"):
+            raise ValueError(f"attention backend {attention!r}: flex or sdpa")
         self.device = device
         self.pool = pool
+        self.flex = attention == "flex"
         self._arange = array("q", range(4096))  # positions 0.. as int64, sliced per row
 
     def build(self, rows: list[RowSpec]) -> tuple[FlatBatch, int]:
@@ -286,6 +308,7 @@ class BatchPacker:
         block_rows: dict[int, RowSpec] = {}  # group index → its block-causal row
         last_key: tuple[int, AttentionKind, bool] | None = None
         offset = top = 0
+        flex_rows: list[RowAttention] = []
         for row in rows:
             row.check()
             n = len(row.tokens)
@@ -305,6 +328,8 @@ class BatchPacker:
                 slots.extend(kv.slots(row.start, end))
             if row.draft:
                 draft.extend(range(offset, offset + n))
+            if self.flex:
+                flex_rows.append(_row_attention(row, offset))
             # ``map`` over a bound add runs in C: no Python frame per requested position.
             logits_at.extend(map(offset.__add__, wanted))
             if len(wanted) < width:
@@ -339,6 +364,25 @@ class BatchPacker:
         index_start = (3 if any_kv else 2) * t
         index = packed[index_start : index_start + len(logits_at)]
         draft_index = packed[index_start + len(logits_at) :] if draft else None
+        if self.flex:
+            pool = self.pool if any_kv else None
+            released: list[int] = []
+            if pool is not None:
+                released, pool.released = pool.released, []
+            plan = build_plan(
+                flex_rows,
+                kv_length=pool.k.shape[1] if pool is not None else t,
+                device=self.device,
+                page_owner=pool.page_owner if pool is not None else None,
+                page_index=pool.page_index if pool is not None else None,
+                page_size=pool.page_size if pool is not None else KV_BLOCK,
+                released=released,
+            )
+            batch = FlatBatch(
+                input_ids, pos, [], index, slot_mapping, max_position=top - 1,
+                draft_index=draft_index, flex=plan,
+            )  # fmt: skip
+            return batch, width
         attn = [
             self._block_causal(g, block_rows[i]) if i in block_rows else self._group(g)
             for i, g in enumerate(groups)
@@ -397,3 +441,28 @@ class BatchPacker:
         table, _ = self._tables(g, pool.pages_for(keys.shape[0]), pool.zero_page)
         kv_slots = page_slots(table, keys, pool.page_size)
         return AttnGroup(g.start, g.rows, g.q_len, kv_slots=kv_slots, mask=mask)
+
+
+def _row_attention(row: RowSpec, offset: int) -> RowAttention:
+    """The interval of keys each query of ``row`` sees (FlexAttention): positions in the
+    request's context with a KV cache, flat-token indices of the row's own segment without."""
+    n, start = len(row.tokens), row.start
+    kv = row.kv
+    base = 0 if kv is not None else offset - start  # key index of position 0
+    lo = [base] * n
+    kind = row.attention
+    if kind is AttentionKind.CAUSAL:
+        hi = list(range(base + start + 1, base + start + n + 1))
+    elif kind is AttentionKind.BLOCK_CAUSAL:
+        # A query sees up to the end of its own block (blocks aligned to position 0).
+        b, hi = row.block, []
+        position = start
+        while position < start + n:
+            end = min(start + n, (position // b + 1) * b)
+            hi.extend([base + (position // b + 1) * b] * (end - position))
+            position = end
+    else:
+        hi = [base + start + n] * n
+    if kv is None:
+        return RowAttention(offset, n, lo, hi)
+    return RowAttention(offset, n, lo, hi, owner=kv.id, pages=kv.pages)

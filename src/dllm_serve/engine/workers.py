@@ -134,8 +134,9 @@ def worker_main(
                 break
             if message[0] == INIT:
                 runner = ModelRunner(
-                    loaded.model, loaded.device, kv_slots=message[1], mask_id=message[2]
-                )
+                    loaded.model, loaded.device, kv_slots=message[1], mask_id=message[2],
+                    attention=message[3],
+                )  # fmt: skip
             elif message[0] == RUN:
                 assert runner is not None
                 logits = runner.run(message[1])

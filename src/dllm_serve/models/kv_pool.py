@@ -119,6 +119,14 @@ class KVPool:
         self.zero_page = self.num_pages
         self.scratch_start = self.slots + page_size
         self.scratch_slots = scratch
+        # Every page's owner (a table's id; 0: none) and its index in the owner's table, as the
+        # FlexAttention mask reads them (models/attention.py); kept current by the runner for
+        # the pages of each forward's rows.
+        total_pages = shape[1] // page_size
+        self.page_owner = torch.zeros(total_pages, dtype=torch.int32, device=device)
+        self.page_index = torch.zeros(total_pages, dtype=torch.int32, device=device)
+        # Pages given back since the tables above were last brought up to date.
+        self.released: list[int] = []
         # Free pages as a stack: the most recently freed page is reused first (warm memory).
         self._free = list(range(self.num_pages - 1, -1, -1))
         self.reserved_pages = 0  # pages promised to running requests (their worst cases)
@@ -173,11 +181,14 @@ class KVPool:
         """Give back the pages past ``kv.length``: nothing there is read before it is written."""
         keep = self.pages_for(kv.length)
         while len(kv.pages) > keep:
-            self._free.append(kv.pages.pop())
+            page = kv.pages.pop()
+            self._free.append(page)
+            self.released.append(page)
 
     def free(self, kv: KVPages) -> None:
         """Give back every page and the reservation (a freed table can never be freed twice)."""
         self._free.extend(reversed(kv.pages))
+        self.released.extend(kv.pages)
         kv.pages.clear()
         self.reserved_pages -= kv.reserved
         kv.reserved = kv.length = 0

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm_serve.models.flat_batch import FlatBatch
+from dllm_serve.models.attention import FlatBatch
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.layers import MLP, Attention, Embedding, RMSNorm
 from dllm_serve.models.moe import FP32_PARAMETERS, MoE

@@ -7,7 +7,7 @@ import torch
 
 from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
-from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
+from dllm_serve.models.attention import AttnGroup, FlatBatch
 from dllm_serve.models.kv_pool import KVPages, KVPool
 from dllm_serve.models.rope import RopeScaling
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig

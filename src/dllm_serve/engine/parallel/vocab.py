@@ -55,8 +55,9 @@ import torch
 import torch.distributed as dist
 
 from dllm_serve.decoding.protocol import Proposals
-from dllm_serve.decoding.sampler import argmax, to_device
+from dllm_serve.decoding.sampler import argmax
 from dllm_serve.engine.parallel.group import REDUCE, TensorParallelGroup, VocabTraffic
+from dllm_serve.models.attention import to_device
 from dllm_serve.models.sharding import TPShard
 
 # Columns of a shard's statistics (float64, so token ids up to 2^53 travel exactly).
