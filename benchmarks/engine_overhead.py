@@ -209,9 +209,9 @@ def plain_run(
                 states = [row.state for row in group]
                 specs = [algorithm.prepare(s) for s in states]
                 if runner.graphs is None:  # eager: pack the batch outside the timed part
-                    batch, width = runner.build(specs)
+                    batch, _ = runner.build(specs)
                     started = time.perf_counter()
-                    logits = runner.forward(batch).view(len(specs), width, -1)
+                    logits = runner.step_logits(batch, runner.forward(batch))
                 else:  # graph replays fill their static inputs inside run()
                     started = time.perf_counter()
                     logits = runner.run(specs)

@@ -244,8 +244,8 @@ def measure(
                 del flat
             # Sanity: with the prefix K/V of this very canvas, the cached step's logits are the
             # refresh's (exact up to kernel rounding), else the timing measured a wrong forward.
-            full = runner.run(rows["prefix_refresh"]).float()
-            cached = runner.run(rows["prefix_cache"]).float()
+            full = runner.run(rows["prefix_refresh"]).as_padded().float()
+            cached = runner.run(rows["prefix_cache"]).as_padded().float()
             out["cached_vs_refresh_max_abs_logit_diff"] = round(
                 (full - cached).abs().max().item(), 6
             )

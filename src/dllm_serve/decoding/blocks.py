@@ -55,7 +55,14 @@ from dllm_serve.decoding.commit_rules import (
     topk_commit_rows,
 )
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
-from dllm_serve.decoding.protocol import AttentionKind, RowSpec, ShardedLogits, StepResult
+from dllm_serve.decoding.protocol import (
+    AttentionKind,
+    RowSpec,
+    ShardedLogits,
+    StepLogits,
+    StepResult,
+    as_step_logits,
+)
 from dllm_serve.decoding.sampler import (
     dense_rows,
     new_generator,
@@ -232,7 +239,7 @@ class BlockDecoder:
 
     # ---- the batched step ----------------------------------------------------------------------
     def sample(
-        self, states: Sequence[DenoiseState], logits: torch.Tensor | ShardedLogits
+        self, states: Sequence[DenoiseState], logits: torch.Tensor | ShardedLogits | StepLogits
     ) -> torch.Tensor:
         """Proposals and commits for every row: ``[R, M]`` committed tokens (else ``mask_id``).
 
@@ -243,7 +250,8 @@ class BlockDecoder:
         column ``M + j`` holds the confidence of masked position ``j`` in millionths
         (:data:`CONFIDENCE_SCALE`); the commit reads only the first ``M``.
         """
-        rows, width = logits.shape[0], logits.shape[1]
+        logits = as_step_logits(logits)
+        rows, width = logits.rows, logits.width
         device = logits.device
         counts = [len(s.masked) for s in states]
         topk = [s.schedule[s.step] if s.params.mode == "topk" else -1 for s in states]
@@ -279,7 +287,7 @@ class BlockDecoder:
     def _sample_seeded(
         self,
         states: Sequence[DenoiseState],
-        logits: torch.Tensor | ShardedLogits,
+        logits: torch.Tensor | ShardedLogits | StepLogits,
         seeding: Sequence[bool],
         *,
         sampled: bool,
@@ -287,6 +295,7 @@ class BlockDecoder:
         """:meth:`sample`, with each seeding row's next-block seed in column 0: the argmax of
         its first requested logit (mask id excluded), or with ``sampled`` at T > 0 an exact
         sample of it. Seeds are read before the masked sampler consumes the logits."""
+        logits = as_step_logits(logits)
         if not any(seeding):
             return BlockDecoder.sample(self, states, logits)
         seeds = seed_tokens(logits, self.mask_id)

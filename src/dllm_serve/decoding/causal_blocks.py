@@ -30,7 +30,13 @@ import torch
 
 from dllm_serve.decoding.blocks import PREFILL, BlockDecoder, DenoiseState
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.protocol import AttentionKind, RowSpec, ShardedLogits, StepResult
+from dllm_serve.decoding.protocol import (
+    AttentionKind,
+    RowSpec,
+    ShardedLogits,
+    StepLogits,
+    StepResult,
+)
 
 DENOISE, REFRESH = "denoise", "refresh"  # with PREFILL: what the next forward does
 
@@ -101,7 +107,7 @@ class CausalBlockDiffusionDecoder(BlockDecoder):
         return RowSpec(block, lo, offsets, AttentionKind.BIDIRECTIONAL, kv)
 
     def sample(
-        self, states: Sequence[CausalBlockState], logits: torch.Tensor | ShardedLogits
+        self, states: Sequence[CausalBlockState], logits: torch.Tensor | ShardedLogits | StepLogits
     ) -> torch.Tensor:
         """``[R, M]``: the denoising rows' commits (``mask_id`` where nothing is committed);
         the prefill and refresh rows carry their seed in column 0 (argmax, or an exact sample

@@ -44,7 +44,12 @@ from dllm_serve.decoding.blocks import (
     BlockState,
 )
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.protocol import RowSpec, ShardedLogits, StepResult
+from dllm_serve.decoding.protocol import (
+    RowSpec,
+    ShardedLogits,
+    StepLogits,
+    StepResult,
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -126,7 +131,7 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
         return RowSpec(tokens=state.tokens[lo:hi], start=lo, logits_at=offsets, kv=state.kv)
 
     def sample(
-        self, states: Sequence[BlockState], logits: torch.Tensor | ShardedLogits
+        self, states: Sequence[BlockState], logits: torch.Tensor | ShardedLogits | StepLogits
     ) -> torch.Tensor:
         """The shared sampler's commits, plus each seeding row's next-block token in column 0:
         the argmax of its one logit with the mask id excluded (greedy, as the official loop)."""

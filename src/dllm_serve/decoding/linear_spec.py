@@ -42,7 +42,14 @@ from dataclasses import dataclass
 import torch
 
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
-from dllm_serve.decoding.protocol import AttentionKind, RowSpec, ShardedLogits, StepResult
+from dllm_serve.decoding.protocol import (
+    AttentionKind,
+    RowSpec,
+    ShardedLogits,
+    StepLogits,
+    StepResult,
+    as_step_logits,
+)
 from dllm_serve.decoding.sampler import (
     dense_rows,
     greedy_tokens,
@@ -166,12 +173,12 @@ class LinearSpecDecoder:
         return RowSpec(tokens, kv.length, list(range(len(tokens))), AttentionKind.CAUSAL, kv)
 
     def sample(
-        self, states: Sequence[LinearSpecState], logits: torch.Tensor | ShardedLogits
+        self, states: Sequence[LinearSpecState], logits: torch.Tensor | ShardedLogits | StepLogits
     ) -> torch.Tensor:
         """Tokens ``[R, M]``: argmaxes (mask id excluded) of every requested position; the
         causal positions of rows at T > 0 are exact samples instead. ``logits`` are consumed
         (the mask id's entries are overwritten in place)."""
-        logits = writable(logits)  # greedy_tokens writes in place
+        logits = writable(as_step_logits(logits))  # greedy_tokens writes in place
         sampling = [
             r for r, s in enumerate(states) if s.params.temperature > 0 and s.phase != DRAFT
         ]

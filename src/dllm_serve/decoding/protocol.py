@@ -150,6 +150,103 @@ class ShardedLogits(Protocol):
         ...
 
 
+# ---- a step's logits ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StepLogits:
+    """One step's logits at the requested positions only.
+
+    Dense: ``flat`` ``[N, V]`` holds every row's requested positions back to back, row ``r``'s
+    ``counts[r]`` of them at ``flat[offsets[r] : offsets[r] + counts[r]]`` in the order its
+    :class:`RowSpec` asked for them, so the LM head, the softmax and the argmax run on real
+    positions only; ``index`` ``[R, M]`` (``M`` the most any row asked for) maps row ``r``'s
+    ``j``-th position to its flat index (past a row's own, its first again), to lay the small
+    per-position results (a token, a confidence) out per row for the commit rules.
+
+    Under tensor parallelism ``sharded`` holds the logits instead (``[R, M, V]``, vocabulary
+    split over the ranks; :class:`ShardedLogits`) and ``flat`` is None.
+    """
+
+    flat: torch.Tensor | None
+    counts: list[int]
+    offsets: list[int]
+    index: torch.Tensor | None
+    sharded: ShardedLogits | None = None
+
+    @classmethod
+    def padded(cls, logits: torch.Tensor | ShardedLogits) -> StepLogits:
+        """Logits laid out per row, ``[R, M, V]`` (every row ``M`` positions; a shorter row's
+        tail is padding its algorithm ignores): a graph replay's, or a test's."""
+        rows, width = logits.shape[0], logits.shape[1]
+        counts, offsets = [width] * rows, list(range(0, rows * width, width))
+        if not isinstance(logits, torch.Tensor):
+            return cls(None, counts, offsets, None, sharded=logits)
+        index = torch.arange(rows * width, device=logits.device).view(rows, width)
+        return cls(logits.reshape(rows * width, -1), counts, offsets, index)
+
+    @property
+    def rows(self) -> int:
+        return len(self.counts)
+
+    @property
+    def width(self) -> int:
+        """``M``: the most positions any row asked for."""
+        return max(self.counts) if self.counts else 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device if self.flat is not None else self.sharded.device  # type: ignore[union-attr]
+
+    def row(self, r: int) -> torch.Tensor:
+        """Row ``r``'s logits ``[counts[r], V]`` (a view; dense only)."""
+        assert self.flat is not None
+        return self.flat[self.offsets[r] : self.offsets[r] + self.counts[r]]
+
+    def per_row(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position ``values`` ``[N, ...]`` laid out per row: ``[R, M, ...]``."""
+        assert self.index is not None
+        return values[self.index]
+
+    def as_padded(self) -> torch.Tensor | ShardedLogits:
+        """The logits laid out per row, ``[R, M, V]`` (a copy when flat; for tests and tools:
+        the samplers never need it)."""
+        if self.sharded is not None:
+            return self.sharded
+        assert self.flat is not None
+        return self.per_row(self.flat)
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[R, M, V]``: the per-row layout's shape."""
+        vocab = self.flat.shape[-1] if self.flat is not None else self.sharded.shape[-1]  # type: ignore[union-attr]
+        return torch.Size((self.rows, self.width, vocab))
+
+    def __getitem__(self, key: object) -> torch.Tensor:
+        """Indexing reads the per-row layout (tests and tools)."""
+        return self.as_padded()[key]  # type: ignore[index]
+
+
+def logit_layout(counts: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Each row's offset among the flat requested positions, and the flat index of each row's
+    ``j``-th position ``[R, M]`` row-major (past a row's own positions, its first again)."""
+    width = max(counts)
+    offsets: list[int] = []
+    index: list[int] = []
+    offset = 0
+    for count in counts:
+        offsets.append(offset)
+        index.extend(range(offset, offset + count))
+        index.extend([offset] * (width - count))
+        offset += count
+    return offsets, index
+
+
+def as_step_logits(logits: torch.Tensor | ShardedLogits | StepLogits) -> StepLogits:
+    """A step's logits whatever form they come in (padded per row: :meth:`StepLogits.padded`)."""
+    return logits if isinstance(logits, StepLogits) else StepLogits.padded(logits)
+
+
 # ---- state and algorithm -----------------------------------------------------------------------
 
 
@@ -200,11 +297,10 @@ class DecodingAlgorithm(Protocol):
 
     def prepare(self, state: DecodeState) -> RowSpec: ...
 
-    def sample(
-        self, states: Sequence[DecodeState], logits: torch.Tensor | ShardedLogits
-    ) -> torch.Tensor:
-        """The step's device result ``[R, W]`` from its logits ``[R, M, V]``: a dense tensor,
-        or under tensor parallelism logits sharded by vocabulary (:class:`ShardedLogits`)."""
+    def sample(self, states: Sequence[DecodeState], logits: StepLogits) -> torch.Tensor:
+        """The step's device result ``[R, W]`` from its logits at the requested positions
+        (:class:`StepLogits`: dense and flat, or under tensor parallelism sharded by
+        vocabulary; a padded ``[R, M, V]`` tensor is accepted too)."""
         ...
 
     def commit(

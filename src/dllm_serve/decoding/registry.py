@@ -53,7 +53,9 @@ from dllm_serve.decoding.protocol import (
     DecodingAlgorithm,
     RowSpec,
     ShardedLogits,
+    StepLogits,
     StepResult,
+    as_step_logits,
 )
 from dllm_serve.decoding.sampler import select_rows
 from dllm_serve.decoding.selfspec import ISDecoder
@@ -254,10 +256,11 @@ class TriModeDecoder:
         return self._algorithm(state).prepare(state)
 
     def sample(
-        self, states: Sequence[DecodeState], logits: torch.Tensor | ShardedLogits
+        self, states: Sequence[DecodeState], logits: torch.Tensor | ShardedLogits | StepLogits
     ) -> torch.Tensor:
         """Each mode's sampler on its own rows; their outputs side by side, ``[R, W]`` (rows
         narrower than ``W`` are padded with zeros, which no commit reads)."""
+        logits = as_step_logits(logits)
         groups: dict[str, list[int]] = {}
         for r, state in enumerate(states):
             groups.setdefault(state.params.decoding_mode, []).append(r)  # type: ignore[arg-type]

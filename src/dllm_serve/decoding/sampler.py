@@ -20,11 +20,12 @@ never depends on its batch-mates. The rules that pick which proposals a step com
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.protocol import ShardedLogits
+from dllm_serve.decoding.protocol import StepLogits, logit_layout
 from dllm_serve.models.attention import to_device
 
 # ---- generators and draws ----------------------------------------------------------------------
@@ -165,7 +166,7 @@ Draws = dict[int, tuple[float, torch.Generator | None]]
 
 
 def propose(
-    logits: torch.Tensor | ShardedLogits,
+    logits: StepLogits,
     mask_id: int,
     counts: list[int],
     draws: Draws,
@@ -173,37 +174,42 @@ def propose(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Proposals ``[R, M]`` and each row's confidence under its own metric ``[R, M]``.
 
-    ``logits`` ``[R, M, V]``: row ``r``'s first ``counts[r]`` entries are its masked positions
-    (padding after, scored but never committed by the caller). The mask id is a real vocabulary
-    entry; proposing it would "commit" a mask and break the count (dInfer guards the same way),
-    so it is excluded, which also removes it from the distribution the confidence is computed
-    under.
+    Row ``r``'s first ``counts[r]`` positions are its masked positions (anything after them is
+    padding, scored but never committed by the caller). The argmax, the draws and the softmax
+    run on the flat requested positions; only their small results are laid out per row. The
+    mask id is a real vocabulary entry; proposing it would "commit" a mask and break the count
+    (dInfer guards the same way), so it is excluded, which also removes it from the
+    distribution the confidence is computed under.
     """
-    if is_sharded(logits):
-        x0, top1, inverse = logits.propose(mask_id, counts, draws)
+    if logits.sharded is not None:
+        x0, top1, inverse = logits.sharded.propose(mask_id, counts, draws)
         return x0, _pick_metric(metrics, top1, inverse, x0.device)
+    assert logits.flat is not None
     # In place: the logits are this step's and are not read again.
-    z = writable(logits.float())
+    z = _writable(logits.flat.float())
     z.select(-1, mask_id).fill_(float("-inf"))
+    offsets = logits.offsets
     sampled = {
-        r: gumbel_argmax(z[r, : counts[r]], temperature, generator)
+        r: gumbel_argmax(z[offsets[r] : offsets[r] + counts[r]], temperature, generator)
         for r, (temperature, generator) in draws.items()
     }
     x0 = argmax(z)  # greedy proposals (the first maximum, as torch.argmax)
     for r, tokens in sampled.items():
-        x0[r, : tokens.shape[0]] = tokens
+        x0[offsets[r] : offsets[r] + tokens.shape[0]] = tokens
     # One fused softmax serves both metrics: top1_prob is p[x0] (LLaDA's low_confidence, the
     # untempered probability of the proposal), entropy_inverse is exp(−H(p)). The proposals
-    # are drawn, so on CPU it overwrites the logits (no fresh [R, M, V] buffer to fault in
-    # every step); the CUDA caching allocator makes a new one free there.
+    # are drawn, so on CPU it overwrites the logits (no fresh [N, V] buffer to fault in every
+    # step); the CUDA caching allocator makes a new one free there.
     cpu = z.device.type == "cpu"
     probs = torch.softmax(z, dim=-1, out=z) if cpu else torch.softmax(z, -1)
+    per_row = logits.per_row
     if set(metrics) == {"entropy_inverse"}:
-        return x0, entropy_inverse_of(probs)
-    top1 = probs.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+        return per_row(x0), per_row(entropy_inverse_of(probs))
+    top1 = per_row(probs.gather(-1, x0.unsqueeze(-1)).squeeze(-1))
     if "entropy_inverse" not in metrics:
-        return x0, top1
-    return x0, _pick_metric(metrics, top1, entropy_inverse_of(probs), z.device)
+        return per_row(x0), top1
+    inverse = per_row(entropy_inverse_of(probs))
+    return per_row(x0), _pick_metric(metrics, top1, inverse, z.device)
 
 
 def _pick_metric(
@@ -232,17 +238,19 @@ def target_probs(logits: torch.Tensor, temperature: float, mask_id: int) -> torc
     return torch.softmax(z / temperature, dim=-1)
 
 
-def greedy_tokens(logits: torch.Tensor | ShardedLogits, mask_id: int) -> torch.Tensor:
-    """``argmax`` per row with the mask id excluded (the T = 0 limit of :func:`target_probs`).
+def greedy_tokens(logits: StepLogits, mask_id: int) -> torch.Tensor:
+    """``argmax`` per requested position with the mask id excluded (the T = 0 limit of
+    :func:`target_probs`), laid out per row: ``[R, M]``.
 
     In the logits' own precision (widening to float64 is exact, so it cannot change an argmax)
     and in place: the mask id's logits are set to −inf. Sharded logits (tensor parallelism)
     are reduced per rank instead, untouched.
     """
-    if is_sharded(logits):
-        return logits.greedy(mask_id)
-    logits[..., mask_id] = float("-inf")
-    return argmax(logits)
+    if logits.sharded is not None:
+        return logits.sharded.greedy(mask_id)
+    assert logits.flat is not None
+    logits.flat[:, mask_id] = float("-inf")
+    return logits.per_row(argmax(logits.flat))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -273,51 +281,58 @@ def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -
 # ---- dense or sharded logits -------------------------------------------------------------------
 
 
-def is_sharded(logits: object) -> bool:
-    """Whether ``logits`` are sharded by vocabulary (anything but a dense tensor)."""
-    return not isinstance(logits, torch.Tensor)
-
-
-def writable(logits: torch.Tensor | ShardedLogits) -> torch.Tensor | ShardedLogits:
+def writable(logits: StepLogits) -> StepLogits:
     """Logits a sampler may overwrite in place: dense ones themselves, or a copy of an
     inference-mode tensor used outside inference mode (tests); sharded ones as they are (their
     reductions never write)."""
-    if (
-        isinstance(logits, torch.Tensor)
-        and logits.is_inference()
-        and not torch.is_inference_mode_enabled()
-    ):
-        return logits.clone()
-    return logits
+    if logits.flat is None:
+        return logits
+    flat = _writable(logits.flat)
+    return logits if flat is logits.flat else replace(logits, flat=flat)
 
 
-def select_rows(
-    logits: torch.Tensor | ShardedLogits, rows: Sequence[int]
-) -> torch.Tensor | ShardedLogits:
-    """``logits`` restricted to ``rows`` (a dense index_select or a sharded view)."""
-    if isinstance(logits, torch.Tensor):
-        return logits.index_select(0, to_device(rows, logits.device))
-    return logits.select_rows(rows)
+def _writable(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        return tensor.clone()
+    return tensor
 
 
-def dense_rows(
-    logits: torch.Tensor | ShardedLogits, rows: Sequence[int]
-) -> dict[int, torch.Tensor]:
-    """Row ``r``'s full-vocabulary logits ``[M, V]`` for each ``r`` in ``rows`` (one gather
-    for all of them when sharded; views otherwise)."""
+def select_rows(logits: StepLogits, rows: Sequence[int]) -> StepLogits:
+    """``logits`` restricted to ``rows``: their positions gathered (dense; one host→device
+    copy for the positions and the new layout) or a view of the same sharded logits."""
+    if logits.sharded is not None:
+        counts = [logits.counts[r] for r in rows]
+        return StepLogits(None, counts, list(logits.offsets[: len(rows)]), None,
+                          logits.sharded.select_rows(rows))  # fmt: skip
+    assert logits.flat is not None
+    counts = [logits.counts[r] for r in rows]
+    positions: list[int] = []
+    for r in rows:
+        positions.extend(range(logits.offsets[r], logits.offsets[r] + logits.counts[r]))
+    offsets, layout = logit_layout(counts)
+    packed = to_device(positions + layout, logits.flat.device, torch.long)
+    flat = logits.flat.index_select(0, packed[: len(positions)])
+    index = packed[len(positions) :].view(len(rows), max(counts))
+    return StepLogits(flat, counts, offsets, index)
+
+
+def dense_rows(logits: StepLogits, rows: Sequence[int]) -> dict[int, torch.Tensor]:
+    """Row ``r``'s full-vocabulary logits at its requested positions for each ``r`` in
+    ``rows`` (views of the flat logits; one gather for all of them when sharded)."""
     if not rows:
         return {}
-    if isinstance(logits, torch.Tensor):
-        return {r: logits[r] for r in rows}
-    gathered = logits.dense(rows)
+    if logits.sharded is None:
+        return {r: logits.row(r) for r in rows}
+    gathered = logits.sharded.dense(rows)
     return {r: gathered[i] for i, r in enumerate(rows)}
 
 
-def seed_tokens(logits: torch.Tensor | ShardedLogits, mask_id: int) -> torch.Tensor:
+def seed_tokens(logits: StepLogits, mask_id: int) -> torch.Tensor:
     """``[R]``: each row's argmax at its first requested position, mask id excluded; the
     logits are left as they were."""
-    if isinstance(logits, torch.Tensor):
-        first = logits[:, 0].float().clone()
-        first[:, mask_id] = float("-inf")
-        return argmax(first).to(logits.device)
-    return logits.greedy(mask_id)[:, 0]
+    if logits.sharded is not None:
+        return logits.sharded.greedy(mask_id)[:, 0]
+    assert logits.flat is not None and logits.index is not None
+    first = logits.flat.index_select(0, logits.index[:, 0]).float()
+    first[:, mask_id] = float("-inf")
+    return argmax(first).to(logits.flat.device)

@@ -58,7 +58,14 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
-from dllm_serve.decoding.protocol import AttentionKind, RowSpec, ShardedLogits, StepResult
+from dllm_serve.decoding.protocol import (
+    AttentionKind,
+    RowSpec,
+    ShardedLogits,
+    StepLogits,
+    StepResult,
+    as_step_logits,
+)
 from dllm_serve.decoding.sampler import (
     dense_rows,
     greedy_tokens,
@@ -332,12 +339,12 @@ class ISDecoder:
         )
 
     def sample(
-        self, states: Sequence[ISDState], logits: torch.Tensor | ShardedLogits
+        self, states: Sequence[ISDState], logits: torch.Tensor | ShardedLogits | StepLogits
     ) -> torch.Tensor:
         """Every row's verdict material ``[R, 1 + M]`` (see the class docstring); ``logits``
         are consumed (the mask id's entries are overwritten in place)."""
-        rows = logits.shape[0]
-        logits = writable(logits)  # greedy_tokens writes in place
+        logits = writable(as_step_logits(logits))  # greedy_tokens writes in place
+        rows = logits.rows
         # The rows that sample need the whole distribution (gathered when sharded).
         full = dense_rows(logits, [r for r, s in enumerate(states) if s.params.temperature > 0])
         best = greedy_tokens(logits, self.mask_id)  # [R, M]: one argmax for every row

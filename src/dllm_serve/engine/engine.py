@@ -33,7 +33,7 @@ import uuid6
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
-from dllm_serve.decoding.protocol import RowSpec
+from dllm_serve.decoding.protocol import RowSpec, as_step_logits
 from dllm_serve.decoding.registry import algorithm_for, check_request, default_mode
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.outputs import (
@@ -380,7 +380,7 @@ class AsyncEngine:
         # forward's kernels (which release the GIL) instead of host work.
         self.outbox.flush()
         try:
-            logits = self.runner.run(specs)
+            logits = as_step_logits(self.runner.run(specs))
             # The step's one device→host copy: every row's commits or verdicts.
             host = self.algorithm.sample(states, logits).tolist()
         except Exception as exc:
@@ -391,7 +391,7 @@ class AsyncEngine:
             return
         tokens = sum(len(s.tokens) for s in specs)
         self.observer.on_forward(len(rows), tokens, self.runner.forward_seconds())
-        self._commit(rows, host, logits.shape[1])
+        self._commit(rows, host, logits.width)
 
     def _end_early(self, aborts: Aborts) -> None:
         """Aborted and timed-out requests end before the step (waiting or running)."""

@@ -27,7 +27,7 @@ from typing import NoReturn
 
 import torch
 
-from dllm_serve.decoding.protocol import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec, StepLogits, logit_layout
 from dllm_serve.engine.graphs import MAX_Q, GraphRunner, StaticForward
 from dllm_serve.engine.parallel.group import TensorParallelGroup, VocabTraffic
 from dllm_serve.engine.parallel.vocab import (
@@ -109,7 +109,7 @@ class ModelRunner:
                 dtype=weight.dtype, device=device, scratch_slots=MAX_Q if graphs else 0,
             )  # fmt: skip
         self.attention = attention
-        self.packer = BatchPacker(device, self.pool, attention)
+        self.packer = BatchPacker(device, self.pool, attention, pad_logits=self.tp is not None)
         self.last_batch: FlatBatch | None = None  # the last eager batch, for tests to inspect
         # The weight view per phase (a tri-mode model's draft-only LoRA; models/lora.py).
         # Eager forwards apply it per token from RowSpec.draft; the graph runner calls
@@ -147,7 +147,7 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     def build(self, rows: list[RowSpec]) -> tuple[FlatBatch, int]:
-        """The flat batch of ``rows`` and ``M`` (logits per row after padding)."""
+        """The flat batch of ``rows`` and ``M`` (the most logits any row asked for)."""
         self._take_pages(rows)
         return self.packer.build(rows)
 
@@ -161,10 +161,10 @@ class ModelRunner:
                 if row.kv is not None:
                     pool.grow(row.kv, row.start + len(row.tokens))
 
-    def run(self, rows: list[RowSpec]) -> torch.Tensor | VocabShardedLogits:
-        """Logits ``[len(rows), M, V]`` for one step (see the module docstring). Under tensor
-        parallelism each rank's vocabulary slice: rank 0 gets it wrapped as sharded logits
-        (its sampler's reductions reach the other ranks), a worker the bare slice."""
+    def run(self, rows: list[RowSpec]) -> StepLogits | torch.Tensor:
+        """One step's logits at the requested positions (see the module docstring). Under
+        tensor parallelism each rank's vocabulary slice: rank 0 gets it wrapped as sharded
+        logits (its sampler's reductions reach the other ranks), a worker the bare slice."""
         if not torch.is_inference_mode_enabled():
             # The engine thread runs in inference mode already; entering and leaving it costs
             # more than a small step's whole sampler, so only other callers pay for it here.
@@ -177,9 +177,9 @@ class ModelRunner:
                 static = graphs.static_for(key, rows)
                 if static is not None:
                     width = max(len(r.logits_at) for r in rows)
-                    return self.forward_graph(static, len(rows), width)
-            batch, width = self.build(rows)
-            return self.forward(batch).view(len(rows), width, -1)
+                    return StepLogits.padded(self.forward_graph(static, len(rows), width))
+            batch, _ = self.build(rows)
+            return self.step_logits(batch, self.forward(batch))
         try:
             if self.parallel is not None:  # the workers build and run the same batch
                 self.parallel.send((RUN, rows))
@@ -192,7 +192,9 @@ class ModelRunner:
             # Rank 0 samples the sharded logits without gathering them (parallel/vocab.py).
             traffic = self.parallel.traffic if self.parallel is not None else VocabTraffic()
             logits = VocabShardedLogits(local, self.tp, self.parallel, traffic=traffic)
-            return logits if self.mask_id is None else logits.take_greedy(self.mask_id)
+            if self.mask_id is not None:
+                logits = logits.take_greedy(self.mask_id)
+            return StepLogits.padded(logits)
         except (RuntimeError, OSError) as exc:
             self._collective_failed(exc)
 
@@ -221,8 +223,16 @@ class ModelRunner:
         if self.parallel is not None:
             self.parallel.stop()
 
+    @staticmethod
+    def step_logits(batch: FlatBatch, logits: torch.Tensor) -> StepLogits:
+        """The LM head's output for ``batch`` with its layout per row."""
+        if batch.logit_layout is None:  # padded per row already (tensor parallelism)
+            return StepLogits.padded(logits.view(len(batch.logit_counts), -1, logits.shape[-1]))
+        return StepLogits(logits, batch.logit_counts, batch.logit_offsets, batch.logit_layout)
+
     def forward(self, batch: FlatBatch) -> torch.Tensor:
-        """The model and LM head on a built batch: logits ``[N, V]``."""
+        """The model and LM head on a built batch: logits ``[N, V]`` at its requested
+        positions."""
         self.last_batch = batch
         started = self._timer_start()
         logits = self.model.lm_head(self.model.forward_flat(batch, self.pool))
@@ -283,12 +293,22 @@ class _Group:
 class BatchPacker:
     """Builds the :class:`FlatBatch` of a step's rows on ``device``."""
 
-    def __init__(self, device: torch.device, pool: KVPool | None, attention: str = "sdpa") -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        pool: KVPool | None,
+        attention: str = "sdpa",
+        pad_logits: bool = False,
+    ) -> None:
         if attention not in ("flex", "sdpa"):
             raise ValueError(f"attention backend {attention!r}: flex or sdpa")
         self.device = device
         self.pool = pool
         self.flex = attention == "flex"
+        # Logit positions padded per row to the widest (tensor parallelism's vocab-parallel
+        # sampler works on [R, M] rows); else only the positions asked for (the LM head and
+        # the sampler's softmax then never run on padding).
+        self.pad_logits = pad_logits
         self._arange = array("q", range(4096))  # positions 0.. as int64, sliced per row
 
     def build(self, rows: list[RowSpec]) -> tuple[FlatBatch, int]:
@@ -309,6 +329,8 @@ class BatchPacker:
         last_key: tuple[int, AttentionKind, bool] | None = None
         offset = top = 0
         flex_rows: list[RowAttention] = []
+        counts: list[int] = []
+        pad = self.pad_logits
         for row in rows:
             row.check()
             n = len(row.tokens)
@@ -332,7 +354,8 @@ class BatchPacker:
                 flex_rows.append(_row_attention(row, offset))
             # ``map`` over a bound add runs in C: no Python frame per requested position.
             logits_at.extend(map(offset.__add__, wanted))
-            if len(wanted) < width:
+            counts.append(len(wanted))
+            if pad and len(wanted) < width:
                 logits_at.extend([offset + wanted[0]] * (width - len(wanted)))
             cached = kv is not None and row.start > 0
             # Rows of one shape and kind share an attention call; a block-causal row is a group
@@ -351,10 +374,11 @@ class BatchPacker:
                 groups[-1].prefixes.append(row.start)
             offset += n
         t = len(ids)
+        offsets, layout = ([], []) if pad else logit_layout(counts)
         # One host buffer for every index of the step, one copy to the device.
         host = array("q", ids)
         host.extend(positions)
-        host.extend(array("q", slots + logits_at + draft))
+        host.extend(array("q", slots + logits_at + draft + layout))
         packed = torch.frombuffer(host, dtype=torch.long)
         # Pinned and non-blocking on CUDA (decoding/sampler.py): the host goes on to
         # launch the forward while it copies.
@@ -363,7 +387,12 @@ class BatchPacker:
         slot_mapping = packed[2 * t : 3 * t] if any_kv else None
         index_start = (3 if any_kv else 2) * t
         index = packed[index_start : index_start + len(logits_at)]
-        draft_index = packed[index_start + len(logits_at) :] if draft else None
+        draft_start = index_start + len(logits_at)
+        draft_index = packed[draft_start : draft_start + len(draft)] if draft else None
+        layout_index = None
+        if not pad:
+            layout_index = packed[draft_start + len(draft) :].view(len(rows), width)
+        shape = {"logit_counts": counts, "logit_offsets": offsets, "logit_layout": layout_index}
         if self.flex:
             pool = self.pool if any_kv else None
             released: list[int] = []
@@ -380,7 +409,7 @@ class BatchPacker:
             )
             batch = FlatBatch(
                 input_ids, pos, [], index, slot_mapping, max_position=top - 1,
-                draft_index=draft_index, flex=plan,
+                draft_index=draft_index, flex=plan, **shape,
             )  # fmt: skip
             return batch, width
         attn = [
@@ -388,8 +417,9 @@ class BatchPacker:
             for i, g in enumerate(groups)
         ]
         batch = FlatBatch(
-            input_ids, pos, attn, index, slot_mapping, max_position=top - 1, draft_index=draft_index
-        )
+            input_ids, pos, attn, index, slot_mapping, max_position=top - 1,
+            draft_index=draft_index, **shape,
+        )  # fmt: skip
         return batch, width
 
     def _group(self, g: _Group) -> AttnGroup:

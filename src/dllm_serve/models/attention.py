@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -96,9 +96,15 @@ class FlatBatch:
     # Flat tokens computed in the draft weight view (a tri-mode model's draft-only LoRA);
     # None: every token uses the base weights.
     draft_index: torch.Tensor | None = None
-    # FlexAttention's plan for the whole forward (models/attention.py); None: the SDPA
-    # groups above.
+    # FlexAttention's plan for the whole forward; None: the SDPA groups above.
     flex: FlexPlan | None = None
+    # The logits' layout: row r asked for ``logit_counts[r]`` positions, at
+    # ``logits_index[logit_offsets[r] :][: count]``; ``logit_layout`` ``[R, M]`` maps row r's
+    # j-th position to its index in the LM head's output (None: the head's output is already
+    # ``[R, M]``, every row padded to M by repeating its first position).
+    logit_counts: list[int] = field(default_factory=list)
+    logit_offsets: list[int] = field(default_factory=list)
+    logit_layout: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -266,7 +266,7 @@ def test_early_stop_with_the_cache(loaded, runner) -> None:
     while not state.finished:
         lo, hi = state.active_block
         masked = torch.nonzero(state.canvas[lo:hi] == loaded.mask_id).squeeze(1) + lo
-        logits = forward(runner, algo, [state])[1].clone()
+        logits = forward(runner, algo, [state])[1].as_padded().clone()
         logits[0, : masked.numel(), eos] = torch.where(masked >= P + 4, 1e4, -1e4)  # blocks 1..
         apply(algo, [state], logits)
     assert state.finish_reason == "stop" and state.block == 1

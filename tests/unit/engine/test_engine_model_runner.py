@@ -4,11 +4,16 @@ cached KV prefix; logits rows padded per row."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
+from dllm_serve.config import EngineConfig
+from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
+from dllm_serve.llm import LLM
 from dllm_serve.models.kv_pool import KVPages
 from dllm_serve.models.loader import LoadedModel, load_model
 
@@ -53,21 +58,23 @@ def reference(loaded: LoadedModel, r: RowSpec) -> torch.Tensor:
         return loaded.model.lm_head(hidden[0, r.logits_index])
 
 
-def test_flat_packing_has_no_padding_and_pads_logits_rows(runner: ModelRunner) -> None:
+def test_flat_packing_has_no_padding_and_asks_the_head_for_real_positions_only(
+    runner: ModelRunner,
+) -> None:
     rows = [row(8, 0, BI, 2), row(5, 1, CAUSAL, 1), row(6, 2, BI, 3)]
     batch, width = runner.build(rows)
     assert width == 3 and batch.num_tokens == 8 + 5 + 6
     assert batch.input_ids.tolist() == rows[0].tokens + rows[1].tokens + rows[2].tokens
     assert batch.positions.tolist() == [*range(8), *range(5), *range(6)]
     assert batch.slot_mapping is None  # no span: nothing written anywhere
-    # Each row's outputs first, then its first output repeated up to M = 3.
+    # Each row's requested positions, back to back: 2 + 1 + 3, no row padded to 3.
     a, b, c = rows[0].logits_at, rows[1].logits_at, rows[2].logits_at
-    assert batch.logits_index.tolist() == [
-        *a, a[0],
-        b[0] + 8, b[0] + 8, b[0] + 8,
-        *(i + 13 for i in c),
-    ]  # fmt: skip
+    assert batch.logits_index.tolist() == [*a, b[0] + 8, *(i + 13 for i in c)]
+    assert (batch.logit_counts, batch.logit_offsets) == ([2, 1, 3], [0, 2, 3])
+    # The per-row layout: past a row's own positions, its first again.
+    assert batch.logit_layout.tolist() == [[0, 1, 0], [2, 2, 2], [3, 4, 5]]
     logits = runner.run(rows)
+    assert logits.flat.shape == (6, runner.model.config.vocab_size)
     assert logits.shape == (3, 3, runner.model.config.vocab_size)
     torch.testing.assert_close(logits[0, 2], logits[0, 0], rtol=0, atol=0)
     torch.testing.assert_close(logits[1, 1:], logits[1, :1].expand(2, -1), rtol=0, atol=0)
@@ -271,3 +278,39 @@ def test_masked_padding_keys_never_leak_into_a_row(
     assert not pool.k[:, pool.zero_slot].any() and not pool.v[:, pool.zero_slot].any()
     assert not got.isnan().any()
     torch.testing.assert_close(got, clean, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("kv_cache", ["none", "prefix"])
+def test_the_lm_head_runs_on_the_requested_positions_only_in_mixed_traffic(
+    kv_cache: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 requests of different prompts and canvases through the engine: every forward's LM
+    head sees exactly the sum of its rows' requested positions, never rows × the widest."""
+    loaded = load_model("tiny-llada", device="cpu", dtype="float32")
+    head_rows: list[int] = []
+    asked: list[tuple[int, int]] = []  # (sum of requested positions, rows × widest)
+    real_head = loaded.model.lm_head
+    real_build = ModelRunner.build
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        head_rows.append(hidden.shape[0])
+        return real_head(hidden)
+
+    def build(self: ModelRunner, rows: list[RowSpec]) -> Any:
+        counts = [len(r.logits_at) for r in rows]
+        asked.append((sum(counts), len(rows) * max(counts)))
+        return real_build(self, rows)
+
+    monkeypatch.setattr(loaded.model, "lm_head", head)
+    monkeypatch.setattr(ModelRunner, "build", build)
+    prompts = [[5 + i, 6, 7, *range(8, 8 + i)] for i in range(16)]
+    # Canvases of 8 to 24 in blocks of 8, one or two commits a step: rows at different
+    # steps of their blocks ask for different numbers of positions.
+    params = [
+        DecodingParams(gen_length=8 * (1 + i % 3), block_length=8, steps=(8 >> i % 2) * (1 + i % 3))
+        for i in range(16)
+    ]
+    with LLM.from_loaded(loaded, EngineConfig(kv_cache=kv_cache)) as llm:
+        llm.generate_ids(prompts, params)
+    assert head_rows == [total for total, _ in asked]
+    assert any(total < padded for total, padded in asked)  # the traffic was mixed

@@ -127,10 +127,9 @@ def replay(
             for rows in steps:
                 current = copy.deepcopy(rows)
                 with Recorder(runner.pool, current) as recorder:  # the batch and its masks
-                    batch, width = runner.build(current)
+                    batch, _ = runner.build(current)
                 problems.extend(f"build: {p}" for p in recorder.problems)
-                out = runner.forward(batch)
-                logits.append(out.view(len(current), width, -1).clone())
+                logits.append(runner.forward(batch).clone())  # the flat requested positions
     finally:
         mp.undo()
     return logits, problems

@@ -114,7 +114,9 @@ def sharded_runs(monkeypatch: pytest.MonkeyPatch):
     run = ModelRunner.run
 
     def sharded(self, rows):  # as rank 0's runner: the greedy reduction of every row first
-        return InProcessShards.of(run(self, rows), 2, traffic).take_greedy(self.mask_id)
+        # Under tensor parallelism the logits stay laid out per row ([R, M, V / N]).
+        padded = run(self, rows).as_padded()
+        return InProcessShards.of(padded, 2, traffic).take_greedy(self.mask_id)
 
     def start() -> VocabTraffic:
         monkeypatch.setattr(ModelRunner, "run", sharded)
