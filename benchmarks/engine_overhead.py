@@ -79,8 +79,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# One recorded forward: an eager batch, or a graph replay (static forward, rows, width).
-Recorded = FlatBatch | tuple[StaticForward, int, int]
+# One recorded forward: an eager batch, or a graph replay (its static forward).
+Recorded = FlatBatch | StaticForward
 
 
 # The host phases of a step that lie on its critical path: the next forward needs them done.
@@ -115,6 +115,8 @@ def engine_run(
     # Instance attributes shadow the methods for this run only (deleted below); each is
     # called once per forward, so the timers cost a few clock reads a step.
     runner.build = timed(phases, "build", runner.build)  # type: ignore[method-assign]
+    packer = runner.packer
+    packer.fill = timed(phases, "build", packer.fill)  # type: ignore[method-assign]
     algorithm.sample = timed(phases, "sample", algorithm.sample)  # type: ignore[method-assign]
     engine._prepare = timed(phases, "prepare", engine._prepare)  # type: ignore[method-assign]
     engine._commit = timed(phases, "commit", engine._commit)  # type: ignore[method-assign]
@@ -126,10 +128,10 @@ def engine_run(
         inside[0] += time.perf_counter() - started
         return logits
 
-    def recording_graph(static: StaticForward, rows: int, width: int) -> torch.Tensor:
-        recorded.append((static, rows, width))
+    def recording_graph(static: StaticForward) -> torch.Tensor:
+        recorded.append(static)
         started = time.perf_counter()
-        logits = original_graph(static, rows, width)
+        logits = original_graph(static)
         inside[0] += time.perf_counter() - started
         return logits
 
@@ -143,6 +145,7 @@ def engine_run(
         seconds = time.perf_counter() - start
     finally:
         del runner.forward, runner.forward_graph, runner.build  # back to the class's methods
+        del packer.fill
         del algorithm.sample, engine._prepare, engine._commit
     return seconds, recorded, sum(o.completion_tokens for o in outs), inside[0], phases
 
@@ -157,7 +160,7 @@ def bare_run(runner: ModelRunner, batches: list[Recorded], device: torch.device)
             if isinstance(batch, FlatBatch):
                 runner.forward(batch)
             else:
-                runner.forward_graph(*batch)
+                runner.forward_graph(batch)
     sync(device)
     return time.perf_counter() - start
 

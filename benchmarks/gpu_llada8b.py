@@ -129,15 +129,18 @@ def build_runner(
     model: DecoderTransformer, device: torch.device, args: argparse.Namespace
 ) -> ModelRunner:
     """One ModelRunner for every batch size: a KV span of prefix + block slots per row of the
-    largest batch, as the engine sizes a request's span for its whole canvas. Cached steps
-    replay a CUDA graph in ``run`` (on CPU the same static forward, uncaptured) unless
-    ``--no-cuda-graph``; ``forward`` on a built batch stays eager."""
+    largest batch, as the engine sizes a request's span for its whole canvas. On CUDA cached
+    steps replay a CUDA graph in ``run`` unless ``--no-cuda-graph``; ``forward`` on a built
+    batch stays eager."""
     runner = ModelRunner(
         model,
         device,
         kv_slots=max(args.batches) * whole_pages(args.prefix + args.block),
         cuda_graph=not args.no_cuda_graph,
-        graph_max_rows=max(args.batches),
+        # A cached step feeds block tokens per row: the largest batch's step fits one graph.
+        graph_max_tokens=max(16, max(args.batches) * args.block),
+        # The static forwards run FlexAttention (the engine's default on CUDA).
+        attention="flex" if device.type == "cuda" else "sdpa",
     )
     assert runner.pool is not None
     return runner

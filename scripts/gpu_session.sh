@@ -5,11 +5,13 @@
 #      (targets: batch-1 cached block step <= 5 ms, batch 16 <= 15 ms);
 #   2. the GPU-marked tests (tests/gpu: CUDA paths, a one-rank NCCL group and the vocab-parallel
 #      sampler on CUDA; tests/unit/engine/test_engine_cuda_graphs.py:
-#      captured graph replay == eager tokens);
+#      captured graphs of mixed rows == eager tokens in every mode);
 #   3. benchmarks/engine_overhead.py on the 8B-shaped random model (target ratio >= 0.9),
 #      without and with the prefix KV cache (with CUDA graphs, and eager beside it);
 #   4. benchmarks/gpu_profile_step.py: kernels per cached step and the top kernels;
-#   5. benchmarks/gpu_moe_layer.py: LLaDA2.0-mini's MoE layer, grouped GEMMs vs one by one.
+#   5. benchmarks/gpu_moe_layer.py: LLaDA2.0-mini's MoE layer, grouped GEMMs vs one by one;
+#   6. benchmarks/graph_coverage.py --device cuda: decode forwards of staggered mixed traffic
+#      that replay a captured graph, per decoding mode (target >= 90 %).
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash scripts/gpu_session.sh
 # The lent machine returns at most 8 files from $OUT, so every result and log goes into one
 # archive, $OUT/gpu_session.tgz, re-packed after each step (a step killed by its timeout
@@ -37,7 +39,7 @@ pack
 # Only the files that hold GPU-marked tests: the machine has no fastapi, pydantic, uvicorn or
 # openai, so collecting the whole tree would stop at the API tests' imports and run nothing.
 gpu_files=$(grep -rlE "mark\.gpu\b" tests | sort)
-timeout 100 python3 -m pytest $gpu_files -m gpu -q -rs -p no:cacheprovider 2>&1 \
+timeout 90 python3 -m pytest $gpu_files -m gpu -q -rs -p no:cacheprovider 2>&1 \
   | tee "$RES/gpu_tests.log"
 pack
 timeout 65 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
@@ -46,16 +48,19 @@ pack
 # The prefix cache's cached steps replay CUDA graphs; the same run eager beside it.
 for graphs in "" "--no-cuda-graph"; do
   name="engine_overhead_8b_prefix${graphs:+_eager}"
-  timeout 65 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
+  timeout 55 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
     --kv-cache prefix --gen-length 64 --steps 64 --block-length 32 $graphs \
     --out "$RES/$name.json" 2>&1 | tee "$RES/$name.log"
   pack
 done
-timeout 40 python3 benchmarks/gpu_profile_step.py --out "$RES/gpu_profile_step.json" 2>&1 \
+timeout 35 python3 benchmarks/gpu_profile_step.py --out "$RES/gpu_profile_step.json" 2>&1 \
   | grep -v "^USDT" | tee "$RES/gpu_profile_step.log"
 pack
 timeout 30 python3 benchmarks/gpu_moe_layer.py --out "$RES/gpu_moe_layer.json" 2>&1 \
   | tee "$RES/gpu_moe_layer.log"
 pack
-echo "== summary"; grep -hE "^batch|ratio|tokens:|passed|failed|error" "$RES"/*.log
+timeout 60 python3 benchmarks/graph_coverage.py --device cuda --out "$RES/graph_coverage_cuda.json" \
+  2>&1 | tee "$RES/graph_coverage_cuda.log"
+pack
+echo "== summary"; grep -hE "^batch|ratio|tokens:|passed|failed|error|graphable" "$RES"/*.log
 sleep 1  # let the console tee flush session.log

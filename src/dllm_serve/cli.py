@@ -217,9 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-cuda-graph",
         dest="cuda_graph",
         action="store_false",
-        help="on CUDA, run every step eagerly instead of replaying a captured graph for "
-        "fixed-shape decode steps (cached block steps, I-DLM rounds, block-diffusion steps); "
-        "graphs are never used on CPU",
+        help="on CUDA, run every forward eagerly instead of replaying CUDA graphs captured "
+        "at start-up (graphs serve any mix of rows up to --cuda-graph-max-tokens tokens, with "
+        "the flex attention backend and a KV cache; never on CPU)",
+    )
+    parser.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=_DEFAULT.engine.cuda_graph_max_tokens,
+        metavar="N",
+        help="the largest forward, in tokens, that replays a CUDA graph; start-up captures "
+        "one graph per bucket of tokens (16, 32, ... up to N) and of logits (default: "
+        "%(default)s)",
     )
     parser.add_argument(
         "--attention-backend",
@@ -248,6 +257,7 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
             kv_cache_memory=args.kv_cache_memory,
             decoding_mode=args.decoding_mode,
             cuda_graph=args.cuda_graph,
+            cuda_graph_max_tokens=args.cuda_graph_max_tokens,
             attention_backend=args.attention_backend,
         )
     except ValueError as exc:

@@ -43,8 +43,10 @@ class EngineConfig:
     # The decoding mode of requests that name none (decoding/params.py): a tri-mode model's
     # default (None: linear_spec); any other model accepts only its own mode here.
     decoding_mode: str | None = None
-    # CUDA graphs for the fixed-shape decode steps (engine/graphs.py); CUDA only.
+    # CUDA graphs (engine/graphs.py; CUDA and the flex attention backend only): every forward
+    # of up to cuda_graph_max_tokens tokens replays a graph captured at start-up.
     cuda_graph: bool = True
+    cuda_graph_max_tokens: int = 1024
     attention_backend: str = "auto"  # see ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
@@ -55,6 +57,8 @@ class EngineConfig:
             raise ValueError("max_tokens_per_forward must be >= 1")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
+        if not 16 <= self.cuda_graph_max_tokens <= 8192:
+            raise ValueError("cuda_graph_max_tokens must be between 16 and 8192")
         if self.isd_stride < 1:
             raise ValueError("isd_stride must be >= 1")
         if self.kv_cache_memory is not None and not 0 < self.kv_cache_memory < math.inf:

@@ -68,7 +68,7 @@ def serve(config: ServerConfig) -> None:
     except ValueError as exc:  # e.g. a --decoding-mode the model does not have
         _exit_refused(loaded, f"dllm-serve: {exc}")
     logger.info("%s", describe_kv_pool(engine, loaded))
-    logger.info("engine ready in %.1f s%s", time.monotonic() - built, _graph_note(engine))
+    logger.info("engine ready in %.1f s", time.monotonic() - built)
     url = base_url(config.host, sockets[0].getsockname()[1])
     app = build_app(engine, config)
     uv_config = uvicorn.Config(
@@ -227,14 +227,6 @@ def describe_kv_pool(engine: AsyncEngine, loaded: LoadedModel) -> str:
             f"longest context, {longest:,} tokens each, can use)"
         )
     return f"{size} ({asked})"
-
-
-def _graph_note(engine: AsyncEngine) -> str:
-    """CUDA graphs are captured lazily, on the first step of each shape: start-up has no
-    capture time to report, and the first request of a shape pays it."""
-    if engine.runner.graphs is None or not engine.runner.graphs.capture:
-        return ""
-    return " (CUDA graphs: each decode shape is captured on its first step)"
 
 
 def _run_worker_rank(config: ServerConfig, rank: int) -> None:

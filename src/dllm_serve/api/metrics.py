@@ -87,6 +87,11 @@ class Metrics:
         self.forward_tokens = Counter(
             "dllm:forward_tokens", "Tokens fed to the model (flat batches: no padding).", registry=r
         )
+        self.graph_replays = Counter(
+            "dllm:forward_graph_replays",
+            "Forwards that replayed a captured CUDA graph (the rest ran eagerly).",
+            registry=r,
+        )
         self.busy = Counter(
             "dllm:engine_busy_seconds",
             "Wall time of engine iterations that had work; minus model time = overhead.",
@@ -117,7 +122,9 @@ class Metrics:
         )
 
     # ---- EngineObserver ----------------------------------------------------------------------
-    def on_forward(self, rows: int, tokens: int, model_seconds: float) -> None:
+    def on_forward(self, rows: int, tokens: int, model_seconds: float, graphed: bool) -> None:
+        if graphed:
+            self.graph_replays.inc()
         self.forward_rows.observe(rows)
         self.forward_duration.observe(model_seconds)
         self.forward_tokens.inc(tokens)

@@ -35,6 +35,7 @@ from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
 from dllm_serve.decoding.protocol import RowSpec, as_step_logits
 from dllm_serve.decoding.registry import algorithm_for, check_request, default_mode
+from dllm_serve.engine.graphs import graph_memory
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.outputs import (
     EngineObserver,
@@ -105,15 +106,22 @@ class AsyncEngine:
         # model's mode, and a request's decoding_mode the model does not have.
         self.decoding_mode = self.algorithm.decoding_mode
         self.default_decoding_mode = default_mode(self.algorithm)
+        attention = attention_backend(self.config.attention_backend, loaded.device)
+        graphs = self.config.cuda_graph and loaded.device.type == "cuda" and attention == "flex"
+        # The graphs' memory is set aside before the KV pool takes its share of what is free.
+        reserve = 0
+        if graphs:
+            itemsize = loaded.model.embed_tokens.weight.element_size()
+            reserve = graph_memory(loaded.model.config, self.config.cuda_graph_max_tokens, itemsize)
         self.runner = ModelRunner(
             loaded.model,
             loaded.device,
-            kv_slots=pool_slots(loaded, self.config, self.algorithm),
+            kv_slots=pool_slots(loaded, self.config, self.algorithm, reserve),
             parallel=loaded.parallel,
-            cuda_graph=self.config.cuda_graph and loaded.device.type == "cuda",
-            graph_max_rows=self.config.max_running_requests,
+            cuda_graph=graphs,
+            graph_max_tokens=self.config.cuda_graph_max_tokens,
             mask_id=loaded.mask_id,
-            attention=attention_backend(self.config.attention_backend, loaded.device),
+            attention=attention,
         )
         self.kv = KVBudget(self.runner.pool, self.algorithm)
         self.scheduler = Scheduler(self.config)
@@ -390,7 +398,9 @@ class AsyncEngine:
                 self._fail_exc(request, exc, "forward")
             return
         tokens = sum(len(s.tokens) for s in specs)
-        self.observer.on_forward(len(rows), tokens, self.runner.forward_seconds())
+        self.observer.on_forward(
+            len(rows), tokens, self.runner.forward_seconds(), self.runner.last_graphed
+        )
         self._commit(rows, host, logits.width)
 
     def _end_early(self, aborts: Aborts) -> None:

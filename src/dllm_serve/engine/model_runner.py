@@ -1,19 +1,20 @@
 """ModelRunner: owns the device side of serving — the weights, the KV pool and the forward.
 
 ``run(rows)`` packs the rows of one step into a :class:`FlatBatch` (real tokens only; one
-host→device copy for all of its index tensors) or, for a fixed-shape decode step, into a
-captured graph's static inputs (``graphs.py``), runs the model and the LM head at the
-requested positions only, and returns logits ``[rows, M, V]`` with each row's requested
-outputs first (``M`` = the most any row asked for; shorter rows are padded by repeating their
-first output, which the algorithms mask out). Nothing here reads a device value back.
+host→device copy for all of its index tensors) or, for a forward that fits a captured graph,
+into that graph's static inputs (``graphs.py``), runs the model and the LM head at the
+requested positions only, and returns :class:`StepLogits`: ``[N, V]`` for the ``N`` positions
+the rows asked for, no row padded to the widest, with each row's layout. Nothing here reads a
+device value back.
 
 **Packing a step's rows** (:class:`BatchPacker`): the host side of the ModelRunner's forward.
 Rows (host :class:`RowSpec` lists) become one int64 host buffer — token ids, positions, KV
-slots to write, logit positions, draft tokens — copied to the device once; consecutive rows of
-one shape and attention kind share an :class:`AttnGroup`, whose key slots and mask are built
-here once per forward and shared by every layer. This runs once per step on the engine thread,
-between two forwards, so the host cost per row is a few C-level list extends, never a Python
-loop per token.
+slots to write, logit positions, draft flags, the logits' layout — copied to the device once,
+and the attention plan: with FlexAttention one block mask for the whole forward (its own
+host→device copy), with SDPA an :class:`AttnGroup` per run of consecutive rows of one shape
+and attention kind, whose key slots and mask are built once per forward and shared by every
+layer. This runs once per step on the engine thread, between two forwards, so the host cost
+per row is a few C-level list extends, never a Python loop per token.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import NoReturn
 import torch
 
 from dllm_serve.decoding.protocol import AttentionKind, RowSpec, StepLogits, logit_layout
-from dllm_serve.engine.graphs import MAX_Q, GraphRunner, StaticForward
+from dllm_serve.engine.graphs import DEFAULT_MAX_TOKENS, GraphRunner, StaticForward
 from dllm_serve.engine.parallel.group import TensorParallelGroup, VocabTraffic
 from dllm_serve.engine.parallel.vocab import (
     VocabOp,
@@ -41,6 +42,8 @@ from dllm_serve.models.attention import (
     KV_BLOCK,
     AttnGroup,
     FlatBatch,
+    FlexPlan,
+    PlanBuffers,
     RowAttention,
     build_plan,
     host_to_device,
@@ -48,8 +51,8 @@ from dllm_serve.models.attention import (
     prefix_keys,
     to_device,
 )
-from dllm_serve.models.kv_pool import KVPool
-from dllm_serve.models.lora import PhaseHooks, weight_view_hooks
+from dllm_serve.models.kv_pool import PAGE_SIZE, KVPool
+from dllm_serve.models.moe import MoE
 from dllm_serve.models.transformer import DecoderTransformer
 
 logger = logging.getLogger(__name__)
@@ -71,7 +74,7 @@ class ModelRunner:
         kv_slots: int = 0,
         parallel: TensorParallelGroup | None = None,
         cuda_graph: bool = False,
-        graph_max_rows: int = 32,
+        graph_max_tokens: int = DEFAULT_MAX_TOKENS,
         capture: bool | None = None,
         mask_id: int | None = None,
         attention: str = "sdpa",
@@ -88,41 +91,41 @@ class ModelRunner:
         if parallel is not None:
             parallel.send((INIT, kv_slots, mask_id, attention))
         self.pool: KVPool | None = None
-        # Fixed-shape decode steps replay static forwards (engine/graphs.py): CUDA graphs
-        # on CUDA (``capture``, default there), the same padded forward uncaptured elsewhere.
-        # Not for MoE layers (grouped expert GEMMs not yet checked under capture; their fallback
-        # reads the expert counts on the host mid-forward) nor under tensor parallelism, and
-        # only for algorithms that keep K/V.
-        # The static forwards below read keys through SDPA: with FlexAttention every step
-        # runs eagerly.
+        # Forwards up to graph_max_tokens replay static forwards (engine/graphs.py): CUDA
+        # graphs on CUDA (``capture``, default there), the same padded forward uncaptured
+        # elsewhere. They read keys through FlexAttention, so only with that backend and a KV
+        # pool; not under tensor parallelism, nor for MoE layers that read expert counts back
+        # (the one-by-one expert path).
+        moe = [m for m in self.model.modules() if isinstance(m, MoE)]
         graphs = (
             cuda_graph
-            and attention == "sdpa"
+            and attention == "flex"
             and kv_slots > 0
-            and model.config.moe is None
             and self.tp is None
+            and all(m.capturable for m in moe)
         )
         if kv_slots > 0:
             cfg, weight = model.config, model.embed_tokens.weight
             self.pool = KVPool(
                 cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_slots,
-                dtype=weight.dtype, device=device, scratch_slots=MAX_Q if graphs else 0,
+                dtype=weight.dtype, device=device, scratch_slots=PAGE_SIZE if graphs else 0,
             )  # fmt: skip
         self.attention = attention
-        self.packer = BatchPacker(device, self.pool, attention, pad_logits=self.tp is not None)
+        self.packer = BatchPacker(
+            device, self.pool, attention, pad_logits=self.tp is not None,
+            row_pages=-(-model.config.max_sequence_length // PAGE_SIZE),
+        )  # fmt: skip
         self.last_batch: FlatBatch | None = None  # the last eager batch, for tests to inspect
-        # The weight view per phase (a tri-mode model's draft-only LoRA; models/lora.py).
-        # Eager forwards apply it per token from RowSpec.draft; the graph runner calls
-        # before_draft / before_verify around a phase's capture and replay, and after_graph
-        # afterwards. No-ops without a draft LoRA.
-        self.phase_hooks: PhaseHooks = weight_view_hooks(self.model)
+        self.last_graphed = False  # whether the last run() replayed a static forward
         self.graphs: GraphRunner | None = None
         if graphs:
             assert self.pool is not None
             self.graphs = GraphRunner(
-                self.model, self.pool, device, self.phase_hooks, max_rows=graph_max_rows,
+                self.model, self.pool, device, max_tokens=graph_max_tokens,
                 capture=device.type == "cuda" if capture is None else capture,
             )  # fmt: skip
+            if self.graphs.capture:  # at start-up, not on some request's first step
+                self.graphs.capture_all()
         self._cpu_seconds = 0.0
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
@@ -132,15 +135,17 @@ class ModelRunner:
         device: torch.device,
         memory_gib: float | None,
         max_slots: int,
+        reserve: int = 0,
     ) -> int:
-        """Slots a pool of ``memory_gib`` holds (default: see module constants), ≤ max_slots."""
+        """Slots a pool of ``memory_gib`` holds (default: see module constants, less
+        ``reserve`` bytes set aside for the CUDA graphs), ≤ max_slots."""
         cfg, weight = model.config, model.embed_tokens.weight
         per_slot = KVPool.bytes_per_slot(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, weight.dtype)
         if memory_gib is not None:
             budget = int(memory_gib * _GIB)
         elif device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
-            budget = int(free * CUDA_KV_FRACTION) - _GIB  # headroom for activations
+            budget = int(free * CUDA_KV_FRACTION) - _GIB - reserve  # headroom: activations
         else:
             budget = int(CPU_DEFAULT_KV_GIB * _GIB)
         return max(0, min(budget // per_slot, max_slots))
@@ -171,13 +176,16 @@ class ModelRunner:
             with torch.inference_mode():
                 return self.run(rows)
         self._take_pages(rows)  # before the rows go to the workers or into a graph
+        self.last_graphed = False
         if self.tp is None:
             graphs = self.graphs
             if graphs is not None and (key := graphs.key_for(rows)) is not None:
-                static = graphs.static_for(key, rows)
+                static = graphs.static_for(key)
                 if static is not None:
-                    width = max(len(r.logits_at) for r in rows)
-                    return StepLogits.padded(self.forward_graph(static, len(rows), width))
+                    counts, offsets, layout = self.packer.fill(static, rows)
+                    logits = self.forward_graph(static)[: sum(counts)]
+                    self.last_graphed = True
+                    return StepLogits(logits, counts, offsets, layout)
             batch, _ = self.build(rows)
             return self.step_logits(batch, self.forward(batch))
         try:
@@ -239,11 +247,12 @@ class ModelRunner:
         self._timer_stop(started)
         return logits
 
-    def forward_graph(self, static: StaticForward, rows: int, width: int) -> torch.Tensor:
-        """A filled static forward (a graph replay on CUDA): logits ``[rows, width, V]``."""
+    def forward_graph(self, static: StaticForward) -> torch.Tensor:
+        """A filled static forward (a graph replay on CUDA): logits ``[key.logits, V]``, the
+        step's requested positions first."""
         assert self.graphs is not None
         started = self._timer_start()
-        logits = self.graphs.run(static, rows, width)
+        logits = self.graphs.run(static)
         self._timer_stop(started)
         return logits
 
@@ -290,8 +299,33 @@ class _Group:
     prefixes: list[int] = field(default_factory=list)  # each row's cached prefix length
 
 
+@dataclass(slots=True)
+class _Step:
+    """One step's rows as host lists, before they go to the device."""
+
+    ids: list[int]
+    positions: array
+    slots: list[int]
+    logits_at: list[int]
+    counts: list[int]  # logit positions per row
+    drafts: list[tuple[int, int]]  # (first flat token, tokens) of each draft row
+    flex_rows: list[RowAttention]
+    groups: list[_Group]
+    block_rows: dict[int, RowSpec]  # group index → its block-causal row
+    top: int  # the largest position + 1
+    any_kv: bool
+
+    def draft_flags(self, length: int) -> list[int]:
+        """1 for each flat token in the draft weight view, 0 else; ``length`` tokens."""
+        flags = [0] * length
+        for start, n in self.drafts:
+            flags[start : start + n] = [1] * n
+        return flags
+
+
 class BatchPacker:
-    """Builds the :class:`FlatBatch` of a step's rows on ``device``."""
+    """Builds the :class:`FlatBatch` of a step's rows on ``device``, or fills a static
+    forward's inputs with them."""
 
     def __init__(
         self,
@@ -299,6 +333,7 @@ class BatchPacker:
         pool: KVPool | None,
         attention: str = "sdpa",
         pad_logits: bool = False,
+        row_pages: int = 0,
     ) -> None:
         if attention not in ("flex", "sdpa"):
             raise ValueError(f"attention backend {attention!r}: flex or sdpa")
@@ -309,23 +344,24 @@ class BatchPacker:
         # sampler works on [R, M] rows); else only the positions asked for (the LM head and
         # the sampler's softmax then never run on padding).
         self.pad_logits = pad_logits
+        self.row_pages = row_pages  # the most KV pages one row may read (the model's context)
         self._arange = array("q", range(4096))  # positions 0.. as int64, sliced per row
 
-    def build(self, rows: list[RowSpec]) -> tuple[FlatBatch, int]:
-        """The flat batch of ``rows`` and ``M`` (logits per row after padding)."""
-        # Lists grow in C (``list.extend``), positions are slices of a cached int64 range; one
-        # conversion to int64 at the end (``array.extend`` from a list costs twice as much).
+    def _collect(self, rows: list[RowSpec]) -> _Step:
+        """The host lists of ``rows``. Lists grow in C (``list.extend``), positions are slices
+        of a cached int64 range, so the host cost per row is a few C-level calls, never a
+        Python loop per token."""
         ids: list[int] = []
         positions = array("q")
         slots: list[int] = []
         logits_at: list[int] = []
-        draft: list[int] = []  # flat tokens in the draft weight view (draft-only LoRA)
+        drafts: list[tuple[int, int]] = []
         arange = self._arange
         width = max(len(r.logits_at) for r in rows)
         any_kv = any(r.kv is not None for r in rows)
-        # Group consecutive rows of one shape; the rows arrive sorted by the scheduler.
+        # Group consecutive rows of one shape (SDPA); the rows arrive sorted by the scheduler.
         groups: list[_Group] = []
-        block_rows: dict[int, RowSpec] = {}  # group index → its block-causal row
+        block_rows: dict[int, RowSpec] = {}
         last_key: tuple[int, AttentionKind, bool] | None = None
         offset = top = 0
         flex_rows: list[RowAttention] = []
@@ -349,7 +385,7 @@ class BatchPacker:
                     raise ValueError(f"a row of {end} tokens has pages for fewer")
                 slots.extend(kv.slots(row.start, end))
             if row.draft:
-                draft.extend(range(offset, offset + n))
+                drafts.append((offset, n))
             if self.flex:
                 flex_rows.append(_row_attention(row, offset))
             # ``map`` over a bound add runs in C: no Python frame per requested position.
@@ -357,70 +393,114 @@ class BatchPacker:
             counts.append(len(wanted))
             if pad and len(wanted) < width:
                 logits_at.extend([offset + wanted[0]] * (width - len(wanted)))
-            cached = kv is not None and row.start > 0
-            # Rows of one shape and kind share an attention call; a block-causal row is a group
-            # of its own (its mask depends on where its blocks fall).
-            attention = row.attention
-            key = None if attention is AttentionKind.BLOCK_CAUSAL else (n, attention, cached)
-            if key is not None and key == last_key:
-                groups[-1].rows += 1
-            else:
-                groups.append(_Group(offset, n, attention is AttentionKind.CAUSAL, cached))
-                if key is None:
-                    block_rows[len(groups) - 1] = row
-            last_key = key
-            if kv is not None and (cached or key is None):
-                groups[-1].tables.append(kv.pages)
-                groups[-1].prefixes.append(row.start)
+            if not self.flex:
+                cached = kv is not None and row.start > 0
+                # Rows of one shape and kind share an attention call; a block-causal row is a
+                # group of its own (its mask depends on where its blocks fall).
+                attention = row.attention
+                key = None if attention is AttentionKind.BLOCK_CAUSAL else (n, attention, cached)
+                if key is not None and key == last_key:
+                    groups[-1].rows += 1
+                else:
+                    groups.append(_Group(offset, n, attention is AttentionKind.CAUSAL, cached))
+                    if key is None:
+                        block_rows[len(groups) - 1] = row
+                last_key = key
+                if kv is not None and (cached or key is None):
+                    groups[-1].tables.append(kv.pages)
+                    groups[-1].prefixes.append(row.start)
             offset += n
-        t = len(ids)
-        offsets, layout = ([], []) if pad else logit_layout(counts)
+        return _Step(
+            ids, positions, slots, logits_at, counts, drafts, flex_rows, groups, block_rows,
+            top, any_kv,
+        )  # fmt: skip
+
+    def _plan(self, step: _Step, buffers: PlanBuffers | None = None) -> FlexPlan:
+        pool = self.pool if step.any_kv else None
+        released: list[int] = []
+        if pool is not None:
+            released, pool.released = pool.released, []
+        return build_plan(
+            step.flex_rows,
+            kv_length=pool.k.shape[1] if pool is not None else len(step.ids),
+            device=self.device,
+            page_owner=pool.page_owner if pool is not None else None,
+            page_index=pool.page_index if pool is not None else None,
+            page_size=pool.page_size if pool is not None else KV_BLOCK,
+            row_pages=self.row_pages,
+            released=released,
+            buffers=buffers,
+        )
+
+    def build(self, rows: list[RowSpec]) -> tuple[FlatBatch, int]:
+        """The flat batch of ``rows`` and ``M`` (logits per row after padding)."""
+        step = self._collect(rows)
+        t = len(step.ids)
+        width = max(step.counts)
+        pad = self.pad_logits
+        offsets, layout = ([], []) if pad else logit_layout(step.counts)
+        draft = step.draft_flags(t) if step.drafts else []
         # One host buffer for every index of the step, one copy to the device.
-        host = array("q", ids)
-        host.extend(positions)
-        host.extend(array("q", slots + logits_at + draft + layout))
-        packed = torch.frombuffer(host, dtype=torch.long)
-        # Pinned and non-blocking on CUDA (decoding/sampler.py): the host goes on to
-        # launch the forward while it copies.
-        packed = host_to_device(packed, self.device)
+        host = array("q", step.ids)
+        host.extend(step.positions)
+        host.extend(array("q", step.slots + step.logits_at + draft + layout))
+        # Pinned and non-blocking on CUDA (attention.staged): the host goes on to launch the
+        # forward while it copies.
+        packed = host_to_device(torch.frombuffer(host, dtype=torch.long), self.device)
         input_ids, pos = packed[:t], packed[t : 2 * t]
-        slot_mapping = packed[2 * t : 3 * t] if any_kv else None
-        index_start = (3 if any_kv else 2) * t
-        index = packed[index_start : index_start + len(logits_at)]
-        draft_start = index_start + len(logits_at)
-        draft_index = packed[draft_start : draft_start + len(draft)] if draft else None
+        slot_mapping = packed[2 * t : 3 * t] if step.any_kv else None
+        index_start = (3 if step.any_kv else 2) * t
+        n = len(step.logits_at)
+        index = packed[index_start : index_start + n]
+        draft_start = index_start + n
+        draft_mask = packed[draft_start : draft_start + t].bool() if draft else None
         layout_index = None
         if not pad:
             layout_index = packed[draft_start + len(draft) :].view(len(rows), width)
-        shape = {"logit_counts": counts, "logit_offsets": offsets, "logit_layout": layout_index}
-        if self.flex:
-            pool = self.pool if any_kv else None
-            released: list[int] = []
-            if pool is not None:
-                released, pool.released = pool.released, []
-            plan = build_plan(
-                flex_rows,
-                kv_length=pool.k.shape[1] if pool is not None else t,
-                device=self.device,
-                page_owner=pool.page_owner if pool is not None else None,
-                page_index=pool.page_index if pool is not None else None,
-                page_size=pool.page_size if pool is not None else KV_BLOCK,
-                released=released,
-            )
-            batch = FlatBatch(
-                input_ids, pos, [], index, slot_mapping, max_position=top - 1,
-                draft_index=draft_index, flex=plan, **shape,
-            )  # fmt: skip
-            return batch, width
-        attn = [
-            self._block_causal(g, block_rows[i]) if i in block_rows else self._group(g)
-            for i, g in enumerate(groups)
-        ]
+        shape = {
+            "logit_counts": step.counts,
+            "logit_offsets": offsets,
+            "logit_layout": layout_index,
+        }
+        plan = self._plan(step) if self.flex else None
+        groups = []
+        if plan is None:
+            groups = [
+                self._block_causal(g, step.block_rows[i]) if i in step.block_rows
+                else self._group(g)
+                for i, g in enumerate(step.groups)
+            ]  # fmt: skip
         batch = FlatBatch(
-            input_ids, pos, attn, index, slot_mapping, max_position=top - 1,
-            draft_index=draft_index, **shape,
+            input_ids, pos, groups, index, slot_mapping, max_position=step.top - 1,
+            draft=draft_mask, flex=plan, **shape,
         )  # fmt: skip
         return batch, width
+
+    def fill(
+        self, static: StaticForward, rows: list[RowSpec]
+    ) -> tuple[list[int], list[int], torch.Tensor]:
+        """Write ``rows`` into a static forward's inputs and plan buffers, padded to its key;
+        each row's logit count and offset, and the ``[R, M]`` layout of its logits."""
+        step = self._collect(rows)
+        assert self.pool is not None and step.any_kv and not self.pad_logits
+        key = static.key
+        t, n = len(step.ids), len(step.logits_at)
+        pad = key.tokens - t
+        offsets, layout = logit_layout(step.counts)
+        host = array("q", step.ids)
+        host.extend([0] * pad)
+        host.extend(step.positions)
+        host.extend([0] * pad)
+        tail = step.slots + [self.pool.scratch_start] * pad  # padding writes scratch only
+        tail += step.logits_at + [0] * (key.logits - n)
+        if static.drafts:
+            tail += step.draft_flags(key.tokens)
+        size = len(host) + len(tail)
+        host.extend(array("q", tail + layout))
+        packed = host_to_device(torch.frombuffer(host, dtype=torch.long), self.device)
+        static.inputs.copy_(packed[:size])
+        self._plan(step, static.buffers)
+        return step.counts, offsets, packed[size:].view(len(rows), max(step.counts))
 
     def _group(self, g: _Group) -> AttnGroup:
         if not g.cached:
@@ -484,12 +564,13 @@ def _row_attention(row: RowSpec, offset: int) -> RowAttention:
     if kind is AttentionKind.CAUSAL:
         hi = list(range(base + start + 1, base + start + n + 1))
     elif kind is AttentionKind.BLOCK_CAUSAL:
-        # A query sees up to the end of its own block (blocks aligned to position 0).
+        # A query sees up to the end of its own block (blocks aligned to position 0), and
+        # no key past the row's own tokens (a last block the row does not fill).
         b, hi = row.block, []
         position = start
         while position < start + n:
             end = min(start + n, (position // b + 1) * b)
-            hi.extend([base + (position // b + 1) * b] * (end - position))
+            hi.extend([base + end] * (end - position))
             position = end
     else:
         hi = [base + start + n] * n

@@ -330,7 +330,9 @@ class EngineObserver(Protocol):
     """How the engine reports what it does. The engine calls these on its own thread;
     implementations must be cheap and thread-safe."""
 
-    def on_forward(self, rows: int, tokens: int, model_seconds: float) -> None: ...
+    def on_forward(self, rows: int, tokens: int, model_seconds: float, graphed: bool) -> None:
+        """One forward: its rows, tokens fed, model time, and whether it replayed a static
+        (captured) forward instead of running eagerly."""
 
     def on_iteration(self, busy_seconds: float) -> None: ...
 
@@ -342,7 +344,7 @@ class EngineObserver(Protocol):
 class NullObserver:
     """The default: observe nothing."""
 
-    def on_forward(self, rows: int, tokens: int, model_seconds: float) -> None:
+    def on_forward(self, rows: int, tokens: int, model_seconds: float, graphed: bool) -> None:
         pass
 
     def on_iteration(self, busy_seconds: float) -> None:

@@ -189,9 +189,12 @@ class KVCapacityError(ValueError):
     """The request's worst-case K/V is larger than the whole KV pool: it could never run."""
 
 
-def pool_slots(loaded: LoadedModel, config: EngineConfig, algorithm: DecodingAlgorithm) -> int:
+def pool_slots(
+    loaded: LoadedModel, config: EngineConfig, algorithm: DecodingAlgorithm, reserve: int = 0
+) -> int:
     """Slots of the engine's KV pool (0: the algorithm keeps no K/V): room for every running
-    request at the longest context, unless ``--kv-cache-memory`` (or free memory) says less."""
+    request at the longest context, unless ``--kv-cache-memory`` (or free memory, less
+    ``reserve`` bytes for the CUDA graphs) says less."""
     longest = algorithm.kv_tokens(loaded.max_length - 1, DecodingParams(gen_length=1))
     if not longest:
         if config.kv_cache_memory is not None:  # a flag that would do nothing is refused
@@ -202,7 +205,9 @@ def pool_slots(loaded: LoadedModel, config: EngineConfig, algorithm: DecodingAlg
         return 0
     # Whole pages: each request reserves its worst case rounded up to pages.
     most = config.max_running_requests * _whole_pages(longest)
-    slots = ModelRunner.pool_slots(loaded.model, loaded.device, config.kv_cache_memory, most)
+    slots = ModelRunner.pool_slots(
+        loaded.model, loaded.device, config.kv_cache_memory, most, reserve
+    )
     slots -= slots % PAGE_SIZE
     # The smallest request (one prompt token, one answer token, the decoding's scratch): a
     # pool that cannot hold it would start healthy and refuse every request.

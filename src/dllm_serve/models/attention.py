@@ -46,6 +46,7 @@ stays the CPU default (``--attention-backend``).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,9 +94,9 @@ class FlatBatch:
     logits_index: torch.Tensor
     slot_mapping: torch.Tensor | None = None
     max_position: int = 0  # the largest entry of ``positions`` (known on the host)
-    # Flat tokens computed in the draft weight view (a tri-mode model's draft-only LoRA);
-    # None: every token uses the base weights.
-    draft_index: torch.Tensor | None = None
+    # ``[T]`` bool: the tokens computed in the draft weight view (a tri-mode model's draft-only
+    # LoRA); None: every token uses the base weights.
+    draft: torch.Tensor | None = None
     # FlexAttention's plan for the whole forward; None: the SDPA groups above.
     flex: FlexPlan | None = None
     # The logits' layout: row r asked for ``logit_counts[r]`` positions, at
@@ -180,7 +181,7 @@ def to_device(
 # ---- FlexAttention -----------------------------------------------------------------------------
 
 
-Q_BLOCK = 16  # queries per BlockMask row (the kernel's tile must divide it)
+Q_BLOCK = 16  # queries per BlockMask row (the kernel's query tile is set to it on CUDA)
 KV_BLOCK = 16  # keys per BlockMask column: a page of the KV pool
 # Padded query lengths: one compiled kernel each (the largest forwards run unpadded).
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -194,20 +195,44 @@ def padded_length(tokens: int) -> int:
     return -(-tokens // 1024) * 1024
 
 
+def mask_width(padded: int, kv_blocks: int, row_pages: int, device: torch.device) -> int:
+    """Columns of the block mask's ``kv_indices`` for ``padded`` queries: fixed per padded
+    length, so the compiled kernel (which specialises on the shape) is compiled once per
+    length, never per step. A block of ``Q_BLOCK`` queries holds at most ``Q_BLOCK`` rows, each
+    reading at most ``row_pages`` pages. The CPU kernel wants one column per KV block of the
+    whole key length."""
+    if device.type == "cpu":
+        return kv_blocks
+    return max(1, min(kv_blocks, min(Q_BLOCK, padded) * row_pages))
+
+
 # Graphs dynamo may keep per compiled function: one per (mask kind, padded length, key length,
-# heads, head size). Past its default (8) dynamo would silently run flex_attention eagerly,
-# which materialises every query's scores over the whole pool.
-RECOMPILE_LIMIT = 64
+# heads, head size), about 20 for a served model, more in a test process that loads many.
+# Past the limit dynamo would run flex_attention eagerly, which evaluates the mask over every
+# query and key of the pool (ignoring the block lists); that is made an error instead.
+RECOMPILE_LIMIT = 1024
+# Dynamo's settings are per thread: graphs are captured on the thread that builds the engine
+# and forwards run on the engine thread, so each thread that calls flex sets them for itself.
+_thread = threading.local()
+
+
+def _compiled() -> Any:
+    if not getattr(_thread, "configured", False):
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+        limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)
+        config.accumulated_recompile_limit = limit
+        config.fail_on_recompile_limit_hit = True
+        _thread.configured = True
+    return _compiled_flex()
 
 
 @functools.cache
-def _compiled() -> Any:
+def _compiled_flex() -> Any:
     # One compiled callable per process: dynamo keys its graphs on the mask_mod's code (one of
     # the two below) and the shapes (the padded length, the model's heads and head size).
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -236,13 +261,46 @@ def _flat_mask(q_lo: torch.Tensor, q_hi: torch.Tensor) -> Any:
 
 @dataclass(slots=True)
 class FlexPlan:
-    """One forward's attention for FlexAttention (built by the ModelRunner's packer): the
-    padded query length, and the block mask every layer reads its keys through."""
+    """One forward's attention for FlexAttention: the padded query length, and the block mask
+    every layer reads its keys through."""
 
-    tokens: int  # real query tokens (the flat batch's)
     padded: int  # queries after padding (a bucket)
     block_mask: BlockMask
     pool: bool  # keys from the KV pool (else: the batch's own tokens)
+
+
+class PlanBuffers:
+    """Persistent device tensors of the plans of one padded length over the KV pool, and the
+    plan built once over them: a captured graph reads these very tensors at every replay, and
+    :func:`build_plan` rewrites their contents for each step (``meta``: every query's owner,
+    ``lo``, ``hi``, then each query block's count of KV blocks; ``kv_indices``: the blocks)."""
+
+    def __init__(
+        self,
+        padded: int,
+        kv_length: int,
+        width: int,
+        page_owner: torch.Tensor,
+        page_index: torch.Tensor,
+        page_size: int,
+        device: torch.device,
+    ) -> None:
+        n_qb = padded // Q_BLOCK
+        self.padded, self.kv_length, self.width = padded, kv_length, width
+        self.meta = torch.zeros(3 * padded + n_qb, dtype=torch.int32, device=device)
+        self.kv_indices = torch.zeros(n_qb * width, dtype=torch.int32, device=device)
+        owner, lo, hi, counts = self.meta.split([padded, padded, padded, n_qb])
+        owner.fill_(-2)  # padding: an owner no page has (until a step writes real rows)
+        mask_mod = _pool_mask(page_owner, page_index, owner, lo, hi, page_size)
+        block_mask = BlockMask.from_kv_blocks(
+            counts.view(1, 1, n_qb),
+            self.kv_indices.view(1, 1, n_qb, width),
+            BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
+            mask_mod=mask_mod,
+            seq_lengths=(padded, kv_length),
+            compute_q_blocks=False,
+        )
+        self.plan = FlexPlan(padded, block_mask, True)
 
 
 @dataclass(slots=True)
@@ -267,21 +325,31 @@ def build_plan(
     page_owner: torch.Tensor | None = None,
     page_index: torch.Tensor | None = None,
     page_size: int = KV_BLOCK,
+    row_pages: int = 0,
     released: Sequence[int] = (),
+    buffers: PlanBuffers | None = None,
 ) -> FlexPlan:
     """The :class:`FlexPlan` of ``rows`` over keys of length ``kv_length`` (the pool's slots; in
     flat mode the padded batch, whatever is passed). Pool mode needs ``page_owner`` /
     ``page_index``: device tensors of every page's owner and index in its owner's table, which
     this call brings up to date for the rows' pages and for the ``released`` pages (given back
-    since the last plan). One host→device copy for the per-query tensors, the block lists and
-    the page tables."""
+    since the last plan), and ``row_pages``, the most pages one row may read. With ``buffers``
+    (a captured graph's) the plan is written into them and their plan returned; else new
+    tensors hold it. One host→device copy for the per-query tensors, the block lists and the
+    page tables."""
     tokens = rows[-1].offset + rows[-1].length if rows else 0
-    padded = padded_length(tokens)
+    padded = buffers.padded if buffers is not None else padded_length(tokens)
+    if tokens > padded:
+        raise ValueError(f"{tokens} queries do not fit a plan of {padded}")
     pool = page_owner is not None
     if not pool:  # the keys are the batch's own tokens, padded like the queries
         kv_length = padded
     n_qb = padded // Q_BLOCK
     n_kb = -(-kv_length // KV_BLOCK)
+    if buffers is not None:
+        width = buffers.width
+    else:
+        width = mask_width(padded, n_kb, row_pages if pool else n_kb, device)
     owner = [-2] * padded  # padding queries: an owner no page has, and an empty interval
     lo = [0] * padded
     hi = [0] * padded
@@ -299,13 +367,16 @@ def build_plan(
             blocks = list(range(first // KV_BLOCK, -(-last // KV_BLOCK)))
         for qb in range(row.offset // Q_BLOCK, -(-end // Q_BLOCK)):
             visits[qb].update(blocks)
-    # The CPU kernel wants one column per KV block of the whole key length; a GPU needs only
-    # the widest row of the mask.
-    width = n_kb if device.type == "cpu" else max(1, max(map(len, visits)))
     counts = [len(v) for v in visits]
-    indices = [0] * (n_qb * width)
+    if max(counts, default=0) > width:
+        raise ValueError(f"a query block reads {max(counts)} KV blocks, more than {width}")
+    # Only each query block's first ``counts[qb]`` entries are read: they are scattered into
+    # the ``[n_qb, width]`` table on the device (the rest may hold anything).
+    values: list[int] = []
+    where: list[int] = []
     for qb, blocks in enumerate(visits):
-        indices[qb * width : qb * width + len(blocks)] = sorted(blocks)
+        values.extend(sorted(blocks))
+        where.extend(range(qb * width, qb * width + len(blocks)))
     # Pool mode: every page of these rows with its owner and its index in the owner's table,
     # written into the pool's tables below (in the same host→device copy), after the pages
     # given back since the last forward are marked unowned: the mask is then exact on its own,
@@ -320,31 +391,44 @@ def build_plan(
             pages.extend(row.pages)
             owners.extend([row.owner] * len(row.pages))
             order.extend(range(len(row.pages)))
+    meta = 3 * padded + n_qb
     host = torch.tensor(
-        owner + lo + hi + counts + indices + pages + owners + order, dtype=torch.int32
+        owner + lo + hi + counts + values + where + pages + owners + order, dtype=torch.int32
     )
     packed = host_to_device(host, device)
-    parts = packed.split([padded, padded, padded, n_qb, n_qb * width, *(len(pages),) * 3])
-    q_owner, q_lo, q_hi = parts[:3]
-    kv_num_blocks = parts[3].view(1, 1, n_qb)
-    kv_indices = parts[4].view(1, 1, n_qb, width)
+    parts = packed.split([meta, len(values), len(values), *(len(pages),) * 3])
+    if buffers is not None:
+        buffers.meta.copy_(parts[0])
+        kv_indices = buffers.kv_indices
+    else:
+        kv_indices = torch.zeros(n_qb * width, dtype=torch.int32, device=device)
+    kv_indices.index_copy_(0, parts[2].long(), parts[1])
     if pool:
         assert page_owner is not None and page_index is not None
-        ids = parts[5].long()
-        page_owner.index_copy_(0, ids, parts[6])
-        page_index.index_copy_(0, ids, parts[7])
+        ids = parts[3].long()
+        page_owner.index_copy_(0, ids, parts[4])
+        page_index.index_copy_(0, ids, parts[5])
+    if buffers is not None:
+        return buffers.plan
+    q_owner, q_lo, q_hi, kv_num_blocks = parts[0].split([padded, padded, padded, n_qb])
+    if pool:
         mask_mod = _pool_mask(page_owner, page_index, q_owner, q_lo, q_hi, page_size)
     else:
         mask_mod = _flat_mask(q_lo, q_hi)
     block_mask = BlockMask.from_kv_blocks(
-        kv_num_blocks,
-        kv_indices,
+        kv_num_blocks.view(1, 1, n_qb),
+        kv_indices.view(1, 1, n_qb, width),
         BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
         mask_mod=mask_mod,
         seq_lengths=(padded, kv_length),
         compute_q_blocks=False,
     )
-    return FlexPlan(tokens, padded, block_mask, pool)
+    return FlexPlan(padded, block_mask, pool)
+
+
+# On CUDA the kernel's tiles must divide the block mask's blocks (16 × 16, a KV page); one
+# kernel family (not the split-KV decoding kernel) for every query length.
+_CUDA_KERNEL_OPTIONS = {"BLOCK_M": Q_BLOCK, "BLOCK_N": KV_BLOCK, "FORCE_USE_FLEX_ATTENTION": True}
 
 
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlexPlan) -> torch.Tensor:
@@ -363,5 +447,6 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlexPla
         v.transpose(0, 1)[None],
         block_mask=plan.block_mask,
         enable_gqa=heads != k.shape[1],
+        kernel_options=_CUDA_KERNEL_OPTIONS if q.device.type == "cuda" else None,
     )
     return out[0].transpose(0, 1)[:t]

@@ -169,9 +169,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Flat tokens ``x`` ``[T, D]``: one SDPA call per attention group, no padding.
 
-        Tokens listed in ``batch.draft_index`` are computed in the draft weight view: the
-        draft LoRA's update is added to their ``o_proj`` output (``models/lora.py``); every
-        other token's output is the base projection, bit for bit.
+        Tokens flagged in ``batch.draft`` are computed in the draft weight view: the draft
+        LoRA's update is added to their ``o_proj`` output (``models/lora.py``); every other
+        token's output is the base projection, bit for bit.
         """
         q, k, v = self.project(x, cos, sin, q_scale)
         pool_k = pool_v = None
@@ -207,9 +207,12 @@ class Attention(nn.Module):
     def _output(self, attended: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
         """``o_proj``, and the draft LoRA's update on the draft-view tokens."""
         projected = self.o_proj(attended)
-        if self.draft_lora is not None and batch.draft_index is not None:
-            index = batch.draft_index
-            projected.index_add_(0, index, self.draft_lora(attended.index_select(0, index)))
+        if self.draft_lora is not None and batch.draft is not None:
+            # The update is computed for every token and kept where flagged: the same
+            # shapes whichever rows draft, so one captured graph serves draft and verify rows
+            # together (the LoRA's rank is small: a few percent of o_proj's work).
+            update = self.draft_lora(attended)
+            projected = torch.where(batch.draft[:, None], projected + update, projected)
         return projected
 
 

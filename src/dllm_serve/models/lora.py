@@ -1,22 +1,16 @@
-"""A draft-only LoRA for a tri-mode model (PEFT format), and the weight-view phase hooks.
+"""A draft-only LoRA for a tri-mode model (PEFT format).
 
 Nemotron-Labs-Diffusion ships a LoRA on every layer's ``self_attn.o_proj`` that makes the
 diffusion view a better drafter for LinearSpec. It must change the **draft** forwards only: the
 verify forwards (and ``ar``, ``diffusion``, prefills) use the base weights, which is what keeps
-LinearSpec exact. So the weight view is a property of the phase, not of the model:
+LinearSpec exact. So the weight view is a property of the token, not of the model.
 
-- **Eager (this server today).** The base weights stay in ``o_proj``; each layer's
-  :class:`LoRADelta` adds ``scale · B(A(x))`` to the ``o_proj`` output of the tokens a forward
-  marks as draft tokens (``RowSpec.draft`` → ``FlatBatch.draft_index``). Draft and verify rows of
-  different requests share one forward, and every non-draft token's output is the base
-  projection bit for bit.
-- **Captured graphs (a runtime that captures one graph per phase and batch bucket).** A graph
-  records the weight tensors it reads, so the weight view must be set *before* capture and
-  replay. :func:`weight_view_hooks` returns :class:`PhaseHooks` (SGLang's
-  ``DllmGraphPhaseHooks`` idea): ``before_draft`` points each ``o_proj.weight`` at a merged
-  ``W + scale · B A`` tensor and turns the per-token path off; ``before_verify`` points it back at
-  the base tensor; ``after_graph`` restores the eager state. The ModelRunner holds them
-  (``ModelRunner.phase_hooks``); CPU tests check that the merged view equals the per-token one.
+The base weights stay in ``o_proj``; each layer's :class:`LoRADelta` computes
+``scale · B(A(x))`` and adds it to the ``o_proj`` output of the tokens a forward flags as draft
+tokens (``RowSpec.draft`` → ``FlatBatch.draft``), every other token keeping the base projection
+bit for bit. Draft and verify rows of different requests share one forward, eager or a captured
+graph: the update is computed for every token and selected per token, so the shapes do not
+depend on which rows draft (no weight swap per phase, no graph per phase).
 
 PEFT format: ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``,
 ``target_modules``) and ``adapter_model.safetensors`` with
@@ -29,8 +23,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +56,6 @@ class LoRADelta(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
-
-    def merged(self, weight: torch.Tensor) -> torch.Tensor:
-        """``W + scale · B A`` in ``weight``'s dtype (the draft view of a merged weight)."""
-        delta = self.lora_b.float() @ self.lora_a.float() * self.scale
-        return (weight.float() + delta).to(weight.dtype)
 
 
 def _adapter_config(path: Path) -> dict[str, Any]:
@@ -160,51 +147,3 @@ def attach_served_draft_lora(loaded: LoadedModel, path: str | Path) -> int:
             f"(Nemotron-Labs-Diffusion); {loaded.name!r} is a {loaded.family.name} model"
         )
     return attach_draft_lora(loaded.model, path)
-
-
-def _noop() -> None:
-    pass
-
-
-@dataclass(frozen=True)
-class PhaseHooks:
-    """Weight-view callbacks a graph-capturing runtime calls before capturing or replaying a
-    phase's graph (draft or verify), and after either to restore the eager state."""
-
-    before_draft: Callable[[], None] = _noop
-    before_verify: Callable[[], None] = _noop
-    after_graph: Callable[[], None] = _noop
-
-
-def weight_view_hooks(model: DecoderTransformer) -> PhaseHooks:
-    """The :class:`PhaseHooks` of ``model``'s draft LoRA (no-ops without one).
-
-    Merged weights are computed on the first ``before_draft`` (one extra ``o_proj`` per
-    adapted layer) and swapped in by pointer (``param.data``), so a captured graph keeps
-    reading the tensor that was active when it was captured.
-    """
-    adapted = [layer.attn for layer in model.layers if layer.attn.draft_lora is not None]
-    if not adapted:
-        return PhaseHooks()
-    deltas = [attn.draft_lora for attn in adapted]
-    base = [attn.o_proj.weight.data for attn in adapted]
-    merged: list[torch.Tensor] = []
-
-    def before_draft() -> None:
-        if not merged:
-            merged.extend(d.merged(w) for d, w in zip(deltas, base, strict=True))
-        for attn, w in zip(adapted, merged, strict=True):
-            attn.o_proj.weight.data = w
-            attn.draft_lora = None  # the merged weight already holds the update
-
-    def before_verify() -> None:
-        for attn, w in zip(adapted, base, strict=True):
-            attn.o_proj.weight.data = w
-            attn.draft_lora = None
-
-    def after_graph() -> None:
-        for attn, w, delta in zip(adapted, base, deltas, strict=True):
-            attn.o_proj.weight.data = w
-            attn.draft_lora = delta
-
-    return PhaseHooks(before_draft, before_verify, after_graph)

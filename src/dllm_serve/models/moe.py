@@ -145,6 +145,14 @@ class MoE(nn.Module):
             )  # fmt: skip
         return False
 
+    @property
+    def capturable(self) -> bool:
+        """Whether a forward reads nothing back to the host (the grouped path): what a captured
+        CUDA graph needs. The one-by-one path reads each expert's count."""
+        stacked = self.gate_up is not None and self.down is not None
+        everyone = len(self.cfg.local_experts) == self.cfg.num_experts
+        return stacked and everyone and not self.grouped_refused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -169,9 +177,7 @@ class MoE(nn.Module):
     ) -> torch.Tensor | None:
         """Every expert's run in two grouped GEMMs, nothing read back; None where the layer is
         not fused, holds only some experts, or the grouped op refused its weights at fuse()."""
-        stacked = self.gate_up is not None and self.down is not None
-        everyone = len(self.cfg.local_experts) == self.cfg.num_experts
-        if not (stacked and everyone) or self.grouped_refused:
+        if not self.capturable:
             return None
         assert self.gate_up is not None and self.down is not None
         # Run ends per expert, counted on the device (bincount would read its max back).

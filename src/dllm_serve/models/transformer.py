@@ -213,7 +213,10 @@ class DecoderTransformer(nn.Module):
         # The norm is per token: select first, normalise only what the LM head will read.
         return self.norm(x.index_select(0, batch.logits_index))
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [..., vocab_size] for hidden states [..., D]."""
+    def lm_head(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [..., vocab_size] for hidden states [..., D] (into ``out`` when given: a
+        captured graph's logits buffer)."""
         weight = self.embed_tokens.weight if self.head is None else self.head.weight
-        return F.linear(hidden, weight)
+        if out is None:
+            return F.linear(hidden, weight)
+        return torch.matmul(hidden, weight.t(), out=out)

@@ -134,6 +134,21 @@ def test_block_diffusion(tmp_path: Path) -> None:
     assert all(r["answer_tokens"] > 0 and r["nfe"] > 0 for r in fast["rows"])
 
 
+def test_graph_coverage(tmp_path: Path) -> None:
+    """Staggered sampled SDAR traffic through the static forwards on CPU: decode forwards are
+    counted among all forwards, and the graphed ones among them."""
+    out = tmp_path / "graph_coverage.json"
+    load("graph_coverage").main(["--requests", "3", "--only", "sdar blocks", "--out", str(out)])
+    report = read(out)
+    assert report["captured"] is False and report["requests"] == 3
+    sdar = report["modes"]["sdar blocks"]
+    assert sdar["all_forwards"] > sdar["forwards"] >= sdar["graphable"] > 0
+    assert sdar["all_graphable"] >= sdar["graphable"]
+    assert sdar["max_rows_per_forward"] >= 2 and sdar["captures_failed"] == 0
+    with pytest.raises(SystemExit):
+        load("graph_coverage").main(["--only", "no such mode", "--out", str(out)])
+
+
 def test_gpu_llada8b_tiny_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "gpu.json"
     # No matplotlib: JSON still written, no PNG.

@@ -75,7 +75,7 @@ class Recorder:
         self.forwards.clear()
         self.states.clear()
 
-    def on_forward(self, rows: int, tokens: int, model_seconds: float) -> None:
+    def on_forward(self, rows: int, tokens: int, model_seconds: float, graphed: bool) -> None:
         self.forwards.append((rows, tokens))
 
     def on_iteration(self, busy_seconds: float) -> None:

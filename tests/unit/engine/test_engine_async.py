@@ -239,7 +239,7 @@ def test_concurrent_rows_share_forwards(loaded: LoadedModel) -> None:
     rows: list[int] = []
 
     class Recorder:
-        def on_forward(self, n: int, tokens: int, seconds: float) -> None:
+        def on_forward(self, n: int, tokens: int, seconds: float, graphed: bool) -> None:
             rows.append(n)
 
         def on_iteration(self, busy_seconds: float) -> None: ...

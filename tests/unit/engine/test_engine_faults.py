@@ -150,7 +150,7 @@ def test_a_graph_that_fails_to_capture_runs_eagerly_and_is_never_captured_again(
     reference = AsyncEngine(tiny, EngineConfig(kv_cache="prefix"))
     runner = ModelRunner(
         model, torch.device("cpu"), kv_slots=engine.runner.pool.slots, cuda_graph=True,
-        mask_id=tiny.mask_id,
+        capture=False, mask_id=tiny.mask_id, attention="flex",
     )  # fmt: skip
     assert runner.graphs is not None  # the padded static forward, uncaptured on CPU
     runner.graphs.capture = True  # as on CUDA: capture each new shape

@@ -155,6 +155,7 @@ class Recorder(TorchDispatchMode):
             else {pool.k.untyped_storage().data_ptr(), pool.v.untyped_storage().data_ptr()}
         )
         self.threshold = min(len(r.tokens) * (r.start + len(r.tokens)) for r in rows)
+        self.tokens = sum(len(r.tokens) for r in rows)
         self.problems: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -166,7 +167,9 @@ class Recorder(TorchDispatchMode):
             if isinstance(o, torch.Tensor)
         ]
         for tensor in flat:
-            if tensor.dtype == torch.bool and tensor.numel() >= self.threshold:
+            # One flag per flat token (LinearSpec's draft flags) relates no query to a key.
+            per_token = tensor.dim() == 1 and tensor.numel() == self.tokens
+            if tensor.dtype == torch.bool and tensor.numel() >= self.threshold and not per_token:
                 self.problems.append(f"{name}: a boolean mask of {tuple(tensor.shape)}")
             elif (
                 tensor.is_floating_point()
@@ -223,3 +226,27 @@ def test_flex_builds_no_mask_copies_no_kv_and_gives_the_sdpa_logits(
     # masks where prefixes differ).
     if "no cache" not in case:
         assert any("reads the pool" in p for p in sdpa_problems), sdpa_problems[:5]
+
+
+def test_every_thread_that_runs_flex_has_the_raised_recompile_limit() -> None:
+    """Dynamo's settings are per thread: the limit raised where graphs are captured (the
+    thread that builds the engine) must hold on the engine thread too, or past 8 compiles
+    flex would run eagerly there (a mask over the whole pool) instead of failing loudly."""
+    import threading
+
+    import torch._dynamo
+
+    from dllm_serve.models import attention
+
+    seen: list[tuple[int, bool]] = []
+
+    def run() -> None:
+        attention._compiled()
+        config = torch._dynamo.config
+        seen.append((config.recompile_limit, config.fail_on_recompile_limit_hit))
+
+    for _ in range(2):  # the second thread starts after the first configured its own
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    assert seen == [(attention.RECOMPILE_LIMIT, True)] * 2
