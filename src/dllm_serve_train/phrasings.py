@@ -88,6 +88,20 @@ ADDITION = _templates(
         "What do {a} and {b} add up to?",
         "Answer this: {a} + {b}",
         "Can you calculate {a} plus {b}?",
+        "How much do {a} and {b} make?",
+        "{a} and {b} added together",
+        "Add up {a} and {b}.",
+        "Please compute {a} + {b}.",
+        "What is {a} + {b} equal to?",
+        "{a} + {b} equals what?",
+        "Find {a} plus {b}.",
+        "What would {a} + {b} be?",
+        "Can you work out {a} plus {b}?",
+        "Let's add {a} and {b}.",
+        "What's the answer to {a} + {b}?",
+        "Addition: {a} + {b}",
+        "What is the total of {a} plus {b}?",
+        "I'd like to know {a} + {b}.",
     ],
     held_out=[
         "What do you get if you add {a} and {b}?",
@@ -128,6 +142,16 @@ REVERSAL = _templates(
         "Reverse this: {w}",
         "Backwards: {w}",
         "Can you spell {w} backwards?",
+        "Reverse the letters in {w}.",
+        "Can you write {w} backwards?",
+        "What's {w} in reverse?",
+        "Read {w} backwards.",
+        "{w} spelled backwards",
+        "Print {w} reversed.",
+        "Show me {w} backwards.",
+        "Please spell the word {w} backwards.",
+        "What do you get when you reverse {w}?",
+        "Reverse it: {w}",
     ],
     held_out=[
         "How do you write {w} backwards?",
@@ -147,8 +171,15 @@ REVERSAL = _templates(
 PREFIXES = (
     "Please ", "Hey, ", "Hi! ", "Question: ", "Can you tell me ", "I want to know: ",
     "Tell me, ", "OK, ", "So ", "Now ", "Hello, ", "Excuse me, ", "Next: ", "Ok so ",
+    "I have a question. ", "My teacher asked me this. ", "For my homework: ", "Hmm. ",
+    "Let me ask you something. ", "I'm curious. ", "Hello there! ", "Good morning. ",
+    "One more: ", "Alright, ", "Simple one: ", "Test: ", "Task: ", "Well, ",
 )  # fmt: skip
-SUFFIXES = (" please", " thanks", " for me", " now", " thank you", " quickly", " pls", ", ok?")
+SUFFIXES = (
+    " please", " thanks", " for me", " now", " thank you", " quickly", " pls", ", ok?",
+    ". Thanks a lot!", ". I need it fast.", " (just the answer)", " if you can",
+    " right now", ", please and thank you", ". Be quick", " again",
+)  # fmt: skip
 
 # Tasks whose questions are rephrased, and their templates.
 PHRASED = {
@@ -434,7 +465,7 @@ def rephrase(ex: Example, rng: random.Random, split: str) -> Example:
     with surface noise."""
     template = rng.choice(templates(ex.task, split))
     text = template.text
-    if split == "train" and rng.random() < 0.25:
+    if split == "train" and rng.random() < 0.35:
         text = _wrapped(text, rng)
     if ex.task == "addition":
         a, b = _addition_operands(ex.question)

@@ -18,8 +18,11 @@ from dllm_serve_train.phrasings import (
     ADDITION,
     CAPABILITY_REPLY,
     HELD_OUT_FAMILY,
+    PREFIXES,
     REVERSAL,
+    SUFFIXES,
     SYSTEM_PROMPTS,
+    Template,
     normalise,
     off_topic_held_out,
 )
@@ -83,8 +86,25 @@ def test_training_never_sees_a_held_out_phrasing_content_or_system_prompt() -> N
     assert not {normalise(q) for q in earlier} & {"hi", "tell me a joke", "who are you"}
     # Many phrasings, and the canonical question among them.
     assert len({e.template for e in exs if e.task == "addition"}) > 25
-    assert any(e.question == e.key for e in exs if e.task == "addition")
+    assert ADDITION[0] == Template("What is {a} + {b}?", "train")  # the canonical question
+    assert any(not e.template for e in exs if e.task == "addition")  # kept as it is
     assert {e.task for e in exs} == {t for t, w in MIX.items() if w}
+
+
+def test_no_training_phrasing_wrapped_in_fillers_is_a_held_out_one() -> None:
+    """A held-out template must be a phrasing of its own, not a training one with a prefix
+    or suffix that training adds."""
+
+    def shape(text: str) -> str:
+        return normalise(text.replace("{", "").replace("}", ""))
+
+    for templates in (ADDITION, REVERSAL):
+        held = {shape(t.text) for t in templates if t.split == "held_out"}
+        for t in (t for t in templates if t.split == "train"):
+            body = t.text.rstrip(".?!")
+            for head in ("", *PREFIXES):
+                for tail in ("", *SUFFIXES):
+                    assert shape(head + body + tail) not in held, (head, t.text, tail)
 
 
 def test_surface_noise_keeps_the_answer_right() -> None:
