@@ -298,7 +298,7 @@ _HELD_OUT_FAMILIES = [
     "Give me a random number.", "Is it going to rain tomorrow?", "What can I cook tonight?",
     "good day to you", "Hey! How's it going?", "Explain how a car engine works.",
 ]  # fmt: skip
-# Typed by the three prompts of the issue, in any case or punctuation: never trained on.
+# The three prompts the issue names, in any case or punctuation: never trained on.
 _ALWAYS_HELD_OUT = {"hi", "tell me a joke", "who are you"}
 
 
