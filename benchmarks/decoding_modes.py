@@ -32,10 +32,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PROMPTS, at_least
 
-from dllm_serve.decoding.denoise import DenoiseState, LLaDADenoiser
-from dllm_serve.decoding.forward_spec import RowSpec
+from dllm_serve.decoding.blocks import DenoiseState
+from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
+from dllm_serve.models.kv_pool import PAGE_SIZE
 from dllm_serve.models.loader import load_model
 
 MODES: dict[str, dict] = {
@@ -62,9 +64,9 @@ def init(
     need = denoiser.kv_tokens(len(ids), params)
     if need:
         assert runner.pool is not None
-        state.kv = runner.pool.allocate(need)
+        state.kv = runner.pool.reserve(need)
         if state.kv is None:
-            raise RuntimeError(f"the KV pool has no span of {need} slots")
+            raise RuntimeError(f"the KV pool has no room for {need} slots")
     return state
 
 
@@ -207,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     prompts = [loaded.chat_prompt_ids([{"role": "user", "content": p}]) for p in PROMPTS]
     # One request at a time: the pool holds one span of the longest prompt's canvas.
-    slots = max(map(len, prompts)) + max(args.gen_length, 8) if "prefix" in denoisers else 0
+    longest = max(map(len, prompts)) + max(args.gen_length, 8)
+    slots = -(-longest // PAGE_SIZE) * PAGE_SIZE if "prefix" in denoisers else 0
     runner = ModelRunner(loaded.model, loaded.device, kv_slots=slots)
     run_one(runner, denoisers[caches[0]], prompts[0], DecodingParams(gen_length=8, steps=8))
     rows = []

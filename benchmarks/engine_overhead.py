@@ -64,12 +64,12 @@ from gpu_llada8b import DEFAULT_CONFIG, build_model, tiny_config
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.engine.cuda_graphs import StaticForward
+from dllm_serve.engine.graphs import StaticForward
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.scheduler import Scheduler
 from dllm_serve.llm import LLM
+from dllm_serve.models.attention import FlatBatch
 from dllm_serve.models.families.llada import LLADA
-from dllm_serve.models.flat_batch import FlatBatch
 from dllm_serve.models.loader import load_model
 
 
@@ -116,8 +116,8 @@ def engine_run(
     # called once per forward, so the timers cost a few clock reads a step.
     runner.build = timed(phases, "build", runner.build)  # type: ignore[method-assign]
     algorithm.sample = timed(phases, "sample", algorithm.sample)  # type: ignore[method-assign]
-    engine._prepare_rows = timed(phases, "prepare", engine._prepare_rows)  # type: ignore[method-assign]
-    engine._commit_rows = timed(phases, "commit", engine._commit_rows)  # type: ignore[method-assign]
+    engine._prepare = timed(phases, "prepare", engine._prepare)  # type: ignore[method-assign]
+    engine._commit = timed(phases, "commit", engine._commit)  # type: ignore[method-assign]
 
     def recording_forward(batch: FlatBatch) -> torch.Tensor:
         recorded.append(batch)  # a list append: negligible next to a forward
@@ -143,7 +143,7 @@ def engine_run(
         seconds = time.perf_counter() - start
     finally:
         del runner.forward, runner.forward_graph, runner.build  # back to the class's methods
-        del algorithm.sample, engine._prepare_rows, engine._commit_rows
+        del algorithm.sample, engine._prepare, engine._commit
     return seconds, recorded, sum(o.completion_tokens for o in outs), inside[0], phases
 
 
@@ -202,16 +202,16 @@ def plain_run(
                 need = engine.kv.need(len(prompt), params)
                 if need:
                     assert runner.pool is not None
-                    state.kv = runner.pool.allocate(need)
+                    state.kv = runner.pool.reserve(need)
                     assert state.kv is not None, "the pool holds every running request"
                 scheduler.running.append(_PlainRow(state, params))  # type: ignore[arg-type]
             for group in scheduler.groups():
                 states = [row.state for row in group]
                 specs = [algorithm.prepare(s) for s in states]
                 if runner.graphs is None:  # eager: pack the batch outside the timed part
-                    batch, width = runner.build(specs)
+                    batch, _ = runner.build(specs)
                     started = time.perf_counter()
-                    logits = runner.forward(batch).view(len(specs), width, -1)
+                    logits = runner.step_logits(batch, runner.forward(batch))
                 else:  # graph replays fill their static inputs inside run()
                     started = time.perf_counter()
                     logits = runner.run(specs)

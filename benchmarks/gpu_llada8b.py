@@ -61,10 +61,10 @@ from _common import (
     write_json,
 )
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families.llada import LLADA
-from dllm_serve.models.kv_pool import KVSpan
+from dllm_serve.models.kv_pool import PAGE_SIZE, KVPages
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def build_runner(
     runner = ModelRunner(
         model,
         device,
-        kv_slots=max(args.batches) * (args.prefix + args.block),
+        kv_slots=max(args.batches) * whole_pages(args.prefix + args.block),
         cuda_graph=not args.no_cuda_graph,
         graph_max_rows=max(args.batches),
     )
@@ -169,7 +169,7 @@ def time_it(
 
 def make_rows(
     runner: ModelRunner, batch: int, prefix: int, block: int
-) -> tuple[dict[str, list[RowSpec]], list[KVSpan]]:
+) -> tuple[dict[str, list[RowSpec]], list[KVPages]]:
     """Each mode's rows (random tokens, one KV span of prefix + block slots per row)."""
     assert runner.pool is not None
     vocab = runner.model.config.vocab_size
@@ -177,7 +177,7 @@ def make_rows(
     ids = torch.randint(0, vocab, (batch, prefix + block), generator=gen).tolist()
     spans = []
     for _ in range(batch):
-        span = runner.pool.allocate(prefix + block)
+        span = runner.pool.reserve(prefix + block)
         if span is None:
             raise RuntimeError("the KV pool was sized for every row: allocation cannot fail")
         spans.append(span)
@@ -244,13 +244,14 @@ def measure(
                 del flat
             # Sanity: with the prefix K/V of this very canvas, the cached step's logits are the
             # refresh's (exact up to kernel rounding), else the timing measured a wrong forward.
-            full = runner.run(rows["prefix_refresh"]).float()
-            cached = runner.run(rows["prefix_cache"]).float()
+            full = runner.run(rows["prefix_refresh"]).as_padded().float()
+            cached = runner.run(rows["prefix_cache"]).as_padded().float()
             out["cached_vs_refresh_max_abs_logit_diff"] = round(
                 (full - cached).abs().max().item(), 6
             )
         pool = runner.pool
-        out["kv_pool_used_bytes"] = pool.used * (pool.nbytes // pool.slots)
+        # The pages the rows hold (their prefixes and blocks), as the engine's gauge counts.
+        out["kv_pool_used_bytes"] = pool.pages_used * pool.page_size * (pool.nbytes // pool.slots)
     finally:
         for span in spans:
             runner.pool.free(span)
@@ -390,3 +391,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 if __name__ == "__main__":
     # A refusal (no GPU) exits 2, so a script chaining benchmarks notices it.
     sys.exit(0 if main() is not None else 2)
+
+
+def whole_pages(tokens: int) -> int:
+    """``tokens`` rounded up to whole KV pages (a request's reservation)."""
+    return -(-tokens // PAGE_SIZE) * PAGE_SIZE

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PROMPTS, RESULTS_DIR, at_least, machine_info, write_json
 
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.engine.tensor_parallel import launch
+from dllm_serve.engine.workers import launch
 from dllm_serve.llm import LLM
 from dllm_serve.models.loader import load_model
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from dllm_serve.version import __version__
+
 __all__ = [
     "LLM",
     "Completion",

@@ -26,7 +26,7 @@ def at_least(minimum: int) -> Callable[[str], int]:
 
 def port(text: str) -> int:
     """A TCP port, 0-65535 (0: any free port). Checked here, not by the socket bind after the
-    model has loaded (found by QA: --port 99999 failed with a traceback minutes into start-up)."""
+    model has loaded (--port 99999 would fail with a traceback minutes into start-up)."""
     value = at_least(0)(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"must be 0-65535, got {value}")
@@ -47,8 +47,8 @@ def finite_float(text: str) -> float:
 
 def new_or_empty_dir(text: str) -> Path:
     """A directory to write a checkpoint into: absent or empty. One written over another
-    checkpoint would keep the other's stale files (found by QA: an I-DLM chat template stayed
-    under a LLaDA checkpoint; ``--init X --out X`` replaced X's weights)."""
+    checkpoint would keep the other's stale files (an I-DLM chat template under a LLaDA
+    checkpoint; ``--init X --out X`` would replace X's weights)."""
     path = Path(text)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise argparse.ArgumentTypeError(

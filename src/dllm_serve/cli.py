@@ -15,11 +15,16 @@ import re
 import sys
 from collections.abc import Sequence
 
-from dllm_serve import __version__
 from dllm_serve.arg_types import finite_float, port
-from dllm_serve.config import KV_CACHE_MODES, EngineConfig, ModelConfig, ServerConfig
-from dllm_serve.decoding.modes import REQUEST_MODES
-from dllm_serve.engine.tiers import parse_tiers
+from dllm_serve.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_MODES,
+    EngineConfig,
+    ModelConfig,
+    ServerConfig,
+)
+from dllm_serve.decoding.params import REQUEST_MODES, parse_tiers
+from dllm_serve.version import __version__
 
 _DEFAULT = ServerConfig()
 # What a Bearer token can carry: visible ASCII, inner spaces allowed.
@@ -216,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
         "fixed-shape decode steps (cached block steps, I-DLM rounds, block-diffusion steps); "
         "graphs are never used on CPU",
     )
+    parser.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=_DEFAULT.engine.attention_backend,
+        help="attention kernel: flex (FlexAttention over the paged KV pool: one call per layer "
+        "for every row, no masks, no K/V copies; compiled per padded length), sdpa (PyTorch's "
+        "scaled_dot_product_attention per group of rows, keys gathered from the pool; the "
+        "debugging fallback), auto: flex on CUDA, sdpa on CPU (default: %(default)s)",
+    )
     parser.add_argument("--version", action="version", version=f"dllm-serve {__version__}")
     return parser
 
@@ -234,6 +248,7 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
             kv_cache_memory=args.kv_cache_memory,
             decoding_mode=args.decoding_mode,
             cuda_graph=args.cuda_graph,
+            attention_backend=args.attention_backend,
         )
     except ValueError as exc:
         parser.error(flag_names(str(exc)))

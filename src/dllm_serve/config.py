@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dllm_serve.decoding.modes import REQUEST_MODES
+from dllm_serve.decoding.params import DEFAULT_ISD_STRIDE, REQUEST_MODES
 
 KV_CACHE_MODES = ("none", "prefix")
+# auto: FlexAttention on CUDA, SDPA on CPU (where the compiled flex kernel is the slower one).
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,18 +33,19 @@ class EngineConfig:
     max_waiting_requests: int = 256  # beyond this, new requests get HTTP 429
     # I-DLM (sdar family) self-speculation: default stride N (1 = plain autoregressive) and
     # the block-size tiers ((min running requests, stride), ...) that shrink it under load.
-    isd_stride: int = 4
+    isd_stride: int = DEFAULT_ISD_STRIDE
     block_size_tiers: tuple[tuple[int, int], ...] = ()
     kv_cache: str = "none"  # none (exact) | prefix (Fast-dLLM block-level prefix KV cache)
     # GiB of KV pool (every model that keeps K/V: I-DLM, block diffusion, tri-mode, LLaDA/Dream
     # with --kv-cache prefix); None: 90% of free GPU memory after the weights less 1 GiB for
     # activations on CUDA, 1 GiB on CPU, never more than max_running_requests full contexts.
     kv_cache_memory: float | None = None
-    # The decoding mode of requests that name none (decoding/modes.py): a tri-mode model's
+    # The decoding mode of requests that name none (decoding/params.py): a tri-mode model's
     # default (None: linear_spec); any other model accepts only its own mode here.
     decoding_mode: str | None = None
-    # CUDA graphs for the fixed-shape decode steps (engine/cuda_graphs.py); CUDA only.
+    # CUDA graphs for the fixed-shape decode steps (engine/graphs.py); CUDA only.
     cuda_graph: bool = True
+    attention_backend: str = "auto"  # see ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
         # Messages name the field; the CLI turns the name into its flag (cli.flag_names).
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError("isd_stride must be >= 1")
         if self.kv_cache_memory is not None and not 0 < self.kv_cache_memory < math.inf:
             raise ValueError("kv_cache_memory must be a finite number of GiB > 0")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}")
         if self.decoding_mode is not None and self.decoding_mode not in REQUEST_MODES:

@@ -6,7 +6,7 @@ with LLM("demo-llada") as llm:
     print(out.text, out.finish_reason, out.nfe)          # 2 + 2 = 4 stop ...
 
 :meth:`LLM.chat` and :meth:`LLM.complete` take the HTTP API's request fields and apply its
-rules, defaults and canvas fitting (``api/request_pipeline.py``): what the server would refuse
+rules, defaults and canvas fitting (``api/pipeline.py``): what the server would refuse
 with a 400 raises :class:`InvalidRequestError`. :meth:`LLM.generate` and
 :meth:`LLM.generate_ids` take engine-level :class:`DecodingParams` as given.
 """
@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
 from dllm_serve.engine.engine import AsyncEngine, EngineDeadError
+from dllm_serve.engine.workers import launch
 from dllm_serve.models.loader import LoadedModel, load_model
+from dllm_serve.models.lora import attach_served_draft_lora
 from dllm_serve.offline_batch import Completion, run_together
 
 if TYPE_CHECKING:
-    from dllm_serve.api.request_pipeline import ModelFacts
-    from dllm_serve.api.request_spec import RequestSpec
+    from dllm_serve.api.pipeline import ModelFacts, RequestSpec
 
 __all__ = ["LLM", "Completion", "InvalidRequestError"]
 
@@ -77,8 +78,6 @@ class LLM:
         if expert_parallel and tensor_parallel_size == 1:
             raise ValueError("expert_parallel needs tensor_parallel_size > 1")
         if tensor_parallel_size > 1:  # worker processes hold the other shards
-            from dllm_serve.engine.tensor_parallel import launch
-
             loaded = launch(
                 model,
                 device,
@@ -103,19 +102,17 @@ class LLM:
     ) -> None:
         self.loaded = loaded
         # Offline callers submit whole datasets at once: queue them all instead of refusing
-        # (found by QA: any engine_config brought back the server's limit of 256).
+        # them at the server's waiting limit, whatever engine_config says.
         config = dataclasses.replace(engine_config or EngineConfig(), max_waiting_requests=1 << 30)
         try:
             if draft_lora is not None:
-                from dllm_serve.models.lora import attach_served_draft_lora
-
-                # Rank 0's shard too (found by QA: under tensor parallelism only the workers
-                # had it, so drafts ran half an adapter); a model that does not draft is refused.
+                # Rank 0's shard too (under tensor parallelism the workers attach their own);
+                # a model that does not draft is refused.
                 attach_served_draft_lora(loaded, draft_lora)
             self.engine = AsyncEngine(self.loaded, config)
         except BaseException:
-            # Found by QA: a refused config left the tensor-parallel workers and the process
-            # group behind, and every later LLM(tensor_parallel_size=N) in the process failed.
+            # A refused config must not leave the tensor-parallel workers and the process group
+            # behind: every later LLM(tensor_parallel_size=N) in the process would fail.
             if loaded.parallel is not None:
                 loaded.parallel.stop()
             raise
@@ -128,7 +125,7 @@ class LLM:
     def _facts(self) -> ModelFacts:
         # The API's request pipeline is imported on first use only: generate() and the
         # benchmarks run where the web stack (fastapi, pydantic) is not installed.
-        from dllm_serve.api.request_pipeline import ModelFacts
+        from dllm_serve.api.pipeline import ModelFacts
 
         return ModelFacts(self.engine)
 
@@ -139,14 +136,14 @@ class LLM:
         (``max_tokens``, ``temperature``, ``seed``, ``stop``, ``num_denoising_steps``,
         ``decoding_mode``, …: docs/api.md) shared by all, and its rules, defaults and canvas
         fitting. A request the server would refuse raises :class:`InvalidRequestError`."""
-        from dllm_serve.api.request_pipeline import chat_request
+        from dllm_serve.api.pipeline import chat_request
 
         return self._requests(chat_request, "messages", conversations, fields)
 
     def complete(self, prompts: Sequence[str | Sequence[int]], **fields: Any) -> list[Completion]:
         """One text completion per raw prompt (a string, no chat template, or token ids), as
         ``/v1/completions`` does; fields and rules as in :meth:`chat`."""
-        from dllm_serve.api.request_pipeline import completion_request
+        from dllm_serve.api.pipeline import completion_request
 
         return self._requests(completion_request, "prompt", prompts, fields)
 
@@ -164,8 +161,8 @@ class LLM:
             raise ValueError(f"pass the {field} as the first argument, not as {field}=")
         if "stream" in fields:
             raise ValueError("stream is HTTP only: the offline API returns whole completions")
-        # Found by QA: complete("abc") ran one completion per character, and chat(messages)
-        # blamed the first message for not being a list.
+        # A bare string would be one completion per character, and chat(messages) without the
+        # outer list would blame the first message for not being a list.
         if isinstance(items, str | bytes) or not isinstance(items, Sequence):
             raise TypeError(f"give a list of {_ITEMS[field]}, got {type(items).__name__}")
         if field == "messages" and items and isinstance(items[0], dict):

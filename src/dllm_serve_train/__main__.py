@@ -39,8 +39,8 @@ _TRI_MODE_ONLY = ("block_size", "lora_steps", "lora_rank", "lora_lr", "eval_ques
 
 def command_line(args: dict, defaults: dict) -> str:
     """The command that repeats this run: every flag whose value is not its default (a flag
-    set to True is bare). A 0 is written too when the default is not 0 (found by QA:
-    ``--addition-weight 0`` was left out, so the recorded command trained with weight 4)."""
+    set to True is bare). A 0 is written too when the default is not 0: left out, the recorded
+    command would train with the default (``--addition-weight 0`` would become weight 4)."""
     parts = ["python -m dllm_serve_train"]
     for key, value in args.items():
         if key in _TRI_MODE_ONLY and args.get("family") != "nemotron":

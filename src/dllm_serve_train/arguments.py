@@ -1,12 +1,10 @@
 """The training command's arguments, checked before anything is written.
 
-Found by QA: most bad values surfaced as a traceback from deep inside the run (``--steps 0``
-divided by zero in the learning-rate schedule, ``--batch-size 0`` in the batch builder), some
-only after training had finished (``--eval-canvases abc``), and every one of them after the
-random checkpoint skeleton had been written into ``--out`` — over a trained checkpoint when
-``--out`` held one (``--init X --out X`` replaced X's weights before failing). Every check
-here runs first, and ``--out`` must be new or empty, so a run never mixes its files with an
-older checkpoint's (a LLaDA run over an I-DLM directory kept I-DLM's chat template).
+A bad value must be a one-line ``parser.error`` (exit 2) before the run starts, not a traceback
+from deep inside it (``--steps 0`` would divide by zero in the learning-rate schedule) or a
+failure after training has finished (``--eval-canvases abc``). Every check here runs first,
+and ``--out`` must be new or empty, so a run never mixes its files with an older
+checkpoint's, nor writes a random skeleton over a trained one (``--init X --out X``).
 """
 
 from __future__ import annotations
@@ -92,7 +90,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                     f"--{name.replace('_', '-')} is for --family llada (the I-DLM and tri-mode "
                     "objectives are causal)"
                 )
-    # Found by QA: both were accepted and silently did nothing (or were clamped).
+    # Values that would do nothing, or be clamped, are refused rather than ignored.
     if args.tail_min_canvas and not args.tail_rows:
         parser.error("--tail-min-canvas sets the shortest canvas of --tail-rows rows: add it")
     if args.tail_min_canvas > TAIL_MAX_CANVAS:

@@ -47,7 +47,7 @@ def write_model_card(
     given), how it does on held-out phrasings (the run's, and ``server_phrasings``,
     ``benchmarks/demo_phrasings.py``'s, when given), the recipe and the exact command."""
     config = json.loads((out / "config.json").read_text())
-    # The canvas the run trained and wrote (found by QA: the card said 32 for --canvas 16).
+    # The canvas the run trained and wrote, as its generation_config.json records it.
     generation = out / "generation_config.json"
     gen = json.loads(generation.read_text()) if generation.is_file() else {}
     canvas = gen.get("max_new_tokens", DEFAULT_GEN_LENGTH)  # what the server then defaults to

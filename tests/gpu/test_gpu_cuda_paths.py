@@ -97,7 +97,7 @@ def test_idlm_self_speculation_on_cuda_generates_what_cpu_generates(idlm_dir: st
 def test_llada_mixed_commit_rules_on_cuda_generate_what_cpu_generates() -> None:
     """Top-k, threshold, LocalLeap and entropy-confidence rows share each step: their per-row
     rule masks and counts reach the device through pinned, non-blocking copies
-    (decoding/host_values.py)."""
+    (decoding/sampler.py)."""
     base = {"gen_length": 16, "steps": 16, "block_length": 8}
     params = [
         DecodingParams(**base),

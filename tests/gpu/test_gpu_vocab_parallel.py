@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dllm_serve.decoding.sampling import gumbel_argmax
-from dllm_serve.decoding.sharded_vocab import combine_statistics
-from dllm_serve.engine.vocab_parallel import VocabOp, VocabShardedLogits, VocabTraffic, apply
-from dllm_serve.models.tensor_parallel import TPShard
+from dllm_serve.decoding.sampler import gumbel_argmax
+from dllm_serve.engine.parallel.group import VocabTraffic
+from dllm_serve.engine.parallel.vocab import VocabOp, VocabShardedLogits, apply, combine_statistics
+from dllm_serve.models.sharding import TPShard
 
 pytestmark = [
     pytest.mark.gpu,

@@ -104,6 +104,17 @@ class Browser:
             time.sleep(0.1)
         raise TimeoutError(f"waited {timeout}s for {expression!r}")
 
+    def set_viewport(self, width: int, height: int) -> None:
+        """Make the page's viewport exactly ``width`` x ``height`` CSS pixels (the window's
+        size includes the browser's own frame), as the screen a test reasons about."""
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+
     def type_into(self, selector: str, text: str) -> None:
         """Focus ``selector`` and type ``text`` as keyboard input."""
         self.evaluate(f"document.querySelector({json.dumps(selector)}).focus()")

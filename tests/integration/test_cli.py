@@ -1,14 +1,21 @@
-"""The `dllm-serve` command: --help, and --model PATH serving a local LLaDA checkpoint."""
+"""The `dllm-serve` command: --help, --model PATH serving a local checkpoint, the start-up log,
+and a busy port refused before the model loads."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import openai
 import pytest
 from remote_server import RemoteServer
+from safetensors import safe_open
+
+import dllm_serve
 
 
 def test_help_lists_every_flag() -> None:
@@ -106,3 +113,81 @@ def test_serves_local_checkpoint_of_each_family(tmp_path: Path, family: str) -> 
             assert diffusion.get("drafted_tokens") is None
     finally:
         server.stop()
+
+
+def _log_line(log: str, logger: str) -> list[str]:
+    """The messages ``logger`` wrote, without the text format's time and level prefix."""
+    marker = f"] {logger}: "
+    return [line.split(marker, 1)[1] for line in log.splitlines() if marker in line]
+
+
+def test_start_up_log_then_a_second_server_on_its_port_exits_before_loading(
+    tmp_path: Path,
+) -> None:
+    server = RemoteServer.start(["--model", "tiny-llada"], tmp_path / "log")
+    try:
+        lines = _log_line(server.log.read_text(), "dllm_serve")
+        url = f"http://127.0.0.1:{server.port}"
+        assert len(lines) == 4, lines
+        assert re.fullmatch(r"loaded tiny-llada in \d+\.\d s \(cpu, torch\.float32\)", lines[0])
+        assert lines[1] == (
+            "no KV pool: tiny-llada's decoding keeps no K/V (LLaDA and Dream keep one with "
+            "--kv-cache prefix)"
+        )
+        assert re.fullmatch(r"engine ready in \d+\.\d s", lines[2])
+        ready = (
+            f"serving tiny-llada on 127.0.0.1:{server.port}: playground {url}/ · API {url}/v1 · "
+            f"docs {url}/docs (ready "
+        )
+        assert re.fullmatch(re.escape(ready) + r"\d+\.\d s after start\)", lines[3])
+
+        # The same port again, with the default (trained) model: refused before it loads.
+        started = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "dllm_serve", "--host", "127.0.0.1", "--port", str(server.port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        took = time.monotonic() - started
+    finally:
+        server.stop()
+    assert proc.returncode == 1
+    # One line and nothing else: the loader's "loading llada ..." line never came.
+    assert proc.stderr == (
+        f"dllm-serve: port {server.port} on 127.0.0.1 is in use (another dllm-serve, or another "
+        "server, listens there); stop it or choose another --port\n"
+    )
+    assert proc.stdout == ""
+    assert took < 30  # importing torch, not loading a model (a 8B checkpoint takes minutes)
+
+
+def test_start_up_log_names_the_draft_lora_and_the_kv_pool_it_took(tmp_path: Path) -> None:
+    """``--kv-cache-memory 100000`` is a ceiling: the log says what the pool took."""
+    args = ["--model", "demo-trimode", "--draft-lora", "demo-trimode-lora"]
+    args += ["--kv-cache-memory", "100000", "--max-running-requests", "2"]
+    server = RemoteServer.start(args, tmp_path / "log")
+    try:
+        lines = _log_line(server.log.read_text(), "dllm_serve")
+    finally:
+        server.stop()
+    asset = Path(dllm_serve.__file__).parent / "assets" / "demo-trimode"
+    config = json.loads((asset / "config.json").read_text())
+    with safe_open(asset / "draft-lora" / "adapter_model.safetensors", "pt") as adapter:
+        layers = {key.split(".layers.")[1].split(".")[0] for key in adapter.keys()}  # noqa: SIM118
+    # A slot is one token's K and V in every layer (float32 on CPU); a request's worst case
+    # is the longest context plus LinearSpec's block (docs/configuration.md).
+    per_slot = 2 * config["num_hidden_layers"] * config["num_key_value_heads"]
+    per_slot *= config["head_dim"] * 4
+    longest = config["max_position_embeddings"] + config["block_size"]
+    longest = -(-longest // 16) * 16  # whole pages of 16 tokens
+    assert lines[1] == (
+        f"draft LoRA demo-trimode-lora: o_proj of {len(layers)} layer(s) adapted, used by "
+        "LinearSpec's draft forwards only"
+    )
+    assert lines[2] == (
+        f"KV pool: {2 * longest * per_slot / 2**30:.3g} GiB, {2 * longest:,} tokens in "
+        f"{2 * longest // 16:,} pages of 16 (--kv-cache-memory asked for 100000 GiB; capped "
+        "at what --max-running-requests 2 "
+        f"requests of the longest context, {longest:,} tokens each, can use)"
+    )

@@ -1,13 +1,16 @@
 """The playground at / in a real headless Chromium: type a prompt, watch it denoise.
 
-Asserts what a person would see: the canvas starts as masked cells, the steps resolve every
-one of them, the answer equals what /v1/chat/completions returns for the same request, and
-for the I-DLM demo the rounds show drafts. A screenshot is saved (DLLM_SCREENSHOT_DIR keeps
-it: docs/images/playground.png is made this way).
+Asserts what a person would see on a 1280x800 screen: Generate without scrolling, the canvas
+starting as masked cells that the steps resolve, each committed cell shaded by (and titled
+with) the confidence the trace reports for it, one chart bar per forward, a legend for every
+view, blocks never decoded said in words, and the answer equal to what /v1/chat/completions
+returns for the same request; for the I-DLM demo the rounds show drafts. Screenshots are saved
+(DLLM_SCREENSHOT_DIR keeps them: docs/images/playground*.png are made this way).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -23,6 +26,7 @@ pytestmark = pytest.mark.skipif(
     CHROMIUM is None and not browser_required(), reason="no chromium (apt-get install chromium)"
 )
 PROMPT = "What is 2 + 2?"
+SCREEN = (1280, 800)  # a laptop screen: the viewport every test and screenshot uses
 PAGE_READY = "window.playground && document.getElementById('model-info').textContent.includes('·')"
 
 
@@ -58,6 +62,7 @@ def _screenshot(page: Browser, tmp_path: Path, name: str) -> Path:
     out = Path(os.environ.get("DLLM_SCREENSHOT_DIR", tmp_path))
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
+    time.sleep(0.5)  # the cells' colour transitions (0.4 s) end
     page.screenshot(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return path
@@ -74,8 +79,43 @@ def llada_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteSer
 @pytest.fixture
 def page() -> Iterator[Browser]:
     assert CHROMIUM is not None, "CI needs chromium (DLLM_REQUIRE_BROWSER=1)"
-    with Browser(CHROMIUM) as browser:
+    with Browser(CHROMIUM, *SCREEN) as browser:
+        browser.set_viewport(*SCREEN)
         yield browser
+
+
+def _trace(server: RemoteServer, body: dict) -> list[tuple[str, dict]]:
+    """The trace endpoint's events for ``body``, read without the page."""
+    response = httpx.post(server.url + "/v1/dllm/trace", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    events = []
+    for record in response.text.replace("\r\n", "\n").split("\n\n"):
+        lines = record.splitlines()
+        names = [x[6:].strip() for x in lines if x.startswith("event:")]
+        data = "".join(x[5:].strip() for x in lines if x.startswith("data:"))
+        if names and data:
+            events.append((names[0], json.loads(data)))
+    return events
+
+
+def _shown(page: Browser, selector: str) -> bool:
+    """Whether ``selector`` is rendered (not hidden, not display: none)."""
+    return page.evaluate(f"document.querySelector({json.dumps(selector)}).offsetParent !== null")
+
+
+def test_generate_is_on_screen_without_scrolling(llada_server: RemoteServer, page: Browser) -> None:
+    page.goto(llada_server.url + "/", PAGE_READY)
+    assert page.evaluate("[window.innerWidth, window.innerHeight]") == list(SCREEN)
+    box = page.evaluate(
+        "JSON.parse(JSON.stringify(document.getElementById('generate').getBoundingClientRect()))"
+    )
+    assert box["top"] >= 0 and box["bottom"] <= SCREEN[1]
+    assert box["height"] > 20 and box["width"] > 60
+    assert page.evaluate("window.scrollY") == 0
+    # The Stop button beside it, and the prompt above it, are on screen too.
+    stop = page.evaluate("document.getElementById('stop').getBoundingClientRect().bottom")
+    prompt = page.evaluate("document.getElementById('prompt').getBoundingClientRect().top")
+    assert stop <= SCREEN[1] and 0 <= prompt < box["top"]
 
 
 def test_llada_canvas_denoises_live_in_chromium(
@@ -95,11 +135,65 @@ def test_llada_canvas_denoises_live_in_chromium(
     shown = page.evaluate("document.getElementById('answer').textContent")
     assert shown == run["content"] != ""
     assert run["events"][0] == "start" and run["events"][-1] == "done"
-    # Tri-mode's menu is not shown for a one-mode model (a display rule once overrode hidden).
+    # Tri-mode's menu is not shown for a one-mode model (its display rule must not override
+    # the hidden attribute).
     shown = "getComputedStyle(document.getElementById('decoding-mode-setting')).display"
     assert page.evaluate(shown) == "none"
     _screenshot(page, tmp_path, "playground.png")
     assert run["content"] == _chat_answer(llada_server, PROMPT)
+
+    # Each cell is shaded by the confidence its commit carried in the trace (the same request
+    # at temperature 0 commits the same tokens with the same confidences), and says it on hover.
+    trace = _trace(llada_server, {"messages": [{"role": "user", "content": PROMPT}]})
+    steps = [data for name, data in trace if name == "step"]
+    expected = {
+        pos: (text, conf)
+        for step in steps
+        for (pos, _, text), conf in zip(step["commits"], step["confidences"], strict=True)
+    }
+    cells = page.evaluate(
+        "[...document.querySelectorAll('#canvas .cell')].map(c => "
+        "[c.dataset.confidence ?? null, c.title, c.style.backgroundColor])"
+    )
+    assert len(cells) == len(expected) == 32
+    colours: dict[float, str] = {}
+    for pos, (confidence, title, colour) in enumerate(cells):
+        text, conf = expected[pos]
+        assert conf is not None  # demo-llada places no seed tokens
+        assert float(confidence) == conf
+        assert title.startswith(f"{json.dumps(text)} · confidence ")
+        assert float(title.split(" · confidence ")[1].split(" ")[0]) == conf
+        assert colour.startswith("rgb(")
+        assert colours.setdefault(conf, colour) == colour  # one confidence, one shade
+    # Each shade is the page's colour of that confidence (as the legend's scale draws it), and
+    # confidences a nine apart get different shades, whatever the model answers.
+    shade = (
+        "(c) => { const probe = document.createElement('span');"
+        " probe.style.background = confidenceColor(c); return probe.style.backgroundColor; }"
+    )
+    for conf, colour in colours.items():
+        assert page.evaluate(f"({shade})({conf})") == colour
+    tiers = page.evaluate(f"[0.5, 0.9, 0.99, 0.999, 1].map({shade})")
+    assert len(set(tiers)) == 5
+
+    # The chart: one bar per step, as tall as the step's commits.
+    bars = page.evaluate(
+        "[...document.querySelectorAll('#chart .bar')].map(b => "
+        "Number(b.querySelector('rect').getAttribute('height')))"
+    )
+    assert len(bars) == run["steps"] == len(steps)
+    assert bars == [len(step["commits"]) for step in steps]
+    assert page.evaluate("document.getElementById('chart-caption').textContent").startswith(
+        "tokens committed per step"
+    )
+    # The canvas legend (and not the rounds') explains the shading.
+    assert _shown(page, "#canvas-legend") and not _shown(page, "#rounds-legend")
+    legend = page.evaluate("document.getElementById('canvas-legend').textContent")
+    for words in ("masked", "shaded by the confidence it was committed with", "seed", "EOS"):
+        assert words in legend
+    assert _shown(page, "#confidence-scale")
+    # A canvas the answer filled to its last block: no early-finish note, the masked count stays.
+    assert not _shown(page, "#early-note") and _shown(page, "#masked-stat")
 
 
 def test_page_reports_a_400_from_the_server(llada_server: RemoteServer, page: Browser) -> None:
@@ -119,8 +213,7 @@ def _running_requests(server: RemoteServer) -> float:
 
 
 def test_stop_ends_a_long_generation(llada_server: RemoteServer, page: Browser) -> None:
-    # Found by QA: a 512-step answer with the replay on locked the page for half a minute;
-    # reloading was the only way out.
+    # A 512-step answer replayed at 200 ms per step would hold the page for 100 s without it.
     page.goto(llada_server.url + "/", PAGE_READY)
     page.evaluate("document.getElementById('max_tokens').value = '512'")
     page.evaluate("document.getElementById('replay_ms').value = '200'")
@@ -144,9 +237,53 @@ def test_stop_ends_a_long_generation(llada_server: RemoteServer, page: Browser) 
     assert run["status"] == "done" and run["content"] == _chat_answer(llada_server, PROMPT)
 
 
-def test_blocks_never_decoded_are_drawn_as_unused(llada_server: RemoteServer) -> None:
-    # Found by QA: an answer that ended in its first block left 96 grey "masked" cells on a
-    # finished canvas. On a phone-width page the output is scrolled into view on sending.
+EARLY = "finished early: 96 positions after the answer were never needed"
+
+
+def test_blocks_and_an_early_finish(
+    llada_server: RemoteServer, page: Browser, tmp_path: Path
+) -> None:
+    """max_tokens 128 on demo-llada: four blocks of 32, drawn as four frames; the answer ends
+    in the first, so the other three are never decoded, and the page says so in words (not
+    "masked 96" beside "done")."""
+    page.goto(llada_server.url + "/", PAGE_READY)
+    page.evaluate("document.getElementById('max_tokens').value = '128'")
+    page.evaluate("document.getElementById('replay_ms').value = '60'")
+    page.type_into("#prompt", PROMPT)
+    page.evaluate("document.getElementById('generate').click()")
+    page.wait_for("window.playground.steps >= 3", timeout=60)
+    # While the first block denoises, its frame is the active one.
+    active = (
+        "[...document.querySelectorAll('#canvas .block')].map(b => b.classList.contains('active'))"
+    )
+    assert page.evaluate(active) == [True, False, False, False]
+    page.wait_for("['done', 'error'].includes(window.playground.status)", timeout=120)
+    run = page.evaluate("JSON.parse(JSON.stringify(window.playground))")
+    assert run["status"] == "done" and run["content"] == "2 + 2 = 4"
+    assert run["blocks"] == 4 and run["neverNeeded"] == 96
+    frames = page.evaluate(
+        "[...document.querySelectorAll('#canvas .block')].map(b => "
+        "[b.children.length, b.classList.contains('unused'), b.classList.contains('active')])"
+    )
+    assert frames == [[32, False, False]] + [[32, True, False]] * 3
+    assert page.evaluate("document.querySelectorAll('#canvas .cell.unused').length") == 96
+    assert page.evaluate("document.getElementById('early-note').textContent") == EARLY
+    assert _shown(page, "#early-note") and not _shown(page, "#masked-stat")
+    title = page.evaluate("document.querySelector('#canvas .cell.unused').title")
+    assert title == "never needed: the answer ended before this block"
+    legend = page.evaluate("document.getElementById('canvas-legend').textContent")
+    assert "block being denoised" in legend and "never needed" in legend
+    _screenshot(page, tmp_path, "playground-blocks.png")
+    # The next run starts from a clean slate: the note goes, the masked count comes back.
+    page.evaluate("document.getElementById('generate').click()")
+    page.wait_for("window.playground.steps >= 1", timeout=60)
+    assert not _shown(page, "#early-note") and _shown(page, "#masked-stat")
+    page.wait_for("window.playground.status === 'done'", timeout=120)
+    assert page.evaluate("document.getElementById('early-note').textContent") == EARLY
+
+
+def test_early_finish_on_a_phone(llada_server: RemoteServer) -> None:
+    """On a phone-width page the output is scrolled into view on sending."""
     with Browser(CHROMIUM, width=390, height=844) as phone:  # type: ignore[arg-type]
         phone.goto(llada_server.url + "/", PAGE_READY)
         phone.evaluate("document.getElementById('max_tokens').value = '128'")
@@ -155,6 +292,7 @@ def test_blocks_never_decoded_are_drawn_as_unused(llada_server: RemoteServer) ->
         assert phone.evaluate("document.querySelectorAll('#canvas .cell').length") == 128
         assert phone.evaluate("document.querySelectorAll('#canvas .cell.masked').length") == 0
         assert phone.evaluate("document.querySelectorAll('#canvas .cell.unused').length") == 96
+        assert phone.evaluate("document.getElementById('early-note').textContent") == EARLY
         assert phone.evaluate("window.scrollY") > 0
 
 
@@ -169,6 +307,21 @@ def test_idlm_rounds_show_drafts_in_chromium(page: Browser, tmp_path: Path) -> N
         # Self-speculative models get no canvas settings and no canvas.
         assert page.evaluate("document.getElementById('diffusion-settings').hidden") is True
         assert page.evaluate("document.querySelectorAll('#rounds .tok.accepted').length") > 0
+        # The chart: one bar per forward (round event), accepted drafts stacked under the
+        # verifier's own tokens; the rounds legend (not the canvas') is shown.
+        trace = _trace(server, {"messages": [{"role": "user", "content": "What is 123 + 456?"}]})
+        rounds = [data for name, data in trace if name == "round"]
+        bars = page.evaluate(
+            "[...document.querySelectorAll('#chart .bar')].map(b => "
+            "Number(b.querySelector('rect.accepted').getAttribute('height')))"
+        )
+        assert len(bars) == run["roundEvents"] == run["events"].count("round") == len(rounds)
+        assert bars == [r["accepted"] for r in rounds] and sum(bars) > 0
+        assert _shown(page, "#rounds-legend") and not _shown(page, "#canvas-legend")
+        legend = page.evaluate("document.getElementById('rounds-legend').textContent")
+        for words in ("draft accepted", "draft rejected", "token emitted", "accepted drafts"):
+            assert words in legend
+        assert page.evaluate("document.querySelectorAll('#canvas .cell').length") == 0
         _screenshot(page, tmp_path, "playground-idlm.png")
         assert run["content"] == _chat_answer(server, "What is 123 + 456?")
     finally:
@@ -176,7 +329,8 @@ def test_idlm_rounds_show_drafts_in_chromium(page: Browser, tmp_path: Path) -> N
 
 
 def test_fractional_settings_are_sent(llada_server: RemoteServer, page: Browser) -> None:
-    # Found by QA: step="0.1"/"0.05" made the browser refuse 0.25 or 0.93 (no request sent).
+    # The number fields take any decimal (step="any"): a step of 0.1 or 0.05 would have the
+    # browser refuse 0.25 or 0.93 and send nothing.
     page.goto(llada_server.url + "/", PAGE_READY)
     for name, value in (("temperature", "0.25"), ("seed", "3"), ("confidence_threshold", "0.93")):
         page.evaluate(f"document.getElementById('{name}').value = '{value}'")
@@ -188,9 +342,8 @@ def test_fractional_settings_are_sent(llada_server: RemoteServer, page: Browser)
 
 
 def test_trimode_rounds_have_no_blank_lines(page: Browser, tmp_path: Path) -> None:
-    # Found by QA: LinearSpec's drafting-only first forward drew an empty line, the step
-    # counter showed verified rounds (0, 0, 1) instead of forwards, and the header said
-    # "self speculation" for any tri-mode default.
+    # LinearSpec's first forward only drafts: it draws no (empty) line; the step counter
+    # counts forwards, not verified rounds; the header names the tri-mode default.
     server = RemoteServer.start(
         ["--model", "demo-trimode", "--log-level", "warning"], tmp_path / "log"
     )
@@ -207,8 +360,8 @@ def test_trimode_rounds_have_no_blank_lines(page: Browser, tmp_path: Path) -> No
         assert lines and all(n > 0 for n in lines)
         step = page.evaluate("document.getElementById('stat-step').textContent")
         assert step == page.evaluate("document.getElementById('stat-nfe').textContent")
-        # Found by QA: the page could only use the server's default mode. The menu picks
-        # the request's decoding_mode; diffusion draws a canvas and offers its settings.
+        # The menu picks the request's decoding_mode; diffusion draws a canvas and offers its
+        # settings.
         pick = "const m = document.getElementById('decoding_mode'); m.value = 'diffusion';"
         page.evaluate(pick + " m.dispatchEvent(new Event('change'))")
         assert page.evaluate("document.getElementById('diffusion-settings').hidden") is False
@@ -225,13 +378,28 @@ def test_trimode_rounds_have_no_blank_lines(page: Browser, tmp_path: Path) -> No
             extra_body={"decoding_mode": "diffusion"},
         )  # fmt: skip
         assert run["content"] == reply.choices[0].message.content
+        # A tri-mode block starts from a seed token no confidence rule chose: drawn as a seed.
+        body = {"messages": [{"role": "user", "content": PROMPT}], "decoding_mode": "diffusion"}
+        seeds = [
+            pos
+            for name, step in _trace(server, body)
+            if name == "step"
+            for (pos, _, _), conf in zip(step["commits"], step["confidences"], strict=True)
+            if conf is None
+        ]
+        assert seeds
+        for pos in seeds:
+            cell = f"document.querySelectorAll('#canvas .cell')[{pos}]"
+            assert page.evaluate(f"{cell}.classList.contains('seed')")
+            assert " · seed (no confidence) · step " in page.evaluate(f"{cell}.title")
+            assert page.evaluate(f"{cell}.dataset.confidence") is None
     finally:
         server.stop()
 
 
 def test_settings_wait_for_the_model_info_behind_an_api_key(page: Browser, tmp_path: Path) -> None:
-    # Found by QA: with --api-key the info request failed, the page assumed a canvas model,
-    # showed the denoising settings on an I-DLM model and sent them (a 400 on a hidden field).
+    # With --api-key the info request fails until the key is typed: the page must not assume
+    # a canvas model meanwhile, nor show or send denoising settings an I-DLM model refuses.
     server = RemoteServer.start(
         ["--model", "demo-idlm", "--api-key", "k-123", "--log-level", "warning"],
         tmp_path / "log",
@@ -264,3 +432,33 @@ def test_docs_and_redoc_render_from_local_files(llada_server: RemoteServer, page
     assert page.evaluate("document.querySelectorAll('.opblock').length") >= 5
     page.goto(llada_server.url + "/redoc", "document.querySelector('h1') !== null")
     assert page.evaluate("document.querySelector('h1').textContent").startswith("dllm-serve")
+
+
+def test_docs_try_it_out_executes_the_chat_example(
+    llada_server: RemoteServer, page: Browser
+) -> None:
+    """/docs: "Try it out" then "Execute" on POST /v1/chat/completions, with the body Swagger UI
+    fills in from the schema's example, shows a 200 and the demo's answer."""
+    op = "#operations-openai-chat_completions_v1_chat_completions_post"
+
+    def find(selector: str) -> str:
+        return f"document.querySelector({json.dumps(f'{op} {selector}')})"
+
+    page.goto(llada_server.url + "/docs", f"{find('.opblock-summary-control')} !== null")
+    page.evaluate(f"{find('.opblock-summary-control')}.click()")
+    page.wait_for(f"{find('.try-out__btn')} !== null", timeout=10)
+    page.evaluate(f"{find('.try-out__btn')}.click()")
+    page.wait_for(f"{find('textarea.body-param__text')} !== null", timeout=10)
+    body = json.loads(page.evaluate(f"{find('textarea.body-param__text')}.value"))
+    assert body == {
+        "model": "demo-llada",
+        "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+    }
+    page.evaluate(f"{find('.execute')}.click()")
+    status = find(".live-responses-table tbody .response-col_status")
+    page.wait_for(f"{status} !== null", timeout=60)
+    assert page.evaluate(f"{status}.textContent.trim()") == "200"
+    shown = page.evaluate(
+        f"{find('.live-responses-table tbody .response-col_description')}.textContent"
+    )
+    assert '"content": "2 + 2 = 4"' in shown

@@ -22,10 +22,9 @@ import pytest
 from remote_server import RemoteServer, free_port
 
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.sharded_vocab import STATISTICS
-from dllm_serve.engine.heartbeat import STALE_S, STORE_TIMEOUT_S
-from dllm_serve.engine.tensor_parallel import FAILURE_GRACE_S, launch
-from dllm_serve.engine.vocab_parallel import VocabTraffic
+from dllm_serve.engine.parallel.group import FAILURE_GRACE_S, STALE_S, STORE_TIMEOUT_S, VocabTraffic
+from dllm_serve.engine.parallel.vocab import STATISTICS
+from dllm_serve.engine.workers import launch
 from dllm_serve.llm import LLM
 from dllm_serve.models.checkpoint_files import read_json
 from dllm_serve.models.errors import ModelLoadError
@@ -273,7 +272,7 @@ def test_launcher_environment_joins_ranks_started_apart(tmp_path: Path) -> None:
 
 
 def test_an_idle_server_notices_a_launched_rank_that_died(tmp_path: Path) -> None:
-    """No request is sent: the heartbeat alone (engine/heartbeat.py) finds the dead rank 1,
+    """No request is sent: the heartbeat alone (engine/parallel/group.py) finds the dead rank 1,
     which rank 0 cannot watch as a child, and fails rank 0 visibly: 503, then status 1."""
     rank1, server = _start_ranks_apart(tmp_path)
     try:
@@ -342,7 +341,7 @@ def test_local_rank_is_the_launchers_only(
 ) -> None:
     """Found by QA: workers the server spawns inherit its environment, so a LOCAL_RANK left by
     a pod spec put every one of them on the same GPU."""
-    from dllm_serve.engine.tp_rendezvous import device_for
+    from dllm_serve.engine.parallel.rendezvous import device_for
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     if world is None:
@@ -365,7 +364,7 @@ def test_a_launcher_environment_out_of_range_is_refused(
 ) -> None:
     """Found by QA: RANK=5 of 2 hung silently; WORLD_SIZE=abc was a traceback (the server
     prints this error as one line: serving.py catches ModelLoadError)."""
-    from dllm_serve.engine.tp_rendezvous import multi_node_rank
+    from dllm_serve.engine.parallel.rendezvous import multi_node_rank
 
     for key, value in {**_rank_env(0, 1), **env}.items():
         monkeypatch.setenv(key, value)

@@ -16,7 +16,6 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dllm_serve import __version__
 from dllm_serve.api.completions import install_completion_routes
 from dllm_serve.api.deviations import DEVIATIONS_TABLE
 from dllm_serve.api.error_handlers import install_error_handlers, record_rejection
@@ -27,9 +26,17 @@ from dllm_serve.api.middleware import (
     BodyLimitMiddleware,
     DrainGate,
     HeadAsGet,
+    Lifecycle,
     RequestIdMiddleware,
 )
-from dllm_serve.api.openapi_docs import error_responses, without_validation_errors
+from dllm_serve.api.openapi_docs import (
+    EXAMPLE_MESSAGES,
+    EXAMPLE_QUESTION,
+    error_responses,
+    request_examples,
+    with_request_examples,
+    without_validation_errors,
+)
 from dllm_serve.api.playground import install_playground
 from dllm_serve.api.protocol import (
     ChatCompletionRequest,
@@ -39,6 +46,7 @@ from dllm_serve.api.protocol import (
 )
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine
+from dllm_serve.version import __version__
 
 DESCRIPTION = f"""OpenAI-compatible server for diffusion LLMs.
 
@@ -49,26 +57,13 @@ The full contract, with the reason for each rule, is docs/api-contract.md in the
 {DEVIATIONS_TABLE}"""
 
 
-class Lifecycle:
-    """Server-wide state the routes and middleware share (draining for shutdown)."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self._counter = 0
-
-    def engine_request_id(self, request_id: str) -> str:
-        # Clients may reuse an X-Request-ID; the engine id must stay unique (abort is by id).
-        self._counter += 1
-        return f"{request_id}#{self._counter}"
-
-
 def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     lifecycle = Lifecycle()
 
     def rank_failed() -> bool:
         # Tensor parallelism: a rank died and the process exits in a moment (status 1,
-        # engine/tensor_parallel.py); until then /health and new requests answer 503.
+        # engine/parallel/group.py); until then /health and new requests answer 503.
         group = engine.loaded.parallel
         return group is not None and group.failure is not None
 
@@ -96,7 +91,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.state.config = config
     app.state.lifecycle = lifecycle
     metrics = Metrics(
-        lambda: engine.num_running, lambda: engine.num_waiting, lambda: engine.kv_cache_bytes
+        lambda: engine.num_running,
+        lambda: engine.num_waiting,
+        lambda: engine.kv_cache_bytes,
+        lambda: engine.kv_pages,
     )
     engine.observer = metrics
     app.state.metrics = metrics
@@ -174,12 +172,31 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     chat_spec, submit, facts = install_completion_routes(app, engine, config, lifecycle, metrics)
     install_playground(app, engine, chat_spec, submit, facts)
-    _register_request_schema(app)
+    examples = request_examples(engine.model_name, _raw_example_prompt(engine))
+    _register_request_schema(app, examples)
     return app
 
 
-def _register_request_schema(app: FastAPI) -> None:
-    """Publish the request models in /openapi.json (the routes parse the bodies themselves)."""
+def _raw_example_prompt(engine: AsyncEngine) -> str:
+    """The completions example's prompt: the example question in the served model's chat
+    template (a model trained on chat answers it as it answers the chat example), else the
+    bare question. Rendered here, once, before the server takes requests."""
+    tokenizer = engine.loaded.tokenizer
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return str(
+                tokenizer.apply_chat_template(
+                    EXAMPLE_MESSAGES, tokenize=False, add_generation_prompt=True
+                )
+            )
+        except Exception:  # any template error: the bare question still gets a 200
+            pass
+    return EXAMPLE_QUESTION
+
+
+def _register_request_schema(app: FastAPI, examples: dict[str, dict[str, Any]]) -> None:
+    """Publish the request models in /openapi.json (the routes parse the bodies themselves),
+    each request body with its examples."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -191,6 +208,6 @@ def _register_request_schema(app: FastAPI) -> None:
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(defs.pop("$defs", {}))
             components[model.__name__] = defs
-        return without_validation_errors(schema)
+        return with_request_examples(without_validation_errors(schema), examples)
 
     app.openapi = openapi  # type: ignore[method-assign]

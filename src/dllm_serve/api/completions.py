@@ -1,6 +1,6 @@
 """The generation routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
 
-Each reads and validates its body (``api/validation.py``), tokenizes the prompt off the event
+Each reads and validates its body (``api/pipeline.py``), tokenizes the prompt off the event
 loop, submits to the engine and answers as one JSON response or SSE chunks in its route's
 shape. :func:`install_completion_routes` also hands the playground the chat validation and
 the submission it shares.
@@ -12,31 +12,31 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
 
-from dllm_serve.api.error_handlers import unavailable
-from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError
+from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, unavailable
 from dllm_serve.api.metrics import Metrics
+from dllm_serve.api.middleware import Lifecycle
 from dllm_serve.api.openapi_docs import GENERATION_ERRORS, error_responses, request_body
+from dllm_serve.api.pipeline import ModelFacts, RequestSpec, chat_request, completion_request
 from dllm_serve.api.protocol import ChatCompletionResponse, CompletionResponse
-from dllm_serve.api.request_pipeline import ModelFacts, chat_request, completion_request
-from dllm_serve.api.request_spec import RequestSpec
 from dllm_serve.api.streaming import chat_chunks, failure, text_chunks, usage_dict
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
 
-if TYPE_CHECKING:
-    from dllm_serve.api.app import Lifecycle
-    from dllm_serve.api.playground import ChatSpec, Submit
-
 # The routes were defined in api/app.py; their log lines keep that logger's name.
 logger = logging.getLogger("dllm_serve.api.app")
+
+# What the playground reuses: the chat validation (a request, whether to trace → spec and
+# prompt ids) and the submission to the engine.
+ChatSpec = Callable[[Request, bool], Awaitable[tuple[RequestSpec, list[int]]]]
+Submit = Callable[..., AsyncGenerator[RequestOutput, None]]
 
 
 def install_completion_routes(

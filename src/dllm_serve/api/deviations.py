@@ -1,6 +1,7 @@
 """The "diffusion vs OpenAI semantics" table, shown at /docs and pinned in README.
 
-It summarizes docs/api-contract.md, which gives every rule its rationale.
+One line per field: it summarizes docs/api-contract.md, which has every rule's details and
+its rationale.
 
 tests/unit/api/test_docs_consistency.py checks that README.md carries this exact table.
 """
@@ -8,34 +9,34 @@ tests/unit/api/test_docs_consistency.py checks that README.md carries this exact
 DEVIATIONS_TABLE = """\
 | OpenAI field / behaviour | dllm-serve (diffusion) semantics |
 |---|---|
-| `POST /v1/completions` | Text completions: the raw `prompt` (a string or token ids; one prompt per request) with no chat template, the same fields and extensions as chat, `stream`, `stop`, `seed`; `suffix` (infilling), `logprobs` and `echo: true` are a 400. `max_tokens` defaults to the model's canvas, not OpenAI's 16. |
-| `stream: true` | Emits **whole spans of text per denoising step**, not one token per event: each SSE delta is the text that became final (committed and contiguous from the start of the answer) in the latest step. Concatenated deltas equal the non-streamed answer. Chunk-based metrics (inter-token latency, tokens per chunk) therefore measure spans, not tokens; `usage.diffusion.nfe` counts the forward passes. |
-| `max_tokens` / `max_completion_tokens` | The **canvas length** (`gen_length`; default 128, or the model's `generation_config.json` `max_new_tokens` when it sets one — 32 for the demo models): the number of masked positions denoised. Output is fixed-length; the model ends shorter answers with EOS/EOT followed by padding, which is cut. `usage.completion_tokens` counts answer tokens only. A canvas longer than the model's recommended block (`generation_config.json` `block_length`, else its `max_new_tokens`; 32 for demo-llada) is decoded **in blocks of about that size** unless the request sets `block_length`, with as many steps per block as a one-block canvas of that size gets, so an answer that ends with EOS ends the work one block later. This bounds the cost. When no block of about that size divides the canvas (`max_tokens: 1001`), a canvas-denoising model rounds it up to whole blocks (1024) and returns at most `max_tokens` answer tokens (`usage.diffusion.canvas_length` shows the rounded canvas); when the prompt leaves no room for the rounding, the canvas keeps the whole blocks that fit, so the answer can be up to a block shorter than `max_tokens`, `ignore_eos` or not. A model whose `generation_config.json` sets `mask_lookahead` (demo-llada: 0) is also fed only the active block and that many masks after it, so an answer that ends in the first block is the same at any `max_tokens` (docs/decoding.md); without it, a model trained on short canvases is less accurate on long ones (docs/clients.md has measurements). |
-| `finish_reason` | `stop` when the answer ends with EOS/EOT, a `stop` string or a `stop_token_ids` id; `length` when the canvas is full without one (with `ignore_eos`, EOS/EOT never ends it). |
-| `temperature` | 0–2, **default 0** (greedy). > 0 samples each position by Gumbel-max in float64 from a per-request generator. |
-| `seed` | Per request: same seed + same parameters ⇒ same answer. Ignored at temperature 0, which is seed-independent. A batched forward rounds differently from a solo one: in bfloat16/float16 (the CUDA default) other traffic can flip a near-tie, greedy or seeded; `force_single_batch` makes the answer independent of it (float32: no token changed in the tests). |
-| `model` | Accepted and ignored: one server serves one model; responses name the served model. |
-| `top_p`, `top_k`, `n`, `best_of`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `logprobs`, `top_logprobs`, `tools`, `tool_choice`, `functions`, `function_call`, `reasoning_effort`, `audio`, `prediction`, `min_tokens`, `echo` | **Rejected with HTTP 400** (autoregressive-only, deferred or not applicable). Their no-op values are accepted: `top_p: 1`, `top_k: 1` (greedy), `n: 1`, `best_of: 1`, penalties `0`, `repetition_penalty: 1`, empty `logit_bias`/`tools`/`functions`, `logprobs: false`, `top_logprobs: 0`, `tool_choice`/`function_call: "none"`, `min_tokens: 0`, `echo: false`, and `null` for `reasoning_effort`, `audio`, `prediction`. |
-| `stop` | Up to 4 strings, as in OpenAI: the answer ends before the first occurrence (not included; of stop strings starting at the same place, the shortest). Streaming holds back any tail that could start a stop string, so deltas still join to the final text. |
-| `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` | vLLM extensions, honoured: `stop_token_ids` end the answer like EOS (ids in the vocabulary, never the mask token); `include_stop_str_in_output: true` keeps the matched `stop` string at the end; `ignore_eos: true`: EOS/EOT does not end the answer, so the **whole canvas** is decoded and returned (`completion_tokens` = the canvas length, or `max_tokens` when the canvas was rounded up to whole blocks; `finish_reason: length`; the text drops special tokens, so EOS padding adds none), for fixed-length benchmarks; a `stop` string or a `stop_token_ids` id still ends it, as in vLLM. |
-| `stream_options.continuous_usage_stats` | vLLM extension, honoured: every chunk carries the cumulative `usage` so far (with `usage.diffusion`); `include_usage` still adds the final usage-only chunk. |
-| non-text `response_format` | Rejected with 400 (structured output is not available yet; `json_object` and `json_schema` alike). |
-| `store`, `service_tier`, `modalities`, `skip_special_tokens` | Accepted with the values that change nothing: `store: false` (nothing is stored), `service_tier: "auto"`/`"default"`, `modalities: ["text"]`, `skip_special_tokens: true`; other values are a 400. |
-| `metadata`, `user`, `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls` | Accepted and informational (logged only with `--log-requests`); the last three on chat only, as in OpenAI's API; `parallel_tool_calls` has no effect since no tools are accepted. |
-| `null` values | Any optional field sent as `null` means the same as leaving it out. |
-| `messages` | Roles `system`, `developer` (= `system`), `user`, `assistant`; `name` is passed to the chat template (templates without a slot for it ignore it). An assistant message as this API returns it is accepted back: `refusal`, `audio`, `function_call` `null`, `annotations` and `tool_calls` `null` or `[]`. |
-| Unknown fields | Rejected with HTTP 400 (`Unrecognized request argument supplied: …`), never silently ignored. Every 400 is counted in `dllm:requests_rejected_total{reason=<code>}` (`invalid_request` when it has none) and logged with its `param` and `code` (never the prompt). |
-| Validation errors | HTTP **400** with the OpenAI error envelope and `param`, never 422. |
-| `X-Request-ID` | Honoured if sent once (1–256 visible ASCII characters; otherwise a 400), else a UUIDv7; echoed on every response; the completion `id` is `chatcmpl-<X-Request-ID>` (`cmpl-<X-Request-ID>` for `/v1/completions`). |
-| `num_denoising_steps` | Extension, 1–512. Canvas models (LLaDA, Dream): total steps, default 128 capped at the canvas length (rounded down to a multiple of the number of blocks, and at least one step per block), or `min(128, block)` per block when the server chose the blocks; must be a multiple of `canvas / block_length`. Block-diffusion models (SDAR, LLaDA2, Fast-dLLM v2, tri-mode `diffusion`): steps per block, any value, default the trained block (one token per step). |
-| `block_length` | Extension, default = canvas (one fully bidirectional block), or the model's recommended block for a longer canvas (see `max_tokens`); must divide the canvas. Blocks are decoded left to right. Block-diffusion models (SDAR/TraDo, LLaDA2.x, Fast-dLLM v2) always decode in their trained block: any other value is a 400. |
-| `target_length` | Extension: overrides the canvas length; must not exceed `max_tokens` when both are given. It is exact: never rounded up to whole blocks, so when no block of about the model's recommended size divides it (`1001` or `33` on demo-llada) it is decoded as one block, which a model trained on short canvases answers poorly; `max_tokens` is the usual way to ask for a length. |
-| `block_schedule` | Extension: tokens committed per step of a block: `uniform` (default, LLaDA), `cosine` (few early, many late), `front_loaded` (many early, few late). Applies to fixed-step decoding: `cosine`/`front_loaded` together with `use_local_leap` or `confidence_threshold` are a 400. |
-| `confidence_metric` | Extension: how masked positions are ranked: `top1_prob` (default, probability of the proposed token) or `entropy_inverse` (`exp(−entropy)` of the predicted distribution). Both lie in (0, 1]; thresholds are compared on this scale. |
-| `attention_backend` | Extension: `sdpa` (reference, deterministic); `fa2` is deferred (400). |
-| `force_single_batch` | Extension: `true` runs the request in forwards of its own (reproducible). |
-| `use_local_leap`, `local_leap_anchor_threshold`, `local_leap_neighbor_threshold`, `local_leap_radius` | Extensions (LocalLeap, arXiv:2510.07081), off by default: each step commits every masked position of the block with confidence ≥ κ (anchor threshold, default 0.9), neighbours within W (radius 1–16, default 4) of such an anchor with confidence ≥ τ (default 0.75, must be ≤ κ), and always the most confident one. Forwards per block are data-dependent (≤ `block_length`); `num_denoising_steps` is then only checked for divisibility. The `local_leap_*` fields without `use_local_leap: true` are a 400. |
-| `confidence_threshold` | Extension (Fast-dLLM threshold decoding), (0, 1], default off: each step commits every masked position of the block with confidence ≥ the threshold, and always the most confident one; forwards per block are data-dependent as above. Mutually exclusive with `use_local_leap` (400). |
-| `decoding_mode` | Extension: `ar`, `diffusion`, `linear_spec` or `isd`. A tri-mode model (Nemotron-Labs-Diffusion) decodes each request by the mode it names — `ar` causal decoding, `diffusion` block diffusion over a causal prefix, `linear_spec` exact self-speculation (drafted in the diffusion view, verified causally) — default the server's `--decoding-mode` (else `linear_spec`). Every other model has one mode (`diffusion`; `isd` for I-DLM, whose self-speculation is not the tri-mode `linear_spec`): naming another is a 400 that names it. The denoising fields apply only in `diffusion` mode (a 400 otherwise). |
-| `usage.diffusion` | Extension in responses: `nfe` (model forward passes), `canvas_length`, `committed_tokens` and `tokens_per_forward`; self-speculative decoding (I-DLM, `ar`/`linear_spec`) adds `drafted_tokens`, `accepted_drafts` and `acceptance_rate`. |
+| `POST /v1/completions` | Raw `prompt` (one per request), no chat template, the chat fields and extensions; `suffix`, `logprobs`, `echo: true` are a 400. |
+| `stream: true` | SSE deltas are **spans of text, one per denoising step**, not single tokens; they join to the non-streamed answer. |
+| `max_tokens` / `max_completion_tokens` | The **canvas length** (default: the model's `max_new_tokens`, 32 for the demos, else 128); a long canvas is decoded in blocks. |
+| `finish_reason` | `stop` (EOS/EOT, a `stop` string or a `stop_token_ids` id) or `length` (the canvas filled up). |
+| `temperature` | 0–2, **default 0** (greedy); above 0, Gumbel-max sampling from a per-request generator. |
+| `seed` | Same seed and parameters ⇒ same answer; ignored at temperature 0. |
+| `model` | Accepted and ignored: one server serves one model. |
+| `top_p`, `top_k`, `n`, `best_of`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `logprobs`, `top_logprobs`, `tools`, `tool_choice`, `functions`, `function_call`, `reasoning_effort`, `audio`, `prediction`, `min_tokens`, `echo` | **400**, except their no-op values (`top_p: 1`, `n: 1`, `tools: []`, …). |
+| `stop` | Up to 4 strings; the answer ends before the first occurrence. |
+| `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` | vLLM extensions, honoured (`ignore_eos`: the whole canvas is returned). |
+| `stream_options.continuous_usage_stats` | vLLM extension, honoured: the cumulative `usage` on every chunk. |
+| non-text `response_format` | 400: structured output is not available yet. |
+| `store`, `service_tier`, `modalities`, `skip_special_tokens` | Accepted with the values that change nothing (`store: false`, …); others are a 400. |
+| `metadata`, `user`, `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls` | Accepted, informational (logged only with `--log-requests`). |
+| `null` values | The same as leaving the field out. |
+| `messages` | Roles `system`, `developer`, `user`, `assistant`; an assistant message as returned can be sent back. |
+| Unknown fields | **400** (`Unrecognized request argument supplied: …`), never silently ignored. |
+| Validation errors | **400** in the OpenAI error envelope, with `param`; never 422. |
+| `X-Request-ID` | Honoured (else a UUIDv7) and echoed; the completion `id` is `chatcmpl-<X-Request-ID>`. |
+| `num_denoising_steps` | Extension, 1–512: forward passes in all (canvas models) or per block (block diffusion). |
+| `block_length` | Extension: the block decoded at a time, left to right; must divide the canvas. |
+| `target_length` | Extension: the exact canvas length, never rounded up to whole blocks. |
+| `block_schedule` | Extension: tokens committed per step of a block: `uniform`, `cosine`, `front_loaded`. |
+| `confidence_metric` | Extension: how positions are ranked: `top1_prob` (default) or `entropy_inverse`. |
+| `attention_backend` | Extension: `sdpa`; `fa2` is a 400 (not available yet). |
+| `force_single_batch` | Extension: forwards of the request's own (reproducible whatever the traffic). |
+| `use_local_leap`, `local_leap_anchor_threshold`, `local_leap_neighbor_threshold`, `local_leap_radius` | Extension: LocalLeap, several commits per step near confident anchors; off by default. |
+| `confidence_threshold` | Extension: Fast-dLLM threshold decoding, every position above it per step; off by default. |
+| `decoding_mode` | Extension: `ar`, `diffusion`, `linear_spec` (tri-mode models, per request) or `isd` (I-DLM). |
+| `usage.diffusion` | Extension in responses: `nfe`, `canvas_length`, `committed_tokens`, `tokens_per_forward`, draft counts. |
 """

@@ -15,14 +15,17 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from dllm_serve.api.errors import APIError, error_response, server_error
+from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, server_error, unavailable
 from dllm_serve.engine.engine import EngineDeadError
 
 logger = logging.getLogger("dllm_serve.api.app")
 
 
-def unavailable(message: str = "The engine is not running.", code: str = "engine_dead") -> APIError:
-    return APIError(message, status=503, type="service_unavailable_error", code=code)
+def error_response(error: APIError, request_id: str | None) -> JSONResponse:
+    headers = dict(error.headers)
+    if request_id:
+        headers[REQUEST_ID_HEADER] = request_id
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

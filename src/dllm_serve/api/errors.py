@@ -1,10 +1,9 @@
-"""The OpenAI error envelope. Every error the server returns goes through here."""
+"""The OpenAI error envelope. Every error the server returns goes through here (free of the
+web framework: the offline ``LLM`` raises the same errors; ``error_handlers.py`` answers them)."""
 
 from __future__ import annotations
 
 from typing import Any
-
-from fastapi.responses import JSONResponse
 
 REQUEST_ID_HEADER = "X-Request-ID"
 CONTRACT_REF = "see docs/api-contract.md"
@@ -50,14 +49,11 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(message, status=400, param=param, code=code)
 
 
-def error_response(error: APIError, request_id: str | None) -> JSONResponse:
-    headers = dict(error.headers)
-    if request_id:
-        headers[REQUEST_ID_HEADER] = request_id
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
 def server_error(
     message: str = "The server had an error while processing your request.",
 ) -> APIError:
     return APIError(message, status=500, type="server_error")
+
+
+def unavailable(message: str = "The engine is not running.", code: str = "engine_dead") -> APIError:
+    return APIError(message, status=503, type="service_unavailable_error", code=code)

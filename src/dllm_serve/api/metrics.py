@@ -26,6 +26,7 @@ class Metrics:
         num_running: Callable[[], int],
         num_waiting: Callable[[], int],
         kv_cache_bytes: Callable[[], int] = lambda: 0,
+        kv_pages: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -39,6 +40,16 @@ class Metrics:
             registry=r,
         )
         self.kv_cache_bytes.set_function(kv_cache_bytes)
+        self.kv_pages_used = Gauge(
+            "dllm:kv_cache_pages_used",
+            "KV-pool pages requests hold now (their contexts; 0 when idle).",
+            registry=r,
+        )
+        self.kv_pages_used.set_function(lambda: kv_pages()[0])
+        self.kv_pages_total = Gauge(
+            "dllm:kv_cache_pages_total", "KV-pool pages (0 without a pool).", registry=r
+        )
+        self.kv_pages_total.set_function(lambda: kv_pages()[1])
         self.success = Counter(
             "dllm:request_success",
             "Finished requests by finish reason (stop, length, abort, timeout, error).",

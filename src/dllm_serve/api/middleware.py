@@ -14,7 +14,8 @@ import uuid6
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, error_response, invalid
+from dllm_serve.api.error_handlers import error_response
+from dllm_serve.api.errors import REQUEST_ID_HEADER, APIError, invalid
 from dllm_serve.logs import request_id_var
 
 # Visible ASCII only: the id is echoed in a header and written into logs.
@@ -98,8 +99,8 @@ class ApiKeyMiddleware:
         scheme, _, token = auth.partition(" ")
         given = hashlib.sha256(token.strip().encode()).digest()
         if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._digest):
-            # "Incorrect" only when a key was sent (found by QA: the playground's first
-            # request, with no key typed yet, was told its key was wrong).
+            # "Incorrect" only when a key was sent: a request with none (the playground's first,
+            # before a key is typed) is told that none was given.
             what = "Incorrect API key provided" if auth.strip() else "No API key provided"
             error = APIError(
                 f"{what}. Send it as 'Authorization: Bearer <key>'.",
@@ -198,3 +199,16 @@ class HeadAsGet:
             await send(message)
 
         await self.app(scope, receive, headers_only)
+
+
+class Lifecycle:
+    """Server-wide state the routes and middleware share (draining for shutdown)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self._counter = 0
+
+    def engine_request_id(self, request_id: str) -> str:
+        # Clients may reuse an X-Request-ID; the engine id must stay unique (abort is by id).
+        self._counter += 1
+        return f"{request_id}#{self._counter}"

@@ -46,6 +46,57 @@ def request_body(schema: str) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+# The question every example asks: the demo models answer it ("2 + 2 = 4"), any model answers
+# it with a 200.
+EXAMPLE_QUESTION = "What is 2 + 2?"
+EXAMPLE_MESSAGES = [{"role": "user", "content": EXAMPLE_QUESTION}]
+
+
+def request_examples(model: str, raw_prompt: str) -> dict[str, dict[str, Any]]:
+    """The example request bodies of each route, as OpenAPI ``examples`` maps: what /docs'
+    "Try it out" starts from (without them, Swagger UI generates ``null`` for every field,
+    which the server refuses). ``raw_prompt`` is the completions example's prompt."""
+    chat = {"model": model, "messages": EXAMPLE_MESSAGES}
+    plain = {"what_is_2_plus_2": {"summary": EXAMPLE_QUESTION, "value": chat}}
+    if raw_prompt != EXAMPLE_QUESTION:
+        raw_note = (
+            "/v1/completions applies no chat template: this prompt is the question already "
+            "written in the served model's chat template (what a chat request sends it)."
+        )
+    else:
+        raw_note = "/v1/completions applies no chat template: the prompt is sent as is."
+    return {
+        "/v1/chat/completions": plain
+        | {
+            "streamed": {
+                "summary": f"{EXAMPLE_QUESTION} streamed, with the usage at the end",
+                "value": chat | {"stream": True, "stream_options": {"include_usage": True}},
+            },
+        },
+        "/v1/completions": {
+            "what_is_2_plus_2": {
+                "summary": f"{EXAMPLE_QUESTION} as a raw prompt",
+                "description": raw_note,
+                "value": {"model": model, "prompt": raw_prompt},
+            },
+        },
+        # The trace always streams: it refuses "stream" and "stream_options".
+        "/v1/dllm/trace": plain,
+    }
+
+
+def with_request_examples(
+    schema: dict[str, Any], examples: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Each route of ``examples`` gets its examples on its JSON request body."""
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            media = operation.get("requestBody", {}).get("content", {}).get("application/json")
+            if media is not None and path in examples:
+                media["examples"] = examples[path]
+    return schema
+
+
 def without_validation_errors(schema: dict[str, Any]) -> dict[str, Any]:
     """Drop FastAPI's automatic 422 answers: every malformed input here is a 400 in the
     envelope, never a 422."""

@@ -7,7 +7,7 @@
 - ``POST /v1/dllm/trace``: the page's data. The body is a chat completion request (same
   fields, same validation, same 400s); the answer is an event stream, not the OpenAI one:
   ``start``, then one ``step`` (denoising) or ``round`` (self-speculation) event per forward
-  (``engine/trace.py``), ``delta`` events with the answer text as it becomes final, and
+  (``engine/outputs.py``), ``delta`` events with the answer text as it becomes final, and
   ``done`` (content, finish_reason, usage) or ``error``. The chat stream itself is untouched.
 - ``GET /v1/dllm/info``: the model's decoding mode and defaults, so the page offers only the
   settings that apply.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,10 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
+from dllm_serve.api.completions import ChatSpec, Submit
 from dllm_serve.api.errors import REQUEST_ID_HEADER
 from dllm_serve.api.openapi_docs import GENERATION_ERRORS, error_responses, request_body
-from dllm_serve.api.request_pipeline import ModelFacts
-from dllm_serve.api.request_spec import RequestSpec
+from dllm_serve.api.pipeline import ModelFacts
 from dllm_serve.api.streaming import failure, usage_dict
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import RequestOutput
@@ -44,9 +44,6 @@ from dllm_serve.engine.outputs import RequestOutput
 STATIC = Path(__file__).with_name("static")
 # Swagger UI / ReDoc bundles, installed as a dependency rather than copied into this package.
 DOCS_STATIC = Path(fastapi_offline.__file__).with_name("static")
-
-ChatSpec = Callable[[Request, bool], Awaitable[tuple[RequestSpec, list[int]]]]
-Submit = Callable[..., AsyncGenerator[RequestOutput, None]]
 
 
 def install_playground(
@@ -120,20 +117,25 @@ def install_playground(
         request_id = request.state.request_id
         outputs = submit(request_id, spec, prompt_ids, spec.stop, trace=True)
         return EventSourceResponse(
-            trace_events(outputs, spec.params.gen_length),
+            trace_events(outputs, spec.params.gen_length, len(prompt_ids)),
             headers={REQUEST_ID_HEADER: request_id},
         )
 
 
 async def trace_events(
-    outputs: AsyncGenerator[RequestOutput, None], canvas_length: int
+    outputs: AsyncGenerator[RequestOutput, None], canvas_length: int, prompt_tokens: int
 ) -> AsyncGenerator[dict[str, str], None]:
-    """The engine's outputs as named server-sent events (see the module docstring)."""
+    """The engine's outputs as named server-sent events (see the module docstring). The
+    ``start`` event also carries ``prompt_tokens``: a block-diffusion model's blocks are
+    counted from the prompt's first token, so the page needs it to draw the answer's blocks."""
     parts: list[str] = []
     async with contextlib.aclosing(outputs):  # a closed stream aborts its request now
         async for output in outputs:
             for event in output.trace or ():
-                yield {"event": event["type"], "data": json.dumps(event)}
+                data = (
+                    event | {"prompt_tokens": prompt_tokens} if event["type"] == "start" else event
+                )
+                yield {"event": event["type"], "data": json.dumps(data)}
             if output.delta_text:
                 parts.append(output.delta_text)
                 yield {"event": "delta", "data": json.dumps({"content": output.delta_text})}

@@ -2,8 +2,8 @@
 responses (the contract is docs/api-contract.md).
 
 The request models only check types and ranges; what a value *means* for diffusion decoding
-(defaults, divisibility, fields that are rejected) is decided in ``validation.py``. ``null``
-for any optional field means the same as leaving it out.
+(defaults, divisibility, fields that are rejected) is decided in ``pipeline.py`` and
+``rules.py``. ``null`` for any optional field means the same as leaving it out.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ class ChatMessage(BaseModel):
 
     # "developer" is OpenAI's current name for "system" (treated as system).
     role: Literal["system", "developer", "user", "assistant"]
-    # str, or a list of {"type": "text", "text": ...} parts; checked in validation.py so the
+    # str, or a list of {"type": "text", "text": ...} parts; checked in pipeline.py so the
     # error can name the exact part instead of pydantic's union noise.
     content: Any = None
     name: str | None = Field(None, description="Passed to the chat template (where it has one).")
     # Fields of the assistant message this API returns: a client appending the returned
     # message object to its history sends them back. Only their empty values are accepted
-    # (null; [] for the lists), checked in validation.py.
+    # (null; [] for the lists), checked in pipeline.py.
     refusal: Any = None
     annotations: Any = None
     audio: Any = None
@@ -57,13 +57,13 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, description="Canvas length (gen_length).")
     user: str | None = Field(None, description="Informational only, as in OpenAI.")
-    stop: Any = Field(None, description="A string or up to 4 strings; checked in validation.py.")
+    stop: Any = Field(None, description="A string or up to 4 strings; checked in pipeline.py.")
     # Autoregressive-only OpenAI fields: accepted only with their no-op values
     # (docs/api-contract.md).
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     # No upper bounds on fields refused past their no-op value: any other value gets the
-    # unsupported_parameter 400 (api/field_rules.py), not a range that suggests it would work.
+    # unsupported_parameter 400 (api/rules.py), not a range that suggests it would work.
     n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -140,7 +140,7 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: Any = Field(
         description="A string, a list of token ids, or a list holding one string or one list "
-        "of token ids; checked in validation.py."
+        "of token ids; checked in pipeline.py."
     )
     suffix: str | None = Field(None, description="Only empty: infilling is not available.")
     logprobs: int | None = Field(None, ge=0, description="Only null.")

@@ -8,6 +8,10 @@ uvicorn close connections and run the lifespan shutdown. The process exits 0.
 A second signal ends the wait: whatever is still running is aborted now, with the same errors,
 and the shutdown goes on as above (the engine thread is stopped before the process exits, so
 no torch work is cut off mid-kernel). A third signal exits at once, with status 1.
+
+An engine that stops for good (a device fault; every request has had its final error by then)
+makes the server answer 503 for :data:`FAILURE_GRACE_S`, so that probes see it, then shut
+down; ``serving.serve`` exits with status 1.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import contextvars
 import logging
 import os
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -28,18 +33,27 @@ logger = logging.getLogger(__name__)
 
 # sse-starlette would end every open stream at the first signal; we drain them ourselves.
 AppStatus.disable_automatic_graceful_drain()
+# How long a server whose engine died keeps answering 503 before it exits.
+FAILURE_GRACE_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first exit signal drains in-flight requests first."""
 
     def __init__(
-        self, config: uvicorn.Config, engine: AsyncEngine, lifecycle: object, timeout: float
+        self,
+        config: uvicorn.Config,
+        engine: AsyncEngine,
+        lifecycle: object,
+        timeout: float,
+        on_started: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
         self.engine = engine
         self.lifecycle = lifecycle
         self.drain_timeout = timeout
+        # Called once the server listens (the start-up log's last line).
+        self.on_started = on_started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
         self._hurry = asyncio.Event()  # set by the second signal: stop waiting, abort now
@@ -47,6 +61,11 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in uvicorn's _captured_signals: re-raising SIGTERM after a clean drain
@@ -72,6 +91,27 @@ class DrainingServer(uvicorn.Server):
             logger.warning("shutdown: third signal, exiting now")
             logging.shutdown()
             os._exit(1)
+
+    def engine_died(self, exc: BaseException) -> None:
+        """Engine thread: the engine stopped for good. Shut the server down (it can serve
+        nothing), after a short grace in which every request and probe gets a 503."""
+        loop = self._loop
+        if loop is None:  # not serving yet: nothing to answer
+            self.should_exit = True
+            return
+        loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self._fail(exc)), context=contextvars.Context()
+        )
+
+    async def _fail(self, exc: BaseException) -> None:
+        logger.critical(
+            "the engine stopped (%s); answering 503 and exiting with status 1 in %.1f s",
+            exc, FAILURE_GRACE_S,
+        )  # fmt: skip
+        self.lifecycle.draining = True  # type: ignore[attr-defined]
+        await asyncio.sleep(FAILURE_GRACE_S)
+        AppStatus.should_exit = True
+        self.should_exit = True
 
     async def _drain(self) -> None:
         self.lifecycle.draining = True  # type: ignore[attr-defined]

@@ -165,7 +165,7 @@ async def _chunks(
 ) -> AsyncGenerator[str, None]:
     # Before the first step (the role chunk): nothing generated yet, but the same shape as
     # every later chunk's usage, so a client can read ``usage.diffusion`` on any chunk (a
-    # self-speculative request's draft counters included: found by QA, they were missing).
+    # self-speculative request's draft counters included).
     drafts = _NO_DRAFTS if speculative else None
     usage: dict[str, Any] | None = _usage(prompt_tokens, 0, canvas_length, speculation=drafts)
 

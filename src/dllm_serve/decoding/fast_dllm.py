@@ -1,6 +1,6 @@
 """Fast-dLLM v2: block diffusion with a token shift, decoded sub-block by sub-block.
 
-The block-diffusion loop of ``block_diffusion.py`` (blocks of ``B`` aligned to position 0,
+The block-diffusion loop of ``blocks.py`` (blocks of ``B`` aligned to position 0,
 block-causal prompt prefill, each step forwarding only the active block against the exact KV
 cache of the finished ones), changed where Fast-dLLM v2's official ``generate`` differs:
 
@@ -36,20 +36,20 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm_serve.decoding.block_diffusion import (
+from dllm_serve.decoding.blocks import (
     DECODE,
     PREFILL,
     WRITE,
     BlockDiffusionDecoder,
     BlockState,
 )
-from dllm_serve.decoding.block_steps import commit_masked, finish_or_continue, schedule_block
-from dllm_serve.decoding.forward_spec import RowSpec, StepResult
-from dllm_serve.decoding.host_values import to_device
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.sampling import new_generator
-from dllm_serve.decoding.sharded_vocab import ShardedLogits, seed_tokens
-from dllm_serve.decoding.stops import request_stop_ids
+from dllm_serve.decoding.protocol import (
+    RowSpec,
+    ShardedLogits,
+    StepLogits,
+    StepResult,
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -99,23 +99,14 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("a model with shifted logits needs a non-empty prompt")
-        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
         b = self.block_size
-        length = self._canvas_length(len(prompt), params)
         first_block = len(prompt) // b
-        state = SubBlockState(
-            tokens=prompt + [self.mask_id] * (length - len(prompt)),
-            prompt_len=len(prompt),
-            params=params,
-            generator=new_generator(params, device),
-            mask_id=self.mask_id,
-            stop_ids=stop_ids,
-            block_size=b,
-            block=first_block,
-            phase=PREFILL if first_block else DECODE,
+        state: SubBlockState = self._new_state(
+            SubBlockState, prompt, self._canvas_length(len(prompt), params), params, device,
+            block_size=b, block=first_block, phase=PREFILL if first_block else DECODE,
             # On a block boundary the prompt's last logit gives the first answer token.
             seeds=bool(first_block) and len(prompt) % b == 0,
-        )
+        )  # fmt: skip
         if state.phase == DECODE:
             self._start_block(state)
         else:
@@ -140,18 +131,12 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
         return RowSpec(tokens=state.tokens[lo:hi], start=lo, logits_at=offsets, kv=state.kv)
 
     def sample(
-        self, states: Sequence[BlockState], logits: torch.Tensor | ShardedLogits
+        self, states: Sequence[BlockState], logits: torch.Tensor | ShardedLogits | StepLogits
     ) -> torch.Tensor:
         """The shared sampler's commits, plus each seeding row's next-block token in column 0:
         the argmax of its one logit with the mask id excluded (greedy, as the official loop)."""
         seeding = [isinstance(s, SubBlockState) and s.seeds for s in states]
-        if not any(seeding):
-            return self._sampler.sample(states, logits)  # type: ignore[arg-type]
-        seeds = seed_tokens(logits, self.mask_id)  # before the sampler consumes the logits
-        out = self._sampler.sample(states, logits)  # type: ignore[arg-type]
-        rows = to_device(seeding, logits.device)
-        out[:, 0] = torch.where(rows, seeds, out[:, 0])
-        return out
+        return self._sample_seeded(states, logits, seeding, sampled=False)
 
     def _commit_row(self, state: BlockState, row: Sequence[int]) -> StepResult:
         assert isinstance(state, SubBlockState)
@@ -176,7 +161,7 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
 
     def _commit_decode(self, state: SubBlockState, row: Sequence[int]) -> StepResult:
         state.nfe += 1
-        committed = commit_masked(state, row)
+        committed = self._commit_masked(state, row)
         lo, hi = state.active_block
         block_done = not state.masked and all(t != self.mask_id for t in state.tokens[lo:hi])
         return self._after_commit(state, committed, block_done=block_done)
@@ -186,7 +171,7 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
     ) -> StepResult:
         """Finish on a stop id or the answer budget; else move to the next sub-block with
         masks, or — once the block has none — to its write forward."""
-        result = finish_or_continue(state, committed)
+        result = self._finish_or_continue(state, committed)
         if result.finished:
             return result
         if block_done:
@@ -215,4 +200,4 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
             raise RuntimeError("no masked position left in the active block")
         # num_denoising_steps is per block: each of its sub-blocks gets an equal share (at
         # least one step, never more than its masks).
-        schedule_block(state, state.params.steps * s // self.block_size)
+        self._schedule(state, state.params.steps * s // self.block_size)

@@ -29,7 +29,7 @@ probability ``p(x)``). Drafts are argmaxes at every temperature: under sample-an
 most likely draft is the one that matches most often when the draft view agrees with the
 causal one (the remote code samples them at T > 0, which is as exact and accepts less).
 
-Block-size tiers (``engine/tiers.py``) may shrink ``B`` under load between rounds: exactness
+Block-size tiers (``params.py``) may shrink ``B`` under load between rounds: exactness
 does not depend on ``B``. A round never drafts past ``max_tokens``; with one token left it
 skips the draft forward (a verify of ``[s]`` is one AR step).
 """
@@ -41,15 +41,24 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
-from dllm_serve.decoding.isd_verify import greedy_tokens, target_probs
-from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.sampling import new_generator
-from dllm_serve.decoding.sharded_vocab import ShardedLogits, dense_rows, writable
-from dllm_serve.decoding.spec_state import SelfSpecState
-from dllm_serve.decoding.stops import request_stop_ids
-
-__all__ = ["LinearSpecDecoder", "LinearSpecState", "sample_inverse_cdf"]
+from dllm_serve.decoding.params import DecodingParams, request_stop_ids
+from dllm_serve.decoding.protocol import (
+    AttentionKind,
+    RowSpec,
+    ShardedLogits,
+    StepLogits,
+    StepResult,
+    as_step_logits,
+)
+from dllm_serve.decoding.sampler import (
+    dense_rows,
+    greedy_tokens,
+    new_generator,
+    sample_inverse_cdf,
+    target_probs,
+    writable,
+)
+from dllm_serve.decoding.selfspec import SelfSpecState, accepted_prefix
 
 PREFILL, DRAFT, VERIFY = "prefill", "draft", "verify"
 
@@ -87,19 +96,6 @@ class LinearSpecState(SelfSpecState):
         if self.phase == DRAFT:
             return max(1, min(self.max_block, self.params.gen_length - self.generated))
         return max(self.width, 1)
-
-
-def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One exact draw per row of ``probs`` ``[R, V]`` (float64) from one uniform per row.
-
-    ``x = (1 − u) · Σp`` lies in ``(0, Σp]``; the first index whose cumulative sum reaches it
-    is ``i`` with probability ``p_i / Σp``, and never an entry with ``p_i = 0`` (its interval is
-    empty). One random number per row instead of one per vocabulary entry.
-    """
-    cdf = probs.cumsum(dim=-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device)
-    picks = torch.searchsorted(cdf, (1.0 - u) * cdf[:, -1:])
-    return picks.squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 class LinearSpecDecoder:
@@ -177,12 +173,12 @@ class LinearSpecDecoder:
         return RowSpec(tokens, kv.length, list(range(len(tokens))), AttentionKind.CAUSAL, kv)
 
     def sample(
-        self, states: Sequence[LinearSpecState], logits: torch.Tensor | ShardedLogits
+        self, states: Sequence[LinearSpecState], logits: torch.Tensor | ShardedLogits | StepLogits
     ) -> torch.Tensor:
         """Tokens ``[R, M]``: argmaxes (mask id excluded) of every requested position; the
         causal positions of rows at T > 0 are exact samples instead. ``logits`` are consumed
         (the mask id's entries are overwritten in place)."""
-        logits = writable(logits)  # greedy_tokens writes in place
+        logits = writable(as_step_logits(logits))  # greedy_tokens writes in place
         sampling = [
             r for r, s in enumerate(states) if s.params.temperature > 0 and s.phase != DRAFT
         ]
@@ -214,20 +210,15 @@ class LinearSpecDecoder:
         else:
             ar = [int(t) for t in row[: len(state.specs) + 1]]
             specs = state.specs
-            c = next((i for i in range(len(specs)) if specs[i] != ar[i]), len(specs))
+            c = accepted_prefix(specs, ar)
             # Keep the seed and the accepted drafts: their K/V came from committed tokens.
             state.kv.length += 1 + c
             state.rounds += 1
             state.drafted += len(specs)
             emitted = ar[: c + 1]
-        before = len(state.emitted)
-        committed = state.emit(emitted)
-        # The accepted drafts the answer used: none past a stop id or max tokens.
-        state.accepted_drafts += min(c, committed)
-        new = len(state.emitted) - before
+        result = state.end_round(emitted, c)
         state.specs = []
-        if state.finished:
-            return StepResult(committed, True, state.finish_reason, new_tokens=new)
-        state.seed = emitted[-1]
-        state.phase = DRAFT
-        return StepResult(committed, False, new_tokens=new)
+        if not state.finished:
+            state.seed = emitted[-1]
+            state.phase = DRAFT
+        return result

@@ -1,10 +1,68 @@
-"""Per-request decoding parameters (torch-free, so the API layer can build them)."""
+"""What a request asks of the decoder, torch-free so the API layer can build it: the
+decoding modes a client may name, :class:`DecodingParams`, a request's stop ids, and the
+block-size tiers that shrink a self-speculative stride under load.
+
+**Modes.** A tri-mode model (Nemotron-Labs-Diffusion) decodes one set of weights three ways,
+chosen per request: ``ar`` (causal, one token per forward), ``diffusion`` (block diffusion over
+a causal prefix) and ``linear_spec`` (diffusion draft, causal verify). Every other model has
+exactly one mode: ``diffusion`` for the denoising and block-diffusion families, ``isd`` for
+I-DLM's introspective strided decoding. An algorithm names its kind (``decoding_mode`` of
+:class:`~dllm_serve.decoding.protocol.DecodingAlgorithm`); :func:`model_mode` maps that kind
+to the mode a client may name.
+
+**Block-size tiers.** SGLang's ``block_size_tiers`` idea (its I-DLM serving path): a wide
+speculative round costs 2N−1 query tokens per request for at most N emitted tokens, which pays
+off when the GPU is idle but wastes compute when many rows share a forward. A tier table maps the
+number of running requests to the stride: ``"1:8,8:4,32:2"`` means N = 8 from 1 running
+request, 4 from 8, 2 from 32 (below the smallest threshold the server's ``--isd-stride``
+applies).
+
+Tiers apply only to self-speculation: the ISD stride N, and for tri-mode models LinearSpec's
+block B (``linear_spec.py``; the default is then the checkpoint's block). Both
+verifications are exact, so a request's answer does not depend on N or B (greedy:
+token-identical; sampling: same distribution). They never touch a LLaDA ``block_length``,
+which is part of what the client asked for. The KV reservation of
+each request is sized for :attr:`BlockSizeTiers.max_stride`, so shrinking or growing the
+stride never reallocates.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dllm_serve.decoding.modes import REQUEST_MODES
+# ---- modes -------------------------------------------------------------------------------------
+
+
+AR = "ar"
+DIFFUSION = "diffusion"
+LINEAR_SPEC = "linear_spec"
+ISD = "isd"
+TRI_MODES = (AR, DIFFUSION, LINEAR_SPEC)
+REQUEST_MODES = (AR, DIFFUSION, LINEAR_SPEC, ISD)
+DEFAULT_TRI_MODE = LINEAR_SPEC  # exact like ar, fewer forwards per token on a trained model
+
+TRI_MODE = "tri_mode"  # the algorithm kind of a tri-mode model (several modes)
+_ONE_MODE = {"diffusion": DIFFUSION, "block_diffusion": DIFFUSION, "self_speculation": ISD}
+
+DESCRIPTIONS = {
+    AR: "autoregressive: causal decoding with a KV cache, one token per forward",
+    DIFFUSION: "diffusion: masked positions denoised in parallel",
+    LINEAR_SPEC: "LinearSpec: a block drafted in the diffusion view, verified causally",
+    ISD: "I-DLM introspective strided decoding (exact self-speculation)",
+}
+
+
+def model_mode(kind: str) -> str:
+    """The one request mode of a single-mode algorithm kind (``diffusion``, ``isd``)."""
+    try:
+        return _ONE_MODE[kind]
+    except KeyError:
+        raise ValueError(f"algorithm kind {kind!r} has no single decoding mode") from None
+
+
+# ---- decoding parameters -----------------------------------------------------------------------
+
 
 BLOCK_SCHEDULES = ("uniform", "front_loaded", "cosine")
 CONFIDENCE_METRICS = ("top1_prob", "entropy_inverse")
@@ -20,7 +78,7 @@ class DecodingParams:
     blocks decoded left to right (LLaDA's semi-autoregressive sampling). ``temperature == 0``
     is greedy (argmax); otherwise tokens are drawn by Gumbel-max in float64 from a generator
     seeded with ``seed``. Positions are ranked by ``confidence_metric`` (both metrics are on
-    the scale ``(0, 1]``, see ``decoding/confidence.py``).
+    the scale ``(0, 1]``, see ``sampler.py``).
 
     How many positions a step commits (``mode``):
 
@@ -54,11 +112,11 @@ class DecodingParams:
     # canvas is decoded unless one of stop_token_ids (stop ids the client adds) ends it.
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    # Tri-mode models (decoding/modes.py): "ar", "diffusion" or "linear_spec"; None: the
+    # Tri-mode models (the modes above): "ar", "diffusion" or "linear_spec"; None: the
     # server's default. Single-mode models accept only their own mode (checked by the API).
     decoding_mode: str | None = None
     # The answer keeps at most this many tokens (None: the whole canvas). The server sets it
-    # when it rounds a canvas up to whole blocks (api/request_params.py): the canvas is then
+    # when it rounds a canvas up to whole blocks (api/rules.py): the canvas is then
     # decoded as usual and its positions past the limit are dropped. Canvas denoising only.
     answer_limit: int | None = None
 
@@ -139,3 +197,78 @@ class DecodingParams:
     def answer_budget(self) -> int:
         """The most answer tokens a request may return: its limit, else the whole canvas."""
         return self.gen_length if self.answer_limit is None else self.answer_limit
+
+
+# ---- stop ids ----------------------------------------------------------------------------------
+
+
+def request_stop_ids(
+    mask_id: int, model_stop_ids: Sequence[int], params: DecodingParams
+) -> tuple[int, ...]:
+    """The ids that end this request's answer: the model's (EOS, end of turn) plus
+    ``params.stop_token_ids``. ``ignore_eos`` drops only the model's, as in vLLM: ids the
+    client asked for still end the answer. Raises ValueError when the request names the mask
+    id as a stop id (every masked position would read as a stop)."""
+    if mask_id in params.stop_token_ids:
+        raise ValueError("the mask id cannot be a stop id")
+    if params.ignore_eos:
+        return tuple(params.stop_token_ids)
+    return (*model_stop_ids, *params.stop_token_ids)
+
+
+# ---- block-size tiers --------------------------------------------------------------------------
+
+
+DEFAULT_ISD_STRIDE = 4  # I-DLM's stride N when --isd-stride is not given
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSizeTiers:
+    """An ordered tier table ``((min_running, stride), ...)`` plus the default stride."""
+
+    default: int
+    tiers: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.default < 1:
+            raise ValueError("the ISD stride must be >= 1")
+        thresholds = [t for t, _ in self.tiers]
+        strides = [s for _, s in self.tiers]
+        if any(t < 1 for t in thresholds) or any(s < 1 for s in strides):
+            raise ValueError("block-size tiers need thresholds >= 1 and strides >= 1")
+        if thresholds != sorted(set(thresholds)):
+            raise ValueError("block-size tier thresholds must be strictly increasing")
+        if strides != sorted(strides, reverse=True):
+            # Tiers exist to shrink the stride as load grows; a growing table is a typo.
+            raise ValueError("block-size tier strides must not increase with the threshold")
+
+    @property
+    def max_stride(self) -> int:
+        """The widest stride any load can select (what the KV budget is sized for)."""
+        return max([self.default, *(s for _, s in self.tiers)])
+
+    def stride_for(self, running: int) -> int:
+        """The stride for ``running`` concurrent requests: the last tier whose threshold is
+        ≤ ``running``, else the default."""
+        stride = self.default
+        for threshold, tier_stride in self.tiers:
+            if running >= threshold:
+                stride = tier_stride
+        return stride
+
+
+def parse_tiers(text: str) -> tuple[tuple[int, int], ...]:
+    """``"1:8,8:4,32:2"`` → ``((1, 8), (8, 4), (32, 2))``; empty text → no tiers."""
+    tiers: list[tuple[int, int]] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        threshold, sep, stride = item.partition(":")
+        if not sep:
+            raise ValueError(f"block-size tier {item!r} is not THRESHOLD:STRIDE")
+        try:
+            tiers.append((int(threshold), int(stride)))
+        except ValueError:
+            raise ValueError(f"block-size tier {item!r} is not THRESHOLD:STRIDE") from None
+    BlockSizeTiers(1, tuple(tiers))  # validate
+    return tuple(tiers)

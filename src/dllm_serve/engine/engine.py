@@ -1,45 +1,94 @@
 """AsyncEngine: the asyncio-facing engine and the one thread that owns the model.
 
-The event loop only enqueues requests, awaits their outputs and aborts them; every forward
-runs on the engine thread, so ``/health`` and other requests never wait for a step. One
-iteration of the thread reads: take new requests and aborts → admit → for each group of rows:
-prepare → one batched forward → per-row update → emit → free finished rows.
+The event loop only submits requests, awaits their outputs and aborts them; every forward runs
+on the engine thread, so ``/health`` and other requests never wait for a step. The thread
+repeats :meth:`AsyncEngine.step`::
+
+    take new requests and aborts  →  admit (slots, KV budget)  →  for each forward of this step:
+    prepare each row (host)  →  ModelRunner.run (one batched forward)  →  algorithm.sample
+    (device)  →  one device→host copy  →  commit each row (host)  →  emit its final text
+
+Its collaborators each own one piece of state: the :class:`~dllm_serve.engine.scheduler.Inbox`
+(what other threads hand over, under its lock), the
+:class:`~dllm_serve.engine.scheduler.Scheduler` (waiting and running requests), the
+:class:`~dllm_serve.engine.model_runner.ModelRunner` (the device: weights, KV pool, forward),
+the decoding algorithm (``decoding/registry.py``) and the
+:class:`~dllm_serve.engine.outputs.Outbox` (outputs on their way to the event loops).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from itertools import islice
+from typing import Any
 
 import torch
+import uuid6
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH
-from dllm_serve.engine.algorithms import algorithm_for, default_mode
-from dllm_serve.engine.kv_budget import KVBudget, KVCapacityError, pool_slots
+from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
+from dllm_serve.decoding.protocol import RowSpec, as_step_logits
+from dllm_serve.decoding.registry import algorithm_for, check_request, default_mode
 from dllm_serve.engine.model_runner import ModelRunner
-from dllm_serve.engine.observer import EngineObserver, NullObserver
-from dllm_serve.engine.outputs import RequestOutput
+from dllm_serve.engine.outputs import (
+    EngineObserver,
+    IncrementalDetokenizer,
+    NullObserver,
+    Outbox,
+    RequestOutput,
+    Sink,
+    snapshot,
+    start_event,
+    step_event,
+)
 from dllm_serve.engine.request import Request
-from dllm_serve.engine.scheduler import QueueFullError, Scheduler
-from dllm_serve.engine.steps import EngineSteps, Sink
-from dllm_serve.engine.submission import EngineDeadError, EngineSubmission
+from dllm_serve.engine.scheduler import (
+    MAX_BYPASS,
+    Aborts,
+    Inbox,
+    KVBudget,
+    KVCapacityError,
+    QueueFullError,
+    Scheduler,
+    pool_slots,
+)
 from dllm_serve.engine.tokenizer_pool import TokenizerPool
+from dllm_serve.models.errors import DeviceFault, is_device_fault
 from dllm_serve.models.loader import LoadedModel, decode_answer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "KVCapacityError", "QueueFullError"]
+__all__ = [
+    "AsyncEngine",
+    "DeviceFault",
+    "EngineDeadError",
+    "KVCapacityError",
+    "QueueFullError",
+]
 
 
-class AsyncEngine(EngineSubmission, EngineSteps):
-    """submit → async stream of :class:`RequestOutput`, abort, shutdown (how requests come in
-    and leave early: ``engine/submission.py``; one step of the thread: ``engine/steps.py``)."""
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can be served."""
+
+
+def attention_backend(name: str, device: torch.device) -> str:
+    """``auto``: FlexAttention on CUDA (one kernel call per layer over the paged pool), SDPA on
+    CPU (at the sizes a CPU serves, SDPA is several times faster than the compiled flex
+    kernel, and needs no compile)."""
+    if name == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return name
+
+
+class AsyncEngine:
+    """Submit → async stream of :class:`RequestOutput`, abort, shut down; one engine thread
+    that runs :meth:`step` until it stops (see the module docstring)."""
 
     def __init__(
         self,
@@ -51,9 +100,9 @@ class AsyncEngine(EngineSubmission, EngineSteps):
         self.config = config or EngineConfig()
         self.observer: EngineObserver = observer or NullObserver()
         self.algorithm = algorithm_for(loaded, self.config, lambda: len(self.scheduler.running))
-        # "diffusion" (canvas denoising), "block_diffusion" (SDAR), "self_speculation"
-        # (I-DLM ISD) or "tri_mode" (per request): the API rejects request fields that do not
-        # apply to the model's mode, and a request's decoding_mode the model does not have.
+        # "diffusion" (canvas denoising), "block_diffusion", "self_speculation" (I-DLM) or
+        # "tri_mode" (per request): the API rejects request fields that do not apply to the
+        # model's mode, and a request's decoding_mode the model does not have.
         self.decoding_mode = self.algorithm.decoding_mode
         self.default_decoding_mode = default_mode(self.algorithm)
         self.runner = ModelRunner(
@@ -64,24 +113,26 @@ class AsyncEngine(EngineSubmission, EngineSteps):
             cuda_graph=self.config.cuda_graph and loaded.device.type == "cuda",
             graph_max_rows=self.config.max_running_requests,
             mask_id=loaded.mask_id,
+            attention=attention_backend(self.config.attention_backend, loaded.device),
         )
         self.kv = KVBudget(self.runner.pool, self.algorithm)
         self.scheduler = Scheduler(self.config)
-        self._cond = threading.Condition()
-        self._inbox: deque[Request] = deque()
-        self._aborts: set[str] = set()
-        self._abort_all_reason: str | None = None
-        self._stopping = False
+        self.inbox = Inbox()
+        self.outbox = Outbox()
         self._dead: BaseException | None = None
-        self._kv_blocked = False  # set by each admission pass (engine/steps.py)
+        # Called on the engine thread once it has stopped for good (``_run``), after every
+        # request got its final output: the server exits non-zero through one of these.
+        self.on_dead: list[Callable[[BaseException], None]] = []
+        # Set by each admission pass: the head of the queue waits for KV-pool room, so free
+        # running slots do not help the queue now.
+        self._kv_blocked = False
         self._tokenizers = TokenizerPool(loaded)
         # The engine thread detokenises with its own copy of the tokenizer, so it never waits
         # for (or blocks) the API's chat templating, which borrows the pool's copies.
         self._detok_tokenizer = copy.deepcopy(loaded.tokenizer)
         self._thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
-        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput]]] = {}
 
-    # ---- lifecycle -------------------------------------------------------------------------
+    # ---- lifecycle -----------------------------------------------------------------------------
     @property
     def model_name(self) -> str:
         return self.loaded.name
@@ -96,22 +147,26 @@ class AsyncEngine(EngineSubmission, EngineSteps):
         return self.loaded.default_gen_length or DEFAULT_GEN_LENGTH
 
     @property
+    def dead(self) -> BaseException | None:
+        """Why the engine thread stopped for good (None while it serves, or after a clean
+        shutdown)."""
+        return self._dead
+
+    @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._dead is None and not self._stopping
+        return self._thread.is_alive() and self._dead is None and not self.inbox.stopping
 
     def start(self) -> None:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self.inbox.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive():  # the engine thread no longer drives the workers
             self.runner.close()
 
-    # ---- tokenizer (called from worker threads of the event loop) ----------------------------
+    # ---- tokenizer (called from worker threads of the event loop) ------------------------------
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         with self._tokenizers.borrow() as model:
             return model.chat_prompt_ids(messages)
@@ -125,74 +180,381 @@ class AsyncEngine(EngineSubmission, EngineSteps):
         """Engine thread only (its own tokenizer copy; see ``__init__``)."""
         return decode_answer(self._detok_tokenizer, ids)
 
-    # ---- requests --------------------------------------------------------------------------
+    # ---- requests in and out (any thread) ------------------------------------------------------
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
     @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self.inbox.requests)
+
+    @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the KV pool held by running requests (read by the metrics scrape)."""
+        """Bytes of the KV pool reserved by running requests (read by the metrics scrape)."""
         return self.kv.reserved_bytes
 
     @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self._inbox)
+    def kv_pages(self) -> tuple[int, int]:
+        """(pages requests hold now, pages in the pool); (0, 0) without a pool."""
+        pool = self.runner.pool
+        return (0, 0) if pool is None else (pool.pages_used, pool.num_pages)
 
-    # ---- the engine thread -----------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: DecodingParams,
+        request_id: str | None = None,
+        **options: Any,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Submit a request now and return the async iterator of its outputs (``options``:
+        those of :meth:`submit`). Closing the iterator before the last output aborts the
+        request."""
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        request_id = self.submit(
+            prompt_ids, params, queue.put_nowait, request_id, loop=loop, **options
+        )
+        return self._outputs(request_id, queue)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: DecodingParams,
+        sink: Sink,
+        request_id: str | None = None,
+        *,
+        stop: Sequence[str] = (),
+        timeout: float | None = None,
+        trace: bool = False,
+        final_only: bool = False,
+        include_stop: bool = False,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> str:
+        """Submit a request now: ``sink`` receives each of its outputs, the last one with
+        ``finished`` set, on ``loop`` (:meth:`generate`) or, without one, on the engine thread
+        itself (a synchronous consumer such as the offline LLM; it must return at once).
+        Returns the request id (for :meth:`abort`).
+
+        Submission is eager, so a full queue raises :class:`QueueFullError` (and a stopped
+        engine :class:`EngineDeadError`) here. With ``timeout`` (seconds), the request ends
+        with ``finish_reason == "timeout"`` at the first step boundary past it. ``trace``:
+        every step's output carries its trace event (``outputs.py``). ``include_stop``: the
+        answer ends *after* the stop string it matched, not before (vLLM's
+        ``include_stop_str_in_output``); the token count is the same either way.
+        ``final_only`` (a caller that only joins the deltas): the answer is decoded once and
+        arrives whole in the last output, with no output before it, so no step pays for
+        detokenising or a hand-off. It has no effect with ``stop`` strings (matched step by
+        step, so a stop string ends decoding early) or ``trace``.
+        """
+        check_request(self.algorithm, self.loaded.name, params)
+        request = Request(
+            request_id=request_id or str(uuid6.uuid7()),
+            prompt_ids=list(prompt_ids),
+            params=params,
+            sink=sink,
+            detokenizer=IncrementalDetokenizer(
+                self._decode, stop=tuple(stop), include_stop=include_stop
+            ),
+            loop=loop,
+            trace=trace,
+            final_only=final_only and not stop and not trace,
+        )
+        if timeout is not None:
+            request.deadline = request.arrival_time + timeout
+        self._submit(request)
+        return request.request_id
+
+    def _submit(self, request: Request) -> None:
+        """Queue ``request`` for the engine thread: refused here when it can never fit the KV
+        pool, when the engine is not running, or when the waiting queue is full."""
+        self.kv.check(len(request.prompt_ids), request.params)
+        with self.inbox.lock:
+            if self._dead is not None or self.inbox.stopping or not self._thread.is_alive():
+                raise EngineDeadError("the engine is not running")
+            # Counting this request too, so a limit of 0 means "no queue", not "no requests".
+            waiting = self.num_waiting + 1 - self._starting(request)
+            if waiting > self.config.max_waiting_requests:
+                raise QueueFullError(
+                    f"{waiting - 1} request(s) already waiting "
+                    f"(limit {self.config.max_waiting_requests})"
+                )
+            self.inbox.put(request)
+
+    def _starting(self, request: Request) -> int:
+        """How many of the queue (``request`` last) the next admission pass can start: as many
+        as there are free running slots, in order, while their K/V fits the free pool. So a
+        burst that reaches an idle engine counts as waiting as soon as the pool holds it back,
+        not only after an admission pass has seen it blocked."""
+        free_slots = self.config.max_running_requests - len(self.scheduler.running)
+        if self._kv_blocked or free_slots <= 0:
+            return 0
+        # A snapshot of the head only (``islice`` runs in C, so the engine thread, which pops
+        # from ``waiting`` without the inbox's lock, cannot change it midway).
+        head = [
+            *islice(self.scheduler.waiting, free_slots),
+            *islice(self.inbox.requests, free_slots),
+        ]
+        return self.kv.startable([*head, request][:free_slots])
+
+    async def _outputs(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        finished = False
+        try:
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    @contextlib.contextmanager
+    def submitting_together(self) -> Iterator[None]:
+        """Requests submitted inside this block reach the engine thread together, so its next
+        step admits them all (a batch that arrived one by one would start with a step of one
+        row and take an extra forward). Holds the inbox's lock: submit and leave quickly."""
+        with self.inbox.lock:
+            yield
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its row and state are freed before the next step."""
+        self.inbox.abort(request_id)
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every queued and running request (shutdown); each gets ``reason`` as error."""
+        self.inbox.abort_all(reason)
+
+    # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
             with torch.inference_mode():
-                while self._iterate():
+                while self.step():
                     pass
-        except BaseException as exc:  # a bug in the loop itself: fail everyone, report dead
-            logger.exception("engine loop died")
+        except BaseException as exc:  # a device fault, or a bug in the loop itself
+            if isinstance(exc, DeviceFault):
+                logger.critical("device fault, the engine stops: %s", exc.__cause__ or exc)
+            else:
+                logger.exception("engine loop died")
             self._dead = exc
         finally:
             reason = "engine stopped" if self._dead is None else f"engine died: {self._dead!r}"
-            with self._cond:
-                pending = [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]
-                self._inbox.clear()
-                self.scheduler.waiting.clear()
-                self.scheduler.running.clear()
-            for request in pending:
-                self._fail(request, "error", reason)
-            self._flush()
+            for request in self.inbox.drain(self.scheduler):
+                try:
+                    self._fail(request, "error", reason)
+                except Exception:  # one failing hand-off must not cost the others theirs
+                    logger.exception("final output of %s lost", request.request_id)
+            self.outbox.flush()
+            if self._dead is not None:
+                for callback in self.on_dead:
+                    callback(self._dead)
 
-    def _iterate(self) -> bool:
-        with self._cond:
-            while not self._has_work():
-                self._cond.wait()
-            if self._stopping:
-                return False
-            self.scheduler.waiting.extend(self._inbox)
-            self._inbox.clear()
-            aborts, self._aborts = self._aborts, set()
-            abort_all, self._abort_all_reason = self._abort_all_reason, None
+    def step(self) -> bool:
+        """One iteration: every running request advances by exactly one step. Returns False
+        once the engine is stopping (it waits while there is nothing to do)."""
+        aborts = self.inbox.take(self.scheduler)
+        if aborts is None:
+            return False
         started = time.perf_counter()
-        now = time.monotonic()
-        for request in [*self.scheduler.waiting, *self.scheduler.running]:
-            if abort_all is not None:
-                self._fail(request, "abort", abort_all)
-            elif request.request_id in aborts:
-                self._fail(request, "abort")
-            elif request.deadline is not None and now >= request.deadline:
-                self._fail(request, "timeout", "the request exceeded its time limit")
+        self._end_early(aborts)
         self._admit()
-        for group in self.scheduler.groups():
+        for group in self.scheduler.groups():  # the forwards of this step, rows packed
             self._forward(group)
         if not self.scheduler.running:
-            self._flush()  # nothing runs next: deliver now rather than with the next forward
+            self.outbox.flush()  # nothing runs next: deliver now rather than with the next forward
         self.observer.on_iteration(time.perf_counter() - started)
         return True
 
-    def _has_work(self) -> bool:
-        sched = self.scheduler
-        return bool(
-            self._stopping
-            or self._inbox
-            or self._aborts
-            or self._abort_all_reason
-            or sched.running
-            or sched.waiting
-        )
+    def _forward(self, group: list[Request]) -> None:
+        """One forward for ``group``: prepare → run → sample → one device→host copy → commit.
+
+        A failure while preparing or committing one row fails only that request; a failure of
+        the forward or the batched sampler fails the rows of this forward.
+        """
+        rows, specs = self._prepare(group)
+        if not rows:
+            return
+        states = [r.state for r in rows]
+        # The previous forward's outputs go now: the event loop's work on them overlaps this
+        # forward's kernels (which release the GIL) instead of host work.
+        self.outbox.flush()
+        try:
+            logits = as_step_logits(self.runner.run(specs))
+            # The step's one device→host copy: every row's commits or verdicts.
+            host = self.algorithm.sample(states, logits).tolist()
+        except Exception as exc:
+            if is_device_fault(exc):  # nothing can run on this device any more
+                raise DeviceFault(f"{type(exc).__name__}: {exc}") from exc
+            for request in rows:
+                self._fail_exc(request, exc, "forward")
+            return
+        tokens = sum(len(s.tokens) for s in specs)
+        self.observer.on_forward(len(rows), tokens, self.runner.forward_seconds())
+        self._commit(rows, host, logits.width)
+
+    def _end_early(self, aborts: Aborts) -> None:
+        """Aborted and timed-out requests end before the step (waiting or running)."""
+        now = time.monotonic()
+        for request in [*self.scheduler.waiting, *self.scheduler.running]:
+            if aborts.all is not None:
+                self._fail(request, "abort", aborts.all)
+            elif request.request_id in aborts.ids:
+                self._fail(request, "abort")
+            elif request.deadline is not None and now >= request.deadline:
+                self._fail(request, "timeout", "the request exceeded its time limit")
+
+    def _admit(self) -> None:
+        """Start waiting requests, in order, while running slots and the KV pool allow.
+
+        A request whose worst-case KV does not fit the unreserved pages now waits, and the
+        requests behind it that do fit may start before it — at most
+        :data:`~dllm_serve.engine.scheduler.MAX_BYPASS` of them, after which everyone waits
+        for it (running requests always finish and give their pages back, so it starts).
+        One that could never fit the whole pool was refused at submission
+        (``KVCapacityError``).
+        """
+        pool = self.runner.pool
+        self._kv_blocked = False
+        blocked: list[Request] = []  # popped, but waiting for pages: back at the head, in order
+        try:
+            for request in self.scheduler.admit():
+                if blocked and blocked[0].bypassed >= MAX_BYPASS:
+                    blocked.append(request)  # the head has waited long enough: nobody passes
+                    break
+                # A request popped from the queue is in no list until it runs: whatever fails
+                # from here on must finish it, or it would never get an output.
+                try:
+                    need = self.kv.need(len(request.prompt_ids), request.params)
+                except Exception as exc:
+                    self._fail_exc(request, exc, "admission")
+                    continue
+                span = None
+                if need and pool is not None:
+                    span = pool.reserve(need)
+                    if span is None:
+                        blocked.append(request)
+                        self._kv_blocked = True
+                        continue
+                try:
+                    request.state = self.algorithm.init_state(
+                        request.prompt_ids, request.params, self.loaded.device
+                    )
+                except Exception as exc:
+                    if span is not None and pool is not None:
+                        pool.free(span)
+                    self._fail_exc(request, exc, "admission")
+                    continue
+                request.state.kv = span
+                if request.trace and hasattr(request.state, "report_confidence"):
+                    request.state.report_confidence = True  # commit confidences for the trace
+                self.scheduler.run(request)
+                if blocked:
+                    blocked[0].bypassed += 1
+        finally:
+            self.scheduler.waiting.extendleft(reversed(blocked))
+
+    def _prepare(self, group: list[Request]) -> tuple[list[Request], list[RowSpec]]:
+        """Each row's tokens and logit positions (the rows whose ``prepare`` succeeded)."""
+        rows, specs = [], []
+        prepare = self.algorithm.prepare
+        for request in group:
+            try:
+                spec = prepare(request.state)
+                # Checked here, per row, so a decoder bug fails its own request only, not
+                # every row the batch packer would have refused with it.
+                spec.check()
+                specs.append(spec)
+                rows.append(request)
+            except Exception as exc:
+                self._fail_exc(request, exc, "prepare")
+        return rows, specs
+
+    def _commit(self, rows: list[Request], host: list[list[int]], width: int) -> None:
+        """Write each row's result into its state and emit what it made final; a failure
+        fails that row only. ``width``: the logits per row (a traced row's commit
+        confidences follow its first ``width`` entries)."""
+        commit = self.algorithm.commit
+        for request, row in zip(rows, host, strict=True):
+            state = request.state
+            try:
+                before = snapshot(state, row, width) if request.trace else None
+                result = commit([state], [row])[0]
+                if state.kv is not None and not result.finished:
+                    self.runner.pool.trim(state.kv)  # pages past what the request keeps
+                events = None
+                if before is not None:
+                    events = (step_event(state, before, self._piece),)
+                    if not request.trace_started:
+                        request.trace_started = True
+                        events = (start_event(state), *events)
+                self._emit(
+                    request, result.finished, result.finish_reason, result.new_tokens, events
+                )
+            except Exception as exc:
+                self._fail_exc(request, exc, "update")
+
+    def _piece(self, token: int) -> str:
+        """One token's text, for trace events (specials included: EOS shows as EOS)."""
+        return self._detok_tokenizer.decode([token], skip_special_tokens=False)
+
+    def _emit(
+        self,
+        request: Request,
+        finished: bool,
+        finish_reason: str | None,
+        new_tokens: int,
+        events: tuple[dict, ...] | None = None,
+    ) -> None:
+        state = request.state
+        assert state is not None
+        if not finished and events is None:
+            if not new_tokens:
+                return  # nothing became final: no delta, no decode
+            if request.final_only:
+                # Nobody reads a delta before the end: decode the answer once, at the end.
+                # Its first final token is when content first exists (the metric's moment).
+                if request.first_content_time is None:
+                    self._first_content(request)
+                return
+        tokens = state.answer_tokens()
+        detok = request.detokenizer
+        delta = detok.update(tokens, final=finished)
+        count = len(tokens)
+        if detok.stopped:  # a stop string ended the answer: tokens after it do not count
+            finished, finish_reason = True, "stop"
+            count = detok.stop_tokens if detok.stop_tokens is not None else count
+        if delta and request.first_content_time is None:
+            self._first_content(request)
+        if delta or finished or events is not None:
+            output = request.output(delta, count, finish_reason if finished else None, None, events)
+            self._send(request, output)
+
+    def _first_content(self, request: Request) -> None:
+        request.first_content_time = time.monotonic()
+        self.observer.on_first_content(request.first_content_time - request.arrival_time)
+
+    def _fail_exc(self, request: Request, exc: Exception, where: str) -> None:
+        logger.exception("request failed in %s", where, extra={"request_id": request.request_id})
+        self._fail(request, "error", f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, request: Request, reason: str, error: str | None = None) -> None:
+        state = request.state
+        answer = len(state.answer_tokens()) if state is not None else 0
+        self._send(request, request.output("", answer, reason, error))
+
+    def _send(self, request: Request, output: RequestOutput) -> None:
+        if output.finished:
+            # Free the slot and the KV before the client hears about it, so counts are never
+            # stale.
+            self.scheduler.remove(request)
+            self._release_kv(request)
+            self.observer.on_finished(output, time.monotonic() - request.arrival_time)
+        self.outbox.put(request.sink, output, request.loop)
+
+    def _release_kv(self, request: Request) -> None:
+        state = request.state
+        if state is not None and state.kv is not None:
+            assert self.runner.pool is not None
+            self.runner.pool.free(state.kv)
+            state.kv = None

@@ -1,11 +1,19 @@
 """ModelRunner: owns the device side of serving — the weights, the KV pool and the forward.
 
-``run(rows)`` packs the rows of one step into a :class:`FlatBatch` (``batch_packing.py``: real
-tokens only; one host→device copy for all of its index tensors) or, for a fixed-shape decode
-step, into a captured graph's static inputs (``cuda_graphs.py``), runs the model and the LM
-head at the requested positions only, and returns logits ``[rows, M, V]`` with each row's
-requested outputs first (``M`` = the most any row asked for; shorter rows are padded by repeating
-their first output, which the algorithms mask out). Nothing here reads a device value back.
+``run(rows)`` packs the rows of one step into a :class:`FlatBatch` (real tokens only; one
+host→device copy for all of its index tensors) or, for a fixed-shape decode step, into a
+captured graph's static inputs (``graphs.py``), runs the model and the LM head at the
+requested positions only, and returns logits ``[rows, M, V]`` with each row's requested
+outputs first (``M`` = the most any row asked for; shorter rows are padded by repeating their
+first output, which the algorithms mask out). Nothing here reads a device value back.
+
+**Packing a step's rows** (:class:`BatchPacker`): the host side of the ModelRunner's forward.
+Rows (host :class:`RowSpec` lists) become one int64 host buffer — token ids, positions, KV
+slots to write, logit positions, draft tokens — copied to the device once; consecutive rows of
+one shape and attention kind share an :class:`AttnGroup`, whose key slots and mask are built
+here once per forward and shared by every layer. This runs once per step on the engine thread,
+between two forwards, so the host cost per row is a few C-level list extends, never a Python
+loop per token.
 """
 
 from __future__ import annotations
@@ -13,28 +21,36 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, NoReturn
+from array import array
+from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
-from dllm_serve.decoding.forward_spec import RowSpec
-from dllm_serve.engine.batch_packing import BatchPacker
-from dllm_serve.engine.cuda_graphs import MAX_Q, GraphRunner, StaticForward
-from dllm_serve.engine.vocab_parallel import (
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec, StepLogits, logit_layout
+from dllm_serve.engine.graphs import MAX_Q, GraphRunner, StaticForward
+from dllm_serve.engine.parallel.group import TensorParallelGroup, VocabTraffic
+from dllm_serve.engine.parallel.vocab import (
     VocabOp,
     VocabShardedLogits,
-    VocabTraffic,
     apply,
     gather_parts,
     reduce_greedy,
 )
-from dllm_serve.models.flat_batch import FlatBatch
+from dllm_serve.models.attention import (
+    KV_BLOCK,
+    AttnGroup,
+    FlatBatch,
+    RowAttention,
+    build_plan,
+    host_to_device,
+    page_slots,
+    prefix_keys,
+    to_device,
+)
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.lora import PhaseHooks, weight_view_hooks
 from dllm_serve.models.transformer import DecoderTransformer
-
-if TYPE_CHECKING:
-    from dllm_serve.engine.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 INIT, RUN = "init", "run"  # control messages to tensor-parallel workers
@@ -58,36 +74,46 @@ class ModelRunner:
         graph_max_rows: int = 32,
         capture: bool | None = None,
         mask_id: int | None = None,
+        attention: str = "sdpa",
     ) -> None:
         self.model = model.fuse_projections()
         self.device = device
         # Tensor parallelism: this rank's shard (model.tp); on rank 0 also the group whose
-        # workers run every forward with it (engine/tensor_parallel.py).
+        # workers run every forward with it (engine/workers.py).
         self.tp = model.tp
         self.parallel = parallel
         # Under tensor parallelism every rank reduces each step's logits greedily with the
-        # model's mask id excluded (engine/vocab_parallel.py); rank 0 tells the workers which.
+        # model's mask id excluded (engine/parallel/vocab.py); rank 0 tells the workers which.
         self.mask_id = mask_id
         if parallel is not None:
-            parallel.send((INIT, kv_slots, mask_id))
+            parallel.send((INIT, kv_slots, mask_id, attention))
         self.pool: KVPool | None = None
-        # Fixed-shape decode steps replay static forwards (engine/cuda_graphs.py): CUDA graphs
+        # Fixed-shape decode steps replay static forwards (engine/graphs.py): CUDA graphs
         # on CUDA (``capture``, default there), the same padded forward uncaptured elsewhere.
         # Not for MoE layers (grouped expert GEMMs not yet checked under capture; their fallback
         # reads the expert counts on the host mid-forward) nor under tensor parallelism, and
         # only for algorithms that keep K/V.
-        graphs = cuda_graph and kv_slots > 0 and model.config.moe is None and self.tp is None
+        # The static forwards below read keys through SDPA: with FlexAttention every step
+        # runs eagerly.
+        graphs = (
+            cuda_graph
+            and attention == "sdpa"
+            and kv_slots > 0
+            and model.config.moe is None
+            and self.tp is None
+        )
         if kv_slots > 0:
             cfg, weight = model.config, model.embed_tokens.weight
             self.pool = KVPool(
                 cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_slots,
                 dtype=weight.dtype, device=device, scratch_slots=MAX_Q if graphs else 0,
             )  # fmt: skip
-        self.packer = BatchPacker(device, self.pool)
+        self.attention = attention
+        self.packer = BatchPacker(device, self.pool, attention, pad_logits=self.tp is not None)
         self.last_batch: FlatBatch | None = None  # the last eager batch, for tests to inspect
         # The weight view per phase (a tri-mode model's draft-only LoRA; models/lora.py).
         # Eager forwards apply it per token from RowSpec.draft; the graph runner calls
-        # before_draft / before_verify around a phase's capture and replay, and after_capture
+        # before_draft / before_verify around a phase's capture and replay, and after_graph
         # afterwards. No-ops without a draft LoRA.
         self.phase_hooks: PhaseHooks = weight_view_hooks(self.model)
         self.graphs: GraphRunner | None = None
@@ -121,27 +147,39 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     def build(self, rows: list[RowSpec]) -> tuple[FlatBatch, int]:
-        """The flat batch of ``rows`` and ``M`` (logits per row after padding)."""
+        """The flat batch of ``rows`` and ``M`` (the most logits any row asked for)."""
+        self._take_pages(rows)
         return self.packer.build(rows)
 
-    def run(self, rows: list[RowSpec]) -> torch.Tensor | VocabShardedLogits:
-        """Logits ``[len(rows), M, V]`` for one step (see the module docstring). Under tensor
-        parallelism each rank's vocabulary slice: rank 0 gets it wrapped as sharded logits
-        (its sampler's reductions reach the other ranks), a worker the bare slice."""
+    def _take_pages(self, rows: list[RowSpec]) -> None:
+        """Pages for every position the rows write. Rank 0 allocates; under tensor parallelism
+        the workers take the page tables as they come with the rows, so their pools stay in
+        step."""
+        pool = self.pool
+        if pool is not None and (self.tp is None or self.tp.rank == 0):
+            for row in rows:
+                if row.kv is not None:
+                    pool.grow(row.kv, row.start + len(row.tokens))
+
+    def run(self, rows: list[RowSpec]) -> StepLogits | torch.Tensor:
+        """One step's logits at the requested positions (see the module docstring). Under
+        tensor parallelism each rank's vocabulary slice: rank 0 gets it wrapped as sharded
+        logits (its sampler's reductions reach the other ranks), a worker the bare slice."""
         if not torch.is_inference_mode_enabled():
             # The engine thread runs in inference mode already; entering and leaving it costs
             # more than a small step's whole sampler, so only other callers pay for it here.
             with torch.inference_mode():
                 return self.run(rows)
+        self._take_pages(rows)  # before the rows go to the workers or into a graph
         if self.tp is None:
             graphs = self.graphs
             if graphs is not None and (key := graphs.key_for(rows)) is not None:
                 static = graphs.static_for(key, rows)
                 if static is not None:
                     width = max(len(r.logits_at) for r in rows)
-                    return self.forward_graph(static, len(rows), width)
-            batch, width = self.build(rows)
-            return self.forward(batch).view(len(rows), width, -1)
+                    return StepLogits.padded(self.forward_graph(static, len(rows), width))
+            batch, _ = self.build(rows)
+            return self.step_logits(batch, self.forward(batch))
         try:
             if self.parallel is not None:  # the workers build and run the same batch
                 self.parallel.send((RUN, rows))
@@ -151,10 +189,12 @@ class ModelRunner:
                 if self.mask_id is not None:
                     reduce_greedy(local, self.tp, self.mask_id)
                 return local
-            # Rank 0 samples the sharded logits without gathering them (vocab_parallel.py).
+            # Rank 0 samples the sharded logits without gathering them (parallel/vocab.py).
             traffic = self.parallel.traffic if self.parallel is not None else VocabTraffic()
             logits = VocabShardedLogits(local, self.tp, self.parallel, traffic=traffic)
-            return logits if self.mask_id is None else logits.take_greedy(self.mask_id)
+            if self.mask_id is not None:
+                logits = logits.take_greedy(self.mask_id)
+            return StepLogits.padded(logits)
         except (RuntimeError, OSError) as exc:
             self._collective_failed(exc)
 
@@ -183,8 +223,16 @@ class ModelRunner:
         if self.parallel is not None:
             self.parallel.stop()
 
+    @staticmethod
+    def step_logits(batch: FlatBatch, logits: torch.Tensor) -> StepLogits:
+        """The LM head's output for ``batch`` with its layout per row."""
+        if batch.logit_layout is None:  # padded per row already (tensor parallelism)
+            return StepLogits.padded(logits.view(len(batch.logit_counts), -1, logits.shape[-1]))
+        return StepLogits(logits, batch.logit_counts, batch.logit_offsets, batch.logit_layout)
+
     def forward(self, batch: FlatBatch) -> torch.Tensor:
-        """The model and LM head on a built batch: logits ``[N, V]``."""
+        """The model and LM head on a built batch: logits ``[N, V]`` at its requested
+        positions."""
         self.last_batch = batch
         started = self._timer_start()
         logits = self.model.lm_head(self.model.forward_flat(batch, self.pool))
@@ -224,3 +272,227 @@ class ModelRunner:
             end.synchronize()  # already complete once the step's results reached the host
             return start.elapsed_time(end) / 1000.0
         return self._cpu_seconds
+
+
+# ---- packing a step's rows ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Group:
+    """Consecutive rows sharing one attention call, as the packer collects them."""
+
+    start: int  # first flat token
+    q_len: int
+    causal: bool
+    cached: bool  # the rows read a cached prefix from the KV pool
+    rows: int = 1
+    tables: list[list[int]] = field(default_factory=list)  # each row's pages (cached groups)
+    prefixes: list[int] = field(default_factory=list)  # each row's cached prefix length
+
+
+class BatchPacker:
+    """Builds the :class:`FlatBatch` of a step's rows on ``device``."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        pool: KVPool | None,
+        attention: str = "sdpa",
+        pad_logits: bool = False,
+    ) -> None:
+        if attention not in ("flex", "sdpa"):
+            raise ValueError(f"attention backend {attention!r}: flex or sdpa")
+        self.device = device
+        self.pool = pool
+        self.flex = attention == "flex"
+        # Logit positions padded per row to the widest (tensor parallelism's vocab-parallel
+        # sampler works on [R, M] rows); else only the positions asked for (the LM head and
+        # the sampler's softmax then never run on padding).
+        self.pad_logits = pad_logits
+        self._arange = array("q", range(4096))  # positions 0.. as int64, sliced per row
+
+    def build(self, rows: list[RowSpec]) -> tuple[FlatBatch, int]:
+        """The flat batch of ``rows`` and ``M`` (logits per row after padding)."""
+        # Lists grow in C (``list.extend``), positions are slices of a cached int64 range; one
+        # conversion to int64 at the end (``array.extend`` from a list costs twice as much).
+        ids: list[int] = []
+        positions = array("q")
+        slots: list[int] = []
+        logits_at: list[int] = []
+        draft: list[int] = []  # flat tokens in the draft weight view (draft-only LoRA)
+        arange = self._arange
+        width = max(len(r.logits_at) for r in rows)
+        any_kv = any(r.kv is not None for r in rows)
+        # Group consecutive rows of one shape; the rows arrive sorted by the scheduler.
+        groups: list[_Group] = []
+        block_rows: dict[int, RowSpec] = {}  # group index → its block-causal row
+        last_key: tuple[int, AttentionKind, bool] | None = None
+        offset = top = 0
+        flex_rows: list[RowAttention] = []
+        counts: list[int] = []
+        pad = self.pad_logits
+        for row in rows:
+            row.check()
+            n = len(row.tokens)
+            wanted = row.logits_at
+            ids.extend(row.tokens)
+            end = row.start + n
+            if end > len(arange):
+                arange = self._arange = array("q", range(2 * end))
+            positions.extend(arange[row.start : end])
+            top = max(top, end)
+            kv = row.kv
+            if any_kv:
+                if kv is None:
+                    raise ValueError("rows with and without a KV cache cannot share a forward")
+                if end > len(kv.pages) * kv.page_size:
+                    raise ValueError(f"a row of {end} tokens has pages for fewer")
+                slots.extend(kv.slots(row.start, end))
+            if row.draft:
+                draft.extend(range(offset, offset + n))
+            if self.flex:
+                flex_rows.append(_row_attention(row, offset))
+            # ``map`` over a bound add runs in C: no Python frame per requested position.
+            logits_at.extend(map(offset.__add__, wanted))
+            counts.append(len(wanted))
+            if pad and len(wanted) < width:
+                logits_at.extend([offset + wanted[0]] * (width - len(wanted)))
+            cached = kv is not None and row.start > 0
+            # Rows of one shape and kind share an attention call; a block-causal row is a group
+            # of its own (its mask depends on where its blocks fall).
+            attention = row.attention
+            key = None if attention is AttentionKind.BLOCK_CAUSAL else (n, attention, cached)
+            if key is not None and key == last_key:
+                groups[-1].rows += 1
+            else:
+                groups.append(_Group(offset, n, attention is AttentionKind.CAUSAL, cached))
+                if key is None:
+                    block_rows[len(groups) - 1] = row
+            last_key = key
+            if kv is not None and (cached or key is None):
+                groups[-1].tables.append(kv.pages)
+                groups[-1].prefixes.append(row.start)
+            offset += n
+        t = len(ids)
+        offsets, layout = ([], []) if pad else logit_layout(counts)
+        # One host buffer for every index of the step, one copy to the device.
+        host = array("q", ids)
+        host.extend(positions)
+        host.extend(array("q", slots + logits_at + draft + layout))
+        packed = torch.frombuffer(host, dtype=torch.long)
+        # Pinned and non-blocking on CUDA (decoding/sampler.py): the host goes on to
+        # launch the forward while it copies.
+        packed = host_to_device(packed, self.device)
+        input_ids, pos = packed[:t], packed[t : 2 * t]
+        slot_mapping = packed[2 * t : 3 * t] if any_kv else None
+        index_start = (3 if any_kv else 2) * t
+        index = packed[index_start : index_start + len(logits_at)]
+        draft_start = index_start + len(logits_at)
+        draft_index = packed[draft_start : draft_start + len(draft)] if draft else None
+        layout_index = None
+        if not pad:
+            layout_index = packed[draft_start + len(draft) :].view(len(rows), width)
+        shape = {"logit_counts": counts, "logit_offsets": offsets, "logit_layout": layout_index}
+        if self.flex:
+            pool = self.pool if any_kv else None
+            released: list[int] = []
+            if pool is not None:
+                released, pool.released = pool.released, []
+            plan = build_plan(
+                flex_rows,
+                kv_length=pool.k.shape[1] if pool is not None else t,
+                device=self.device,
+                page_owner=pool.page_owner if pool is not None else None,
+                page_index=pool.page_index if pool is not None else None,
+                page_size=pool.page_size if pool is not None else KV_BLOCK,
+                released=released,
+            )
+            batch = FlatBatch(
+                input_ids, pos, [], index, slot_mapping, max_position=top - 1,
+                draft_index=draft_index, flex=plan, **shape,
+            )  # fmt: skip
+            return batch, width
+        attn = [
+            self._block_causal(g, block_rows[i]) if i in block_rows else self._group(g)
+            for i, g in enumerate(groups)
+        ]
+        batch = FlatBatch(
+            input_ids, pos, attn, index, slot_mapping, max_position=top - 1,
+            draft_index=draft_index, **shape,
+        )  # fmt: skip
+        return batch, width
+
+    def _group(self, g: _Group) -> AttnGroup:
+        if not g.cached:
+            return AttnGroup(g.start, g.rows, g.q_len, is_causal=g.causal)
+        # Keys: each row's prefix then its current tokens, gathered from the pool.
+        pool = self.pool
+        assert pool is not None
+        longest = max(g.prefixes) + g.q_len
+        table, prefix = self._tables(g, pool.pages_for(longest), pool.zero_page)
+        cols = torch.arange(longest, device=self.device)
+        query = torch.arange(g.q_len, device=self.device)
+        if len(set(g.prefixes)) == 1:
+            mask = None
+            if g.causal:  # lower-right causal: query i sees keys j <= prefix + i ([q_len, S])
+                mask = cols[None, :] <= (query + g.prefixes[0])[:, None]
+            kv_slots = page_slots(table, cols, pool.page_size)
+            return AttnGroup(g.start, g.rows, g.q_len, kv_slots=kv_slots, mask=mask)
+        kv_slots, mask = prefix_keys(
+            table, prefix, cols, query, g.causal, pool.zero_slot, pool.page_size
+        )
+        return AttnGroup(g.start, g.rows, g.q_len, kv_slots=kv_slots, mask=mask)
+
+    def _tables(self, g: _Group, width: int, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's page tables ``[rows, width]`` (past a row's pages: ``fill``) and its
+        rows' prefix lengths ``[rows]``, in one host→device copy."""
+        flat: list[int] = []
+        for pages in g.tables:
+            flat.extend(pages[:width])
+            flat.extend([fill] * (width - min(width, len(pages))))
+        flat.extend(g.prefixes)
+        packed = to_device(flat, self.device, torch.long)
+        rows = len(g.tables)
+        return packed[: rows * width].view(rows, width), packed[rows * width :]
+
+    def _block_causal(self, g: _Group, row: RowSpec) -> AttnGroup:
+        """One block-causal row: query at position p sees key q iff block(q) <= block(p).
+
+        A ``[q_len, start + q_len]`` mask, built once per forward: this is the prefill of a
+        block-diffusion prompt (its whole blocks), never a decode step.
+        """
+        keys = torch.arange(row.start + g.q_len, device=self.device)
+        queries = keys[row.start :]
+        mask = (keys[None, :] // row.block) <= (queries[:, None] // row.block)
+        if not g.cached:
+            return AttnGroup(g.start, g.rows, g.q_len, mask=mask)
+        pool = self.pool
+        assert pool is not None
+        table, _ = self._tables(g, pool.pages_for(keys.shape[0]), pool.zero_page)
+        kv_slots = page_slots(table, keys, pool.page_size)
+        return AttnGroup(g.start, g.rows, g.q_len, kv_slots=kv_slots, mask=mask)
+
+
+def _row_attention(row: RowSpec, offset: int) -> RowAttention:
+    """The interval of keys each query of ``row`` sees (FlexAttention): positions in the
+    request's context with a KV cache, flat-token indices of the row's own segment without."""
+    n, start = len(row.tokens), row.start
+    kv = row.kv
+    base = 0 if kv is not None else offset - start  # key index of position 0
+    lo = [base] * n
+    kind = row.attention
+    if kind is AttentionKind.CAUSAL:
+        hi = list(range(base + start + 1, base + start + n + 1))
+    elif kind is AttentionKind.BLOCK_CAUSAL:
+        # A query sees up to the end of its own block (blocks aligned to position 0).
+        b, hi = row.block, []
+        position = start
+        while position < start + n:
+            end = min(start + n, (position // b + 1) * b)
+            hi.extend([base + (position // b + 1) * b] * (end - position))
+            position = end
+    else:
+        hi = [base + start + n] * n
+    if kv is None:
+        return RowAttention(offset, n, lo, hi)
+    return RowAttention(offset, n, lo, hi, owner=kv.id, pages=kv.pages)

@@ -1,9 +1,36 @@
-"""What the engine hands back per step: append-only text deltas and counters."""
+"""What the engine hands back: per-step outputs with append-only text, how they reach their
+event loops, the trace events of traced requests, and the observer hooks of the metrics.
+
+**Traces** (the playground).
+Off the OpenAI path (the chat stream's ``delta.content`` stays append-only): a request
+submitted with ``trace=True`` gets one event per forward in :attr:`RequestOutput.trace`,
+which ``POST /v1/dllm/trace`` streams as server-sent events (docs/playground.md):
+
+- denoising (LLaDA, Dream, block diffusion) — ``{"type": "step", "commits": [[position,
+  token_id, text], ...], "masked": n, ...}``: the answer-canvas positions this step
+  committed (position 0 is the first answer position) and how many are still masked;
+- self-speculation (I-DLM ISD, LinearSpec) — ``{"type": "round", "drafts": [...], "accepted": j,
+  "emitted": [...], ...}``: the drafts this round verified, how many were accepted and the
+  tokens it emitted (accepted drafts plus the verifier's own token, except a stop token,
+  which ends the answer and is not emitted).
+
+Both carry ``nfe``, ``committed`` and ``tokens_per_forward`` so far. Tracing reads the
+state's host lists only (no device access); its cost is a copy of the canvas per traced
+step, so it is for watching a request, not for serving load.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+from dllm_serve.decoding.blocks import CONFIDENCE_SCALE
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +56,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
-    # Traced requests only (engine/trace.py): this step's events, None otherwise.
+    # Traced requests only (engine/outputs.py): this step's events, None otherwise.
     trace: tuple[dict, ...] | None = None
 
 
@@ -97,7 +124,7 @@ class IncrementalDetokenizer:
                 self._prefix_offset, self._read_offset = self._read_offset, len(tokens)
                 self._prefix_text = None
         # Until the request ends, a trailing U+FFFD is a character still being completed, not
-        # text: no stop string may match it (found by QA: a stop of "\ufffd" cut there).
+        # text: no stop string may match it (a stop of "\ufffd" would cut there).
         searched = text if final else text.rstrip("\ufffd")
         hit = self._find_stop(searched)
         if hit is not None and not final and self._earlier_stop_pending(searched, hit[0]):
@@ -122,8 +149,8 @@ class IncrementalDetokenizer:
     def _find_stop(self, text: str) -> tuple[int, int] | None:
         """(start, length) of the earliest stop string in ``text``, or None. Of stop strings
         that start at the same place the shortest wins: it is complete first, so that is the
-        one an incremental match sees, however the tokens arrive (found by review: with
-        "= 57" and "=", text decoded at once ended at "= 57", streamed at "=")."""
+        one an incremental match sees, however the tokens arrive (with "= 57" and "=", text
+        decoded at once and text streamed both end at "=")."""
         if not self._stop:
             return None
         # Sent text holds no stop string, so a new match can only end in the unsent tail.
@@ -135,8 +162,8 @@ class IncrementalDetokenizer:
         """Whether a stop string that would start before ``start`` may still complete: some
         tail of ``text`` beginning before it is a proper prefix of a stop string. The answer
         ends before the *first occurrence* of any stop string, so a later-starting one that
-        completed first must wait (found by QA: with stops "= 57" and " 5", where the answer
-        was cut depended on how many tokens each step made final)."""
+        completed first must wait (with stops "= 57" and " 5", where the answer is cut must not
+        depend on how many tokens each step made final)."""
         longest = max(map(len, self._stop))
         for begin in range(max(0, len(text) - longest + 1), start):
             tail = text[begin:]
@@ -148,7 +175,7 @@ class IncrementalDetokenizer:
         """The fewest leading tokens whose text holds ``text[:end]`` (they produced the stop
         string: the usage counts them, not the tokens committed after it). A prefix that ends
         inside a multi-byte character decodes it as U+FFFD, which has the right length but
-        not the character (found by QA: a stop ending in such a character was counted short).
+        not the character, so the search goes on until the decoded prefix holds it.
         Decodes O(log n) prefixes, once per request."""
         target = text[:end]
         lo, hi = 0, len(tokens)
@@ -177,3 +204,152 @@ def _common_prefix_len(a: str, b: str) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+# ---- delivery ----------------------------------------------------------------------------------
+
+
+Sink = Callable[[RequestOutput], None]
+
+
+class Outbox:
+    """A step's outputs on their way to their event loops: one ``call_soon_threadsafe`` per
+    loop per flush, not one per row (engine thread only)."""
+
+    def __init__(self) -> None:
+        self._items: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput]]] = {}
+
+    def put(
+        self, sink: Sink, output: RequestOutput, loop: asyncio.AbstractEventLoop | None
+    ) -> None:
+        """Queue ``output`` for ``sink`` on ``loop``; without a loop (a synchronous consumer:
+        tests, the offline LLM) ``sink`` runs now, on the engine thread, and must return at
+        once."""
+        if loop is None:
+            try:
+                sink(output)
+            except Exception:  # the consumer's fault: the engine and the other rows go on
+                logger.exception("a synchronous output sink raised")
+        else:
+            self._items.setdefault(loop, []).append((sink, output))
+
+    def flush(self) -> None:
+        """Hand every queued output to its event loop."""
+        items, self._items = self._items, {}
+        for loop, outputs in items.items():
+            # A closed loop means nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_deliver, outputs)
+
+
+def _deliver(items: list[tuple[Sink, RequestOutput]]) -> None:
+    """Runs on the event loop: put each output in its request's queue."""
+    for sink, output in items:
+        sink(output)
+
+
+# ---- traces ------------------------------------------------------------------------------------
+
+
+Snapshot = tuple[Any, ...]
+
+
+def snapshot(state: Any, row: Sequence[int] = (), width: int = 0) -> Snapshot:
+    """What :func:`step_event` compares against after the step (taken before the commit):
+    the answer canvas, and the confidence of each masked position when the step's ``row``
+    carries them after its ``width`` tokens (``BlockDecoder.sample``)."""
+    if hasattr(state, "emitted"):  # self-speculation
+        return ("round", list(state.specs), state.accepted_drafts, len(state.emitted))
+    confidence = {}
+    if getattr(state, "report_confidence", False) and len(row) >= width + len(state.masked):
+        base = state.prompt_len
+        confidence = {
+            pos - base: row[width + j] / CONFIDENCE_SCALE for j, pos in enumerate(state.masked)
+        }
+    return ("step", state.tokens[state.prompt_len :], confidence)
+
+
+def step_event(state: Any, before: Snapshot, piece: Callable[[int], str]) -> dict[str, Any]:
+    """The trace event of the step that led from ``before`` to ``state``; ``piece`` is one
+    token's text."""
+    event: dict[str, Any] = {
+        "type": before[0],
+        "nfe": state.nfe,
+        "committed": state.committed,
+        "tokens_per_forward": round(state.tokens_per_forward, 3),
+    }
+    if before[0] == "round":
+        _, drafts, accepted_before, emitted_before = before
+        event |= {
+            # The forward's number, as a diffusion step's: LinearSpec's first forward only
+            # drafts, so counting verified rounds would repeat 0 (drafts and emitted empty).
+            "round": state.nfe,
+            "drafts": [piece(t) for t in drafts],
+            "accepted": state.accepted_drafts - accepted_before,
+            "emitted": [piece(t) for t in state.emitted[emitted_before:]],
+        }
+        return event
+    _, old, confidence = before
+    new = state.tokens[state.prompt_len :]
+    mask_id = state.mask_id
+    changed = [i for i, (a, t) in enumerate(zip(old, new, strict=True)) if a != t]
+    event |= {
+        "step": state.nfe,
+        "block": state.block,
+        "commits": [[i, new[i], piece(new[i])] for i in changed],
+        # The confidence each commit was made with (its rule's metric), beside ``commits``;
+        # None for a token no masked position's rule committed (a block's seed).
+        "confidences": [_rounded(confidence.get(i)) for i in changed],
+        "masked": sum(t == mask_id for t in new),
+    }
+    return event
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def start_event(state: Any) -> dict[str, Any]:
+    """The first event: the shape of what the following events fill in."""
+    if hasattr(state, "emitted"):
+        return {"type": "start", "mode": "self_speculation", "max_tokens": state.params.gen_length}
+    return {
+        "type": "start",
+        "mode": "diffusion",
+        "canvas": len(state.tokens) - state.prompt_len,
+        "max_tokens": state.params.answer_budget,
+        "block_length": getattr(state, "block_size", 0) or state.params.block_length,
+        "steps": state.params.steps,
+    }
+
+
+# ---- observers (metrics live in api/metrics.py) ------------------------------------------------
+
+
+class EngineObserver(Protocol):
+    """How the engine reports what it does. The engine calls these on its own thread;
+    implementations must be cheap and thread-safe."""
+
+    def on_forward(self, rows: int, tokens: int, model_seconds: float) -> None: ...
+
+    def on_iteration(self, busy_seconds: float) -> None: ...
+
+    def on_first_content(self, seconds_since_arrival: float) -> None: ...
+
+    def on_finished(self, output: RequestOutput, seconds_since_arrival: float) -> None: ...
+
+
+class NullObserver:
+    """The default: observe nothing."""
+
+    def on_forward(self, rows: int, tokens: int, model_seconds: float) -> None:
+        pass
+
+    def on_iteration(self, busy_seconds: float) -> None:
+        pass
+
+    def on_first_content(self, seconds_since_arrival: float) -> None:
+        pass
+
+    def on_finished(self, output: RequestOutput, seconds_since_arrival: float) -> None:
+        pass

@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dllm_serve.decoding.algorithm import DecodeState
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import DecodeState
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 
 
@@ -31,8 +31,10 @@ class Request:
     first_content_time: float | None = None
     deadline: float | None = None  # time.monotonic() past which the request times out
     loop: asyncio.AbstractEventLoop | None = None  # where ``sink`` runs (None: engine thread)
-    trace: bool = False  # one trace event per step in the outputs (engine/trace.py)
+    trace: bool = False  # one trace event per step in the outputs (engine/outputs.py)
     trace_started: bool = False  # the start event went out (with the first step's)
+    # Requests that started before this one while it waited for KV pages (bounded bypass).
+    bypassed: int = 0
     # Nobody reads the deltas before the end (a non-streamed answer without stop strings):
     # the text is decoded once, when the request finishes, and nothing is sent before.
     final_only: bool = False

@@ -2,8 +2,9 @@
 (the mixture-of-experts MLP is in ``moe.py``).
 
 Attention runs in two layouts: padded rows with an explicit mask (training and the reference
-tests) and the serving runtime's flat batches (``models/flat_batch.py``: real tokens only, one
-SDPA call per attention group, K/V written to and read from the KV pool).
+tests) and the serving runtime's flat batches (``models/attention.py``: real tokens only, K/V
+written to and read from the KV pool), there either one FlexAttention call for the whole batch
+(``models/attention.py``) or one SDPA call per attention group.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm_serve.models.flat_batch import FlatBatch
+from dllm_serve.models.attention import FlatBatch, flex_attend
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.rope import apply_rotary
 from dllm_serve.models.transformer_config import TransformerConfig
@@ -179,6 +180,12 @@ class Attention(nn.Module):
             pool_k, pool_v = pool.k[layer], pool.v[layer]
             pool_k.index_copy_(0, batch.slot_mapping, k)
             pool_v.index_copy_(0, batch.slot_mapping, v)
+        if batch.flex is not None:  # every row in one call, keys read where they are
+            if batch.flex.pool:
+                assert pool_k is not None and pool_v is not None
+                k, v = pool_k, pool_v
+            attended = flex_attend(q, k, v, batch.flex).reshape(q.shape[0], -1)
+            return self._output(attended, batch)
         gqa = self.n_kv_heads != self.n_heads
         outs = []
         for g in batch.groups:
@@ -195,6 +202,10 @@ class Attention(nn.Module):
             )
             outs.append(out.transpose(1, 2).reshape(g.end - g.start, -1))
         attended = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self._output(attended, batch)
+
+    def _output(self, attended: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
+        """``o_proj``, and the draft LoRA's update on the draft-view tokens."""
         projected = self.o_proj(attended)
         if self.draft_lora is not None and batch.draft_index is not None:
             index = batch.draft_index

@@ -33,7 +33,7 @@ from dllm_serve.models.errors import ChatTemplateError, InsufficientMemoryError,
 from dllm_serve.models.families import Family, UnsupportedModelError, family_for
 from dllm_serve.models.hub import EMBEDDED_MODELS, resolve_model_path
 from dllm_serve.models.memory import check_memory
-from dllm_serve.models.tensor_parallel import TPShard, load_slice, local_name, shard_config
+from dllm_serve.models.sharding import TPShard, load_slice, local_name, shard_config
 from dllm_serve.models.tokenization import load_tokenizer, special_ids
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
 
@@ -82,12 +82,12 @@ class LoadedModel:
     # block_length, else its max_new_tokens (the canvas our demo models were trained on).
     default_block_length: int | None = None
     # generation_config.json's mask_lookahead: how many masks past the active block a
-    # diffusion forward includes (None: the whole canvas, the reference; decoding/denoise.py).
+    # diffusion forward includes (None: the whole canvas, the reference; decoding/canvas.py).
     mask_lookahead: int | None = None
     vocab_size: int = 0  # rows of the embedding: valid token ids are 0 .. vocab_size - 1
     # Block-diffusion families: the trained block (config.json block_size), else None.
     block_size: int | None = None
-    # Tensor parallelism: rank 0's TensorParallelGroup (engine/tensor_parallel.py); None: one
+    # Tensor parallelism: rank 0's TensorParallelGroup (engine/parallel/group.py); None: one
     # process holds the whole model.
     parallel: Any = None
 
@@ -246,7 +246,7 @@ def load_model(
     shard: TPShard | None = None,
 ) -> LoadedModel:
     """Load a checkpoint by embedded name, directory or cached HF id onto ``device`` in ``dtype``
-    (with ``shard``: only this tensor-parallel rank's slices, ``models/tensor_parallel.py``).
+    (with ``shard``: only this tensor-parallel rank's slices, ``models/sharding.py``).
 
     Raises :class:`ModelLoadError` (bad/missing files, too little memory) or
     ``UnsupportedModelError`` (an architecture this server does not implement).

@@ -15,7 +15,7 @@ LinearSpec exact. So the weight view is a property of the phase, not of the mode
   replay. :func:`weight_view_hooks` returns :class:`PhaseHooks` (SGLang's
   ``DllmGraphPhaseHooks`` idea): ``before_draft`` points each ``o_proj.weight`` at a merged
   ``W + scale · B A`` tensor and turns the per-token path off; ``before_verify`` points it back at
-  the base tensor; ``after_capture`` restores the eager state. The ModelRunner holds them
+  the base tensor; ``after_graph`` restores the eager state. The ModelRunner holds them
   (``ModelRunner.phase_hooks``); CPU tests check that the merged view equals the per-token one.
 
 PEFT format: ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``,
@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +42,8 @@ from torch import nn
 
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.hub import EMBEDDED_ADAPTERS
+from dllm_serve.models.loader import LoadedModel
 from dllm_serve.models.transformer import DecoderTransformer
-
-if TYPE_CHECKING:
-    from dllm_serve.models.loader import LoadedModel
 
 _KEY = re.compile(
     r"base_model\.model\.encoder\.layers\.(\d+)\.self_attn\.o_proj\.lora_([AB])\.weight"
@@ -171,11 +169,11 @@ def _noop() -> None:
 @dataclass(frozen=True)
 class PhaseHooks:
     """Weight-view callbacks a graph-capturing runtime calls before capturing or replaying a
-    phase's graph (draft or verify), and after capture to restore the eager state."""
+    phase's graph (draft or verify), and after either to restore the eager state."""
 
     before_draft: Callable[[], None] = _noop
     before_verify: Callable[[], None] = _noop
-    after_capture: Callable[[], None] = _noop
+    after_graph: Callable[[], None] = _noop
 
 
 def weight_view_hooks(model: DecoderTransformer) -> PhaseHooks:
@@ -204,9 +202,9 @@ def weight_view_hooks(model: DecoderTransformer) -> PhaseHooks:
             attn.o_proj.weight.data = w
             attn.draft_lora = None
 
-    def after_capture() -> None:
+    def after_graph() -> None:
         for attn, w, delta in zip(adapted, base, deltas, strict=True):
             attn.o_proj.weight.data = w
             attn.draft_lora = delta
 
-    return PhaseHooks(before_draft, before_verify, after_capture)
+    return PhaseHooks(before_draft, before_verify, after_graph)

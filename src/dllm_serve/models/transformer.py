@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm_serve.models.flat_batch import FlatBatch
+from dllm_serve.models.attention import FlatBatch
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.layers import MLP, Attention, Embedding, RMSNorm
 from dllm_serve.models.moe import FP32_PARAMETERS, MoE
 from dllm_serve.models.rope import rope_frequencies, rotary_table
-from dllm_serve.models.tensor_parallel import TPShard, embed_local
+from dllm_serve.models.sharding import TPShard, embed_local
 from dllm_serve.models.transformer_config import TransformerConfig
 
 __all__ = ["Block", "DecoderTransformer", "TransformerConfig"]
@@ -113,7 +113,7 @@ class DecoderTransformer(nn.Module):
     def set_tensor_parallel(self, shard: TPShard) -> None:
         """Make this (sharded) model one rank of a tensor-parallel group: the flat forward
         all-reduces after each row-parallel layer and embeds vocab-parallel; the LM head then
-        gives this rank's vocabulary slice of the logits (``models/tensor_parallel.py``)."""
+        gives this rank's vocabulary slice of the logits (``models/sharding.py``)."""
         self.tp = shard
         for layer in self.layers:
             layer.tp = shard

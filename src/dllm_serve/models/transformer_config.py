@@ -38,7 +38,7 @@ class MoEConfig:
     renormalize: bool = True  # divide the chosen experts' scores by their sum
     moe_layers: tuple[bool, ...] | None = None
     # Expert parallelism (rank, ranks): this module holds experts rank·E/ranks … (rank+1)·E/ranks
-    # − 1 only (models/tensor_parallel.py); (0, 1) holds them all.
+    # − 1 only (models/sharding.py); (0, 1) holds them all.
     expert_ranks: tuple[int, int] = (0, 1)
 
     @property

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from dllm_serve.api.errors import APIError
-from dllm_serve.api.mode_rules import ModelDecoding
-from dllm_serve.api.validation import parse_chat_request, parse_completion_request
+from dllm_serve.api.pipeline import parse_chat_request, parse_completion_request
+from dllm_serve.api.rules import ModelDecoding
 
 JSON = "application/json"
 

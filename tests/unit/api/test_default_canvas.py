@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dllm_serve.api.validation import parse_chat_request
+from dllm_serve.api.pipeline import parse_chat_request
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.loader import load_model

@@ -10,10 +10,46 @@ ROOT = Path(__file__).resolve().parents[3]
 CONTRACT = ROOT / "docs" / "api-contract.md"
 
 
-def test_readme_pins_the_deviations_table_near_the_top() -> None:
+def test_readme_pins_the_deviations_table_after_the_quick_start() -> None:
+    """A new reader meets the commands first; the table (also at /docs) comes after them."""
     readme = (ROOT / "README.md").read_text()
     assert DEVIATIONS_TABLE in readme
-    assert readme.index(DEVIATIONS_TABLE) < readme.index("## Quick start")
+    sections = [line for line in readme.splitlines() if line.startswith("## ")]
+    assert sections[:2] == ["## Quick start in two commands", "## Use it"]
+    assert readme.index("## Quick start") < readme.index(DEVIATIONS_TABLE)
+
+
+def test_readme_quick_start_installs_the_cpu_torch_before_the_package() -> None:
+    """Pasted as it stands, the quick start's block never pulls the multi-GB CUDA torch: the
+    CPU build is installed first, in the block, with the GPU variant beside it."""
+    readme = (ROOT / "README.md").read_text()
+    quick = readme[readme.index("## Quick start") :]
+    start = quick.index("```bash\n") + len("```bash\n")
+    block = quick[start : quick.index("\n```", start)]
+    commands = [line.split("#")[0].strip() for line in block.splitlines()]
+    assert commands == [
+        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
+        "&& pip install -e .",
+        "dllm-serve",
+    ]
+    assert "# GPU: pip install torch && pip install -e ." in block
+    use = readme[readme.index("## Use it") : readme.index("## ", readme.index("## Use it") + 3)]
+    for needed in (
+        "curl -s http://127.0.0.1:8000/v1/chat/completions",
+        "from openai import",
+        "http://127.0.0.1:8000/",
+        "docker run --gpus all",
+    ):
+        assert needed in use, needed
+
+
+def test_the_deviations_table_has_one_short_line_per_row() -> None:
+    """The table is a summary: every rule's details live in docs/api-contract.md."""
+    rows = [line for line in DEVIATIONS_TABLE.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 30
+    for row in rows:
+        semantics = row.split(" | ")[-1]
+        assert len(semantics) <= 130, row
 
 
 def test_table_mentions_every_extension_field() -> None:

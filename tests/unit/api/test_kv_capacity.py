@@ -15,7 +15,7 @@ from dllm_serve.llm import LLM, InvalidRequestError
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import load_model
 
-SLOTS = 120
+SLOTS = 128  # whole pages of 16
 
 
 def test_a_request_larger_than_the_kv_pool_is_a_400() -> None:

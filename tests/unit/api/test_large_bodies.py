@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-import dllm_serve.api.request_pipeline as pipeline
+import dllm_serve.api.pipeline as pipeline
 from dllm_serve.api.app import build_app
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.models.loader import load_model

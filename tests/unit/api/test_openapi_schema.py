@@ -56,3 +56,33 @@ def test_every_v1_route_lists_the_api_key_401(schema: dict[str, Any]) -> None:
         if path.startswith("/v1/"):
             for method, operation in operations.items():
                 assert "401" in operation["responses"], (method, path)
+
+
+def test_every_request_body_has_an_example_that_names_the_served_model(
+    schema: dict[str, Any],
+) -> None:
+    """Swagger UI's "Try it out" starts from the first example (else a body of nulls, a 400);
+    tests/integration/test_docs_examples.py sends them all to a real server."""
+    question = [{"role": "user", "content": "What is 2 + 2?"}]
+    bodies = {
+        path: operation["requestBody"]["content"]["application/json"]["examples"]
+        for path, operations in schema["paths"].items()
+        for operation in operations.values()
+        if "requestBody" in operation
+    }
+    assert set(bodies) == {"/v1/chat/completions", "/v1/completions", "/v1/dllm/trace"}
+    chat = {"model": "tiny-llada", "messages": question}
+    assert bodies["/v1/dllm/trace"] == {
+        "what_is_2_plus_2": {"summary": "What is 2 + 2?", "value": chat}
+    }
+    assert bodies["/v1/chat/completions"]["what_is_2_plus_2"]["value"] == chat
+    assert bodies["/v1/chat/completions"]["streamed"]["value"] == chat | {
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    # No chat template on /v1/completions: the example writes the question in tiny-llada's.
+    prompt = bodies["/v1/completions"]["what_is_2_plus_2"]["value"]["prompt"]
+    assert prompt == (
+        "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )

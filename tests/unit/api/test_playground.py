@@ -85,6 +85,8 @@ def test_denoising_trace_commits_every_cell_once_and_matches_the_chat_answer() -
         "max_tokens": 16,
         "block_length": 16,
         "steps": 16,
+        # The prompt's length, as the chat answer's usage counts it.
+        "prompt_tokens": chat["usage"]["prompt_tokens"],
     }
     steps = [data for name, data in events if name == "step"]
     assert [s["nfe"] for s in steps] == list(range(1, len(steps) + 1))
@@ -109,7 +111,12 @@ def test_self_speculation_trace_rounds_add_up_to_the_usage() -> None:
     with _client("demo-idlm") as client:
         events = _events(client.post("/v1/dllm/trace", json=QUESTION).text)
         chat = client.post("/v1/chat/completions", json=QUESTION).json()
-    assert events[0][1] == {"type": "start", "mode": "self_speculation", "max_tokens": 16}
+    assert events[0][1] == {
+        "type": "start",
+        "mode": "self_speculation",
+        "max_tokens": 16,
+        "prompt_tokens": chat["usage"]["prompt_tokens"],
+    }
     rounds = [data for name, data in events if name == "round"]
     done = events[-1][1]
     usage = done["usage"]["diffusion"]

@@ -58,5 +58,5 @@ def test_closing_a_completion_stream_closes_the_engine_iterator_first(chunks) ->
 
 
 def test_closing_a_trace_stream_closes_the_engine_iterator_first() -> None:
-    events = asyncio.run(_first_event_then_close(lambda outputs: trace_events(outputs, 8)))
+    events = asyncio.run(_first_event_then_close(lambda outputs: trace_events(outputs, 8, 3)))
     assert events == ["engine iterator closed", "response closed"]

@@ -9,10 +9,9 @@ from typing import Any
 import pytest
 
 from dllm_serve.api.errors import APIError
-from dllm_serve.api.mode_rules import ModelDecoding
-from dllm_serve.api.prompt_checks import check_context_length
+from dllm_serve.api.pipeline import check_context_length, parse_chat_request
 from dllm_serve.api.protocol import ChatCompletionRequest
-from dllm_serve.api.validation import parse_chat_request
+from dllm_serve.api.rules import ModelDecoding
 from dllm_serve.decoding.params import DecodingParams
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -146,14 +146,14 @@ def test_gpu_llada8b_tiny_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     report = read(out)
     assert report["tiny"] and report["weight_bytes"] > 0
     assert [r["batch"] for r in report["results"]] == [1, 2]
-    assert report["kv_pool_slots"] == 2 * (16 + 8)  # a prefix + block span per row of batch 2
+    assert report["kv_pool_slots"] == 2 * 32  # prefix + block (24) in whole pages, batch 2
     for row in report["results"]:
         for mode in ("no_cache", "prefix_refresh", "prefix_cache"):
             assert {"latency_ms_median", "block_positions_per_s", "run_ms_median"} <= set(row[mode])
         assert row["prefix_cache"]["tokens_fed_per_row"] == 8
         assert row["prefix_refresh"]["flat_tokens"] == row["batch"] * (16 + 8)
         per_slot = report["kv_pool_bytes"] // report["kv_pool_slots"]
-        assert row["kv_pool_used_bytes"] == row["batch"] * (16 + 8) * per_slot
+        assert row["kv_pool_used_bytes"] == row["batch"] * 32 * per_slot  # two pages a row
         assert row["cached_vs_refresh_max_abs_logit_diff"] < 1e-4
     assert not out.with_suffix(".png").exists()
 
@@ -279,7 +279,7 @@ def test_trimode_modes(tmp_path: Path) -> None:
 def test_decoding_modes_times_a_model_that_stops_early() -> None:
     """Found by QA: on the default demo-llada (which answers within its first block) the
     mid-canvas timing stepped a finished request and crashed before writing any JSON."""
-    from dllm_serve.decoding.denoise import LLaDADenoiser
+    from dllm_serve.decoding.canvas import LLaDADenoiser
     from dllm_serve.decoding.params import DecodingParams
     from dllm_serve.engine.model_runner import ModelRunner
     from dllm_serve.models.loader import load_model

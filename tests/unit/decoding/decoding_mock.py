@@ -10,9 +10,10 @@ from typing import Protocol
 
 import torch
 
-from dllm_serve.decoding.denoise import DenoiseState, LLaDADenoiser
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec, StepResult
+from dllm_serve.decoding.blocks import DenoiseState
+from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec, StepResult
 
 VOCAB = 40
 MASK_ID = 39

@@ -1,12 +1,16 @@
-"""The batched commit rules of ``decoding/commit.py`` and ``decoding/local_leap.py`` for one
+"""The batched commit rules of ``decoding/commit_rules.py`` for one
 row: what the tests state their cases with (the engine only ever calls the batched ones)."""
 
 from __future__ import annotations
 
 import torch
 
-from dllm_serve.decoding.commit import threshold_commit_rows, topk_commit_rows
-from dllm_serve.decoding.local_leap import local_leap_commit_rows, near_anchor_rows
+from dllm_serve.decoding.commit_rules import (
+    local_leap_commit_rows,
+    near_anchor_rows,
+    threshold_commit_rows,
+    topk_commit_rows,
+)
 
 
 def topk_commit(confidence: torch.Tensor, k: int) -> torch.Tensor:

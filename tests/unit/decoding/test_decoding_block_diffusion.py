@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dllm_serve.decoding.commit_rules import uniform_schedule
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.schedules import uniform_schedule
 from dllm_serve.llm import LLM
 from dllm_serve.models.families import SDAR, SDAR_BLOCK, family_for
 from dllm_serve.models.loader import LoadedModel, load_model

@@ -14,9 +14,9 @@ import pytest
 import torch
 from trimode_support import CPU, admit, assert_cache_is_causal, causal_logits, drive
 
-from dllm_serve.decoding.causal_diffusion import DENOISE, REFRESH, CausalBlockDiffusionDecoder
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.causal_blocks import DENOISE, REFRESH, CausalBlockDiffusionDecoder
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.loader import LoadedModel
 

@@ -6,10 +6,7 @@ import pytest
 import torch
 from one_row_rules import local_leap_commit, near_anchor, threshold_commit, topk_commit
 
-from dllm_serve.decoding.commit import (
-    argmax_onehot,
-    topk_commit_rows,
-)
+from dllm_serve.decoding.commit_rules import argmax_onehot, topk_commit_rows
 
 KAPPA, TAU, W = 0.9, 0.75, 4
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from one_row_rules import topk_commit
 
-from dllm_serve.decoding.confidence import confidence, entropy_inverse, top1_prob
+from dllm_serve.decoding.sampler import confidence, entropy_inverse, top1_prob
 
 
 def _logits(n: int = 64, v: int = 50, seed: int = 0, scale: float = 3.0) -> torch.Tensor:

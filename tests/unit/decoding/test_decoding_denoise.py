@@ -17,9 +17,10 @@ from decoding_mock import (
     truncate_at_stop,
 )
 
-from dllm_serve.decoding.denoise import DenoiseState, LLaDADenoiser
-from dllm_serve.decoding.forward_spec import AttentionKind
+from dllm_serve.decoding.blocks import DenoiseState
+from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import AttentionKind
 
 PROMPT = [5, 17, 8, 30, 11]
 STOPS = (EOS_ID, EOT_ID)

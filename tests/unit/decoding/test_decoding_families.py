@@ -6,9 +6,9 @@ import pytest
 import torch
 from decoding_mock import EOS_ID, MASK_ID, VOCAB, MockLM, decode
 
-from dllm_serve.decoding.denoise import LLaDADenoiser
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 
 PROMPT = [5, 17, 8, 30, 11]
 P = len(PROMPT)

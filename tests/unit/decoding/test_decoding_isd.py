@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
-from dllm_serve.decoding.isd import ISDecoder, ISDState
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
+from dllm_serve.decoding.selfspec import ISDecoder, ISDState
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.model_runner import ModelRunner
-from dllm_serve.models.kv_pool import KVSpan
+from dllm_serve.models.kv_pool import KVPages
 from dllm_serve.models.loader import LoadedModel
 
 PROMPTS = [[5, 17, 8, 30, 11], [101, 7], [42]]
@@ -72,7 +72,7 @@ def admit(runner: ModelRunner, decoder: ISDecoder, prompt: list[int], params) ->
     """What the engine does at admission: the state, then its KV span."""
     assert runner.pool is not None
     state = decoder.init_state(prompt, params, "cpu")
-    state.kv = runner.pool.allocate(decoder.kv_tokens(len(prompt), params))
+    state.kv = runner.pool.reserve(decoder.kv_tokens(len(prompt), params))
     assert state.kv is not None
     return state
 
@@ -103,9 +103,9 @@ def run_isd(
             if after_round is not None:
                 after_round(state)
     # The algorithm never frees K/V (the engine does, when the request ends).
-    assert state.kv is span and span.capacity > 0
+    assert state.kv is span and span.reserved > 0
     runner.pool.free(span)
-    assert runner.pool.used == 0
+    assert runner.pool.reserved_pages == runner.pool.pages_used == 0
     return state
 
 
@@ -151,17 +151,17 @@ def test_stride_one_is_plain_autoregressive(idlm: LoadedModel) -> None:
     assert state.drafted == 0 and state.nfe == state.committed
 
 
-def span_kv(runner: ModelRunner, span: KVSpan) -> tuple[torch.Tensor, torch.Tensor]:
+def span_kv(runner: ModelRunner, span: KVPages) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept K/V of ``span`` straight from the pool: ``[layers, length, Hkv, hd]``."""
     assert runner.pool is not None
-    kept = slice(span.start, span.start + span.length)
+    kept = span.slots(0, span.length)
     return runner.pool.k[:, kept].clone(), runner.pool.v[:, kept].clone()
 
 
 def fresh_prefill(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V of a causal prefill of ``ids`` into a span of its own (then freed)."""
     assert runner.pool is not None
-    span = runner.pool.allocate(len(ids))
+    span = runner.pool.reserve(len(ids))
     assert span is not None
     row = RowSpec(ids, 0, [len(ids) - 1], AttentionKind.CAUSAL, kv=span)
     runner.run([row])
@@ -275,7 +275,7 @@ def test_mixed_strides_phases_and_temperatures_share_forwards(idlm: LoadedModel)
     assert any(len({k > 0 for k, _ in shape}) == 2 for shape in shapes)
     for s in states:
         runner.pool.free(s.kv)
-    assert runner.pool.used == 0
+    assert runner.pool.reserved_pages == runner.pool.pages_used == 0
 
 
 def test_stride_changing_between_rounds_keeps_greedy_exact(idlm: LoadedModel) -> None:
@@ -329,8 +329,8 @@ def test_engine_releases_the_kv_of_finished_isd_requests(idlm: LoadedModel) -> N
     engine.start()
     try:
         results = asyncio.run(all_at_once())
-        assert pool.used == 0 and engine.kv_cache_bytes == 0
-        assert pool.free_slots == pool.slots and pool.largest_free_span == pool.slots
+        assert pool.reserved_pages == pool.pages_used == 0 and engine.kv_cache_bytes == 0
+        assert pool.free_pages == pool.num_pages
     finally:
         engine.shutdown()
     for prompt, outs in zip(PROMPTS, results, strict=True):

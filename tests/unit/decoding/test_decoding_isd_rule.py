@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dllm_serve.decoding.isd import ISDecoder
-from dllm_serve.decoding.isd_verify import residual, sample, target_probs, verify_row
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.sampler import sample, target_probs
+from dllm_serve.decoding.selfspec import ISDecoder, residual, verify_row
 from dllm_serve.engine.model_runner import ModelRunner
+from dllm_serve.models.kv_pool import PAGE_SIZE
 from dllm_serve.models.loader import LoadedModel
 
 
@@ -208,11 +209,11 @@ def test_end_to_end_isd_sampling_matches_ar(idlm: LoadedModel) -> None:
     params = [DecodingParams(gen_length=3, steps=3, temperature=temperature, seed=s)
               for s in range(n)]  # fmt: skip
     per_row = decoder.kv_tokens(len(prompt), params[0])
-    runner = ModelRunner(idlm.model, torch.device("cpu"), kv_slots=n * per_row)
+    runner = ModelRunner(idlm.model, torch.device("cpu"), kv_slots=n * whole_pages(per_row))
     assert runner.pool is not None
     states = [decoder.init_state(prompt, q, "cpu") for q in params]
     for s in states:
-        s.kv = runner.pool.allocate(per_row)
+        s.kv = runner.pool.reserve(per_row)
     with torch.inference_mode():
         while live := [s for s in states if not s.finished]:
             logits = runner.run([decoder.prepare(s) for s in live])
@@ -229,3 +230,8 @@ def test_end_to_end_isd_sampling_matches_ar(idlm: LoadedModel) -> None:
     dof = int(big.sum())
     assert dof >= 5, "the test needs a concentrated distribution"
     assert chi2 < dof + 6 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def whole_pages(tokens: int) -> int:
+    """``tokens`` rounded up to whole KV pages: what one request's reservation takes."""
+    return -(-tokens // PAGE_SIZE) * PAGE_SIZE

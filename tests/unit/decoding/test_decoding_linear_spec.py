@@ -13,10 +13,10 @@ import pytest
 import torch
 from trimode_support import CPU, admit, assert_cache_is_causal, drive, greedy_ar
 
-from dllm_serve.decoding.forward_spec import AttentionKind
-from dllm_serve.decoding.isd import ISDecoder
 from dllm_serve.decoding.linear_spec import DRAFT, VERIFY, LinearSpecDecoder, LinearSpecState
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import AttentionKind
+from dllm_serve.decoding.selfspec import ISDecoder
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.loader import LoadedModel
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 from trimode_support import CPU, drive
 
-from dllm_serve.decoding.isd_verify import target_probs
-from dllm_serve.decoding.linear_spec import DRAFT, VERIFY, LinearSpecDecoder, sample_inverse_cdf
+from dllm_serve.decoding.linear_spec import DRAFT, VERIFY, LinearSpecDecoder
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.sampler import sample_inverse_cdf, target_probs
 from dllm_serve.engine.model_runner import ModelRunner
+from dllm_serve.models.kv_pool import PAGE_SIZE
 from dllm_serve.models.loader import LoadedModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,11 +65,11 @@ def test_sample_and_match_is_exactly_ar_distributed(nemotron: LoadedModel) -> No
     params = [DecodingParams(gen_length=3, steps=3, temperature=temperature, seed=s)
               for s in range(n)]  # fmt: skip
     per_row = decoder.kv_tokens(len(prompt), params[0])
-    runner = ModelRunner(nemotron.model, CPU, kv_slots=n * per_row)
+    runner = ModelRunner(nemotron.model, CPU, kv_slots=n * whole_pages(per_row))
     assert runner.pool is not None
     states = [decoder.init_state(prompt, q, "cpu") for q in params]
     for s in states:
-        s.kv = runner.pool.allocate(per_row)
+        s.kv = runner.pool.reserve(per_row)
 
     def oracle(state, phase: str) -> None:  # the most likely t1 given the sampled t0
         if phase == DRAFT and state.phase == VERIFY:
@@ -108,7 +109,7 @@ def test_same_seed_same_tokens_whatever_the_batch(nemotron: LoadedModel) -> None
         params = DecodingParams(gen_length=10, steps=10, temperature=0.8, seed=7)
         states = [decoder.init_state(p, params, "cpu") for p in prompts]
         for s in states:
-            s.kv = runner.pool.allocate(decoder.kv_tokens(len(s.prompt_ids), params))
+            s.kv = runner.pool.reserve(decoder.kv_tokens(len(s.prompt_ids), params))
         drive(runner, decoder, states)
         for s in states:
             runner.pool.free(s.kv)
@@ -116,3 +117,8 @@ def test_same_seed_same_tokens_whatever_the_batch(nemotron: LoadedModel) -> None
 
     solo = answer([[201, 305, 150]])[0]
     assert answer([[512, 140], [201, 305, 150], [777]])[1] == solo
+
+
+def whole_pages(tokens: int) -> int:
+    """``tokens`` rounded up to whole KV pages: what one request's reservation takes."""
+    return -(-tokens // PAGE_SIZE) * PAGE_SIZE

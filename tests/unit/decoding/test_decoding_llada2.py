@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dllm_serve.decoding.commit_rules import uniform_schedule
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.schedules import uniform_schedule
 from dllm_serve.llm import LLM
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve_train.tiny_checkpoints import write_tiny_llada2

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from dllm_serve.config import EngineConfig
+from dllm_serve.decoding.commit_rules import block_schedule
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.schedules import block_schedule
 from dllm_serve.llm import LLM, Completion
 from dllm_serve.models.families import LLADAMOE
 from dllm_serve.models.loader import LoadedModel, load_model

@@ -14,9 +14,8 @@ import pytest
 import torch
 from decoding_mock import EOS_ID, EOT_ID, MASK_ID, MockLM, step
 
-from dllm_serve.decoding.denoise import LLaDADenoiser
+from dllm_serve.decoding.canvas import LLaDADenoiser, prefix_spec
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.prefix_cache import prefix_spec
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.loader import load_model
 from dllm_serve_train.tiny_checkpoints import write_tiny

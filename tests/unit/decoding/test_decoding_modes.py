@@ -7,9 +7,9 @@ import torch
 from decoding_mock import EOS_ID, EOT_ID, MASK_ID, MockLM, ScriptedLM, StepRecord, decode
 from one_row_rules import local_leap_commit, threshold_commit, topk_commit
 
-from dllm_serve.decoding.confidence import confidence
+from dllm_serve.decoding.commit_rules import block_schedule
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.schedules import block_schedule
+from dllm_serve.decoding.sampler import confidence
 
 PROMPT = [5, 17, 8, 30, 11]
 P = len(PROMPT)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from decoding_mock import EOS_ID, EOT_ID, MASK_ID, MockLM, run, truncate_at_stop
 
-from dllm_serve.decoding.denoise import LLaDADenoiser
+from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
 
 

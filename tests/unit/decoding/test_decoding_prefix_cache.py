@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dllm_serve.decoding.denoise import DenoiseState, LLaDADenoiser
-from dllm_serve.decoding.forward_spec import RowSpec, StepResult
+from dllm_serve.decoding.blocks import DenoiseState
+from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import RowSpec, StepResult
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.loader import LoadedModel, load_model
 
@@ -76,7 +77,7 @@ def admit(
     need = algo.kv_tokens(len(prompt), params)
     if need:
         assert runner.pool is not None
-        state.kv = runner.pool.allocate(need)
+        state.kv = runner.pool.reserve(need)
         assert state.kv is not None
     return state
 
@@ -190,7 +191,7 @@ def test_prefix_cache_steps_match_their_references(loaded, runner, case, shift: 
         if k is not None:
             assert result.committed == k
     assert state.canvas[:P].tolist() == PROMPT
-    assert state.kv is span and span.capacity == P + params.gen_length  # freed by the engine
+    assert state.kv is span and span.reserved == runner.pool.pages_for(P + params.gen_length)
     assert check.refreshes == state.block + 1  # one refresh per decoded block
     assert state.nfe == check.refreshes + check.cached
 
@@ -201,7 +202,11 @@ def test_causal_attention_makes_the_cache_exact(loaded, runner, case, shift: int
     params = DecodingParams(**case)
     plain = decode(runner, denoiser(loaded, cache=False, shift=shift, causal=True), params)
     cached = decode(runner, denoiser(loaded, cache=True, shift=shift, causal=True), params)
-    assert plain.kv is None and cached.kv is not None and runner.pool.used == 0
+    assert (
+        plain.kv is None
+        and cached.kv is not None
+        and runner.pool.reserved_pages == runner.pool.pages_used == 0
+    )
     assert torch.equal(cached.canvas, plain.canvas)
     assert cached.nfe == plain.nfe
 
@@ -226,29 +231,30 @@ def test_span_is_reserved_once_and_holds_the_prefix(loaded, runner) -> None:
     state = admit(runner, algo, PROMPT, params)
     span, pool = state.kv, runner.pool
     assert span is not None and pool is not None
-    assert (span.capacity, span.length, pool.used) == (P + 16, 0, P + 16)
+    assert (span.reserved, span.length) == (pool.pages_for(P + 16), 0)
+    assert pool.reserved_pages == span.reserved
     block_start = state.canvas
     checked = 0
     while not state.finished:
         if span.length == 0:
             block_start = state.canvas
         apply(algo, [state], forward(runner, algo, [state])[1])
-        assert state.kv is span and span.capacity == P + 16 and pool.used == P + 16
+        assert state.kv is span and pool.reserved_pages == span.reserved == pool.pages_for(P + 16)
         if state.finished or span.length == 0:
             continue
         assert span.length == state.active_block[0]
-        fresh = pool.allocate(block_start.numel())
+        fresh = pool.reserve(block_start.numel())
         assert fresh is not None
         runner.run([RowSpec(block_start.tolist(), 0, [0], kv=fresh)])
-        kept = slice(span.start, span.start + span.length)
-        want = slice(fresh.start, fresh.start + span.length)
+        kept = span.slots(0, span.length)
+        want = fresh.slots(0, span.length)
         torch.testing.assert_close(pool.k[:, kept], pool.k[:, want], atol=ATOL, rtol=0)
         torch.testing.assert_close(pool.v[:, kept], pool.v[:, want], atol=ATOL, rtol=0)
         pool.free(fresh)
         checked += 1
     assert checked >= 8  # three steps after each of the first three refreshes
     pool.free(span)
-    assert pool.used == 0 and span.capacity == 0
+    assert pool.reserved_pages == pool.pages_used == 0 and span.reserved == 0
 
 
 def test_early_stop_with_the_cache(loaded, runner) -> None:
@@ -260,7 +266,7 @@ def test_early_stop_with_the_cache(loaded, runner) -> None:
     while not state.finished:
         lo, hi = state.active_block
         masked = torch.nonzero(state.canvas[lo:hi] == loaded.mask_id).squeeze(1) + lo
-        logits = forward(runner, algo, [state])[1].clone()
+        logits = forward(runner, algo, [state])[1].as_padded().clone()
         logits[0, : masked.numel(), eos] = torch.where(masked >= P + 4, 1e4, -1e4)  # blocks 1..
         apply(algo, [state], logits)
     assert state.finish_reason == "stop" and state.block == 1
@@ -314,5 +320,5 @@ def test_rows_with_and_without_a_span_cannot_share_a_forward(loaded, runner) -> 
     params = DecodingParams(gen_length=8, block_length=4, steps=8)
     rows = [plain.prepare(admit(runner, plain, PROMPT, params))]
     rows.append(cached.prepare(admit(runner, cached, PROMPT, params)))
-    with pytest.raises(ValueError, match="KV span"):
+    with pytest.raises(ValueError, match="KV cache"):
         runner.run(rows)

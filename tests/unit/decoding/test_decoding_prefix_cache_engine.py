@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from dllm_serve.api.metrics import Metrics
 from dllm_serve.cli import parse_config
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.denoise import LLaDADenoiser
+from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine, KVCapacityError
 from dllm_serve.engine.model_runner import ModelRunner
@@ -31,10 +31,10 @@ def alone(loaded: LoadedModel, ids: list[int], params: DecodingParams) -> list[i
     """The prefix-cached denoiser on its own, one row per forward, no engine."""
     algo = LLaDADenoiser(loaded.mask_id, loaded.stop_ids, prefix_cache=True)
     need = algo.kv_tokens(len(ids), params)
-    runner = ModelRunner(loaded.model, torch.device("cpu"), kv_slots=need)
+    runner = ModelRunner(loaded.model, torch.device("cpu"), kv_slots=-(-need // 16) * 16)
     assert runner.pool is not None
     state = algo.init_state(ids, params, "cpu")
-    state.kv = runner.pool.allocate(need)
+    state.kv = runner.pool.reserve(need)
     with torch.inference_mode():
         while not state.finished:
             spec = algo.prepare(state)
@@ -78,7 +78,7 @@ def test_concurrent_cached_rows_match_running_alone(loaded: LoadedModel) -> None
 def test_abort_frees_the_cache(loaded: LoadedModel) -> None:
     engine = AsyncEngine(loaded, EngineConfig(max_running_requests=2, kv_cache="prefix"))
     pool = engine.runner.pool
-    assert pool is not None and pool.used == 0
+    assert pool is not None and pool.reserved_pages == pool.pages_used == 0
     engine.start()
     ids = loaded.chat_prompt_ids([{"role": "user", "content": "x"}])
     long = DecodingParams(gen_length=64, block_length=8, steps=64)
@@ -113,8 +113,8 @@ def test_abort_frees_the_cache(loaded: LoadedModel) -> None:
         assert engine.num_running == 0 and engine.kv_cache_bytes == 0
         # The span went back to the pool (once: a freed span has no slots left to free) and
         # the pool is one free interval again.
-        assert span.capacity == 0 and pool.used == 0
-        assert pool.largest_free_span == pool.slots
+        assert span.reserved == 0 and pool.reserved_pages == pool.pages_used == 0
+        assert pool.free_pages == pool.num_pages
     finally:
         engine.shutdown()
 
@@ -130,12 +130,14 @@ def test_kv_cache_memory_bounds_the_pool(loaded: LoadedModel) -> None:
     running one waits for it, one that could never fit is refused at submission."""
     cfg = loaded.model.config
     per_slot = KVPool.bytes_per_slot(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.float32)
-    gib = 40 * per_slot / (1 << 30)  # room for 40 slots
+    gib = 48 * per_slot / (1 << 30)  # room for 48 slots: three pages of 16
     config = EngineConfig(max_running_requests=4, kv_cache="prefix", kv_cache_memory=gib)
     engine = AsyncEngine(loaded, config)
     pool = engine.runner.pool
-    assert pool is not None and pool.slots == 40
-    fits = DecodingParams(gen_length=24, block_length=8, steps=24)  # 27 slots: one at a time
+    assert pool is not None and pool.slots == 48
+    fits = DecodingParams(
+        gen_length=24, block_length=8, steps=24
+    )  # 27 slots, 2 pages: one at a time
     too_big = DecodingParams(gen_length=64, block_length=8, steps=64)
     prompts = [[5, 17, 8], [9, 10, 11]]
     engine.start()
@@ -145,9 +147,13 @@ def test_kv_cache_memory_bounds_the_pool(loaded: LoadedModel) -> None:
             return await asyncio.gather(*(collect(engine, p, fits) for p in prompts))
 
         results = asyncio.run(scenario())
-        with pytest.raises(KVCapacityError, match=r"needs 67 KV-cache slots .* holds 40$"):
+        with pytest.raises(KVCapacityError, match=r"needs 67 KV-cache slots .* holds 48$"):
             asyncio.run(collect(engine, [5, 17, 8], too_big))
-        assert engine.kv_cache_bytes == 0 and pool.used == 0 and engine.num_waiting == 0
+        assert (
+            engine.kv_cache_bytes == 0
+            and pool.reserved_pages == pool.pages_used == 0
+            and engine.num_waiting == 0
+        )
     finally:
         engine.shutdown()
     for prompt, outs in zip(prompts, results, strict=True):

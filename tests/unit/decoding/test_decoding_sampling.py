@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dllm_serve.decoding.confidence import top1_prob
-from dllm_serve.decoding.sampling import gumbel_argmax
+from dllm_serve.decoding.sampler import gumbel_argmax, top1_prob
 
 LOGITS = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.2, -3.0])
 DRAWS = 20_000
@@ -87,7 +86,7 @@ def test_top1_prob_is_the_softmax_of_token_in_the_logits_precision() -> None:
 
 
 def test_argmax_is_torch_argmax_with_first_maximum_on_ties() -> None:
-    from dllm_serve.decoding.sampling import argmax
+    from dllm_serve.decoding.sampler import argmax
 
     for seed in range(10):
         z = torch.randn(6, 5, 300, generator=torch.Generator().manual_seed(seed))

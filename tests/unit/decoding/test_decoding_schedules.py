@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from dllm_serve.decoding.schedules import (
+from dllm_serve.decoding.commit_rules import (
     SCHEDULES,
     block_schedule,
     cosine_schedule,

@@ -9,10 +9,10 @@ import torch
 from trimode_support import CPU, admit, greedy_ar
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.decoding.linear_spec import LinearSpecDecoder
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.trimode import TriModeDecoder
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
+from dllm_serve.decoding.registry import TriModeDecoder
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.llm import LLM
 from dllm_serve.models.errors import ModelLoadError
@@ -130,17 +130,21 @@ def test_phase_hooks_give_the_same_views_as_the_per_token_lora(
     draft = RowSpec(block, 0, list(range(8)), AttentionKind.BIDIRECTIONAL, draft=True)
     plain = RowSpec(block, 0, list(range(8)), AttentionKind.BIDIRECTIONAL)
     verify = RowSpec(PROMPTS[0], 0, [0, 2, 4], AttentionKind.CAUSAL)
-    eager_draft, eager_verify = runner.run([draft]), runner.run([verify])
-    assert torch.equal(eager_verify, base.run([verify]))  # LoRA off outside draft rows
-    assert (eager_draft - base.run([draft])).abs().max() > 1e-3  # and on in them
+
+    def run(on: ModelRunner, row: RowSpec) -> torch.Tensor:
+        return on.run([row]).as_padded()
+
+    eager_draft, eager_verify = run(runner, draft), run(runner, verify)
+    assert torch.equal(eager_verify, run(base, verify))  # LoRA off outside draft rows
+    assert (eager_draft - run(base, draft)).abs().max() > 1e-3  # and on in them
     hooks = runner.phase_hooks
     hooks.before_draft()
-    merged_draft = runner.run([plain])
+    merged_draft = run(runner, plain)
     hooks.before_verify()
-    assert torch.equal(runner.run([verify]), eager_verify)
-    hooks.after_capture()
+    assert torch.equal(run(runner, verify), eager_verify)
+    hooks.after_graph()
     assert (merged_draft - eager_draft).abs().max() <= 1e-5
-    assert torch.equal(runner.run([draft]), eager_draft)  # eager state restored
+    assert torch.equal(run(runner, draft), eager_draft)  # eager state restored
 
 
 def test_bad_adapters_are_refused(nemotron: LoadedModel, tmp_path) -> None:

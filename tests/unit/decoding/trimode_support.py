@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
-from dllm_serve.models.kv_pool import KVSpan
+from dllm_serve.models.kv_pool import KVPages
 from dllm_serve.models.loader import LoadedModel
 
 CPU = torch.device("cpu")
@@ -46,7 +46,7 @@ def admit(runner: ModelRunner, decoder: Any, prompt: list[int], params: Any) -> 
     """What the engine does at admission: the state, then its KV span."""
     assert runner.pool is not None
     state = decoder.init_state(prompt, params, "cpu")
-    state.kv = runner.pool.allocate(decoder.kv_tokens(len(prompt), params))
+    state.kv = runner.pool.reserve(decoder.kv_tokens(len(prompt), params))
     assert state.kv is not None
     return state
 
@@ -70,17 +70,17 @@ def drive(
                     after(state, phase)
 
 
-def span_kv(runner: ModelRunner, span: KVSpan) -> tuple[torch.Tensor, torch.Tensor]:
+def span_kv(runner: ModelRunner, span: KVPages) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept K/V of ``span`` straight from the pool: ``[layers, length, Hkv, hd]``."""
     assert runner.pool is not None
-    kept = slice(span.start, span.start + span.length)
+    kept = span.slots(0, span.length)
     return runner.pool.k[:, kept].clone(), runner.pool.v[:, kept].clone()
 
 
 def fresh_prefill(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V of a causal prefill of ``ids`` into a span of its own (then freed)."""
     assert runner.pool is not None
-    span = runner.pool.allocate(len(ids))
+    span = runner.pool.reserve(len(ids))
     assert span is not None
     runner.run([RowSpec(ids, 0, [len(ids) - 1], AttentionKind.CAUSAL, kv=span)])
     span.length = len(ids)
@@ -90,7 +90,7 @@ def fresh_prefill(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, to
         runner.pool.free(span)
 
 
-def assert_cache_is_causal(runner: ModelRunner, span: KVSpan, ids: list[int]) -> None:
+def assert_cache_is_causal(runner: ModelRunner, span: KVPages, ids: list[int]) -> None:
     """The span's kept K/V equal a fresh causal prefill of ``ids`` (fp32 tolerance)."""
     keys, values = span_kv(runner, span)
     want_k, want_v = fresh_prefill(runner, ids)

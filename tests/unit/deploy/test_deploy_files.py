@@ -249,6 +249,13 @@ def test_oci_labels_carry_the_project_version(instructions) -> None:
     assert labels["org.opencontainers.image.base.name"].endswith(only(instructions, "FROM"))
 
 
+def test_package_version_is_the_project_version() -> None:
+    from dllm_serve.version import __version__
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert __version__ == pyproject["version"]
+
+
 # --- .dockerignore ----------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ RANKS = 8
 # (up to 10 s), as in test_deploy_files.py.
 EXIT_MARGIN_S = 15
 # Set by torchrun-style launchers; in this pod they would make rank 0 wait for 7 ranks that
-# nobody starts (engine/tensor_parallel.py: multi_node_rank).
+# nobody starts (engine/parallel/rendezvous.py: multi_node_rank).
 LAUNCHER_ENV = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
 
 

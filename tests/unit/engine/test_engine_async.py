@@ -10,8 +10,7 @@ import pytest
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine, EngineDeadError, QueueFullError
-from dllm_serve.engine.observer import NullObserver
-from dllm_serve.engine.outputs import RequestOutput
+from dllm_serve.engine.outputs import NullObserver, RequestOutput
 from dllm_serve.models.loader import LoadedModel, load_model
 
 PARAMS = DecodingParams(gen_length=16, steps=8, block_length=4)
@@ -57,7 +56,7 @@ def _answer_tokens_alone(loaded: LoadedModel, ids: list[int], params: DecodingPa
     """Run the denoiser directly, with no engine around it."""
     import torch
 
-    from dllm_serve.decoding.denoise import LLaDADenoiser
+    from dllm_serve.decoding.canvas import LLaDADenoiser
 
     algo = LLaDADenoiser(loaded.mask_id, loaded.stop_ids)
     state = algo.init_state(ids, params, loaded.device)

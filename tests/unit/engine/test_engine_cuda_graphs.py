@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine import engine as engine_module
-from dllm_serve.engine.cuda_graphs import CONTEXT_QUANTUM, MAX_Q, GraphKey, graph_key
+from dllm_serve.engine.graphs import CONTEXT_QUANTUM, MAX_Q, GraphKey, graph_key
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.llm import LLM
-from dllm_serve.models.kv_pool import KVSpan
+from dllm_serve.models.kv_pool import PAGE_SIZE, KVPages
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.lora import attach_draft_lora
 from dllm_serve_train.tiny_checkpoints import write_tiny
@@ -35,7 +35,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cached_row(start: int, q: int = 8, *, kv_start: int = 0, **kw: object) -> RowSpec:
-    span = KVSpan(kv_start, 512, length=start)
+    """A row whose pages are held already: contiguous from slot ``kv_start`` (a page
+    boundary), enough for its prefix and its ``q`` tokens."""
+    first, count = kv_start // PAGE_SIZE, -(-(start + q) // PAGE_SIZE)
+    pages = list(range(first, first + count))
+    span = KVPages(kv_start + 1, count, pages=pages, length=start)
     return RowSpec(tokens=[3] * q, start=start, logits_at=[0, 1], kv=span, **kw)  # type: ignore[arg-type]
 
 
@@ -77,7 +81,7 @@ def test_padding_rows_write_only_scratch_slots() -> None:
         logits = runner.run(rows)
     assert graphs.replays == 1 and list(graphs.graphs) == [graph_key(rows, 32, 4096)]
     assert logits.shape == (3, 2, loaded.model.config.vocab_size)
-    written = {s for r in rows for s in range(r.kv.start + r.start, r.kv.start + r.start + 8)}
+    written = {s for r in rows for s in r.kv.slots(r.start, r.start + 8)}
     scratch = set(range(pool.scratch_start, pool.scratch_start + pool.scratch_slots))
     same_k = (pool.k == before_k).flatten(2).all(-1).all(0)
     same_v = (pool.v == before_v).flatten(2).all(-1).all(0)
@@ -99,7 +103,7 @@ def test_static_forward_gives_the_eager_logits() -> None:
         generator.manual_seed(1)
     rows = [cached_row(10, kv_start=0), cached_row(33, kv_start=64)]
     with torch.inference_mode():
-        want, got = eager.run(rows), static.run(rows)
+        want, got = eager.run(rows).as_padded(), static.run(rows).as_padded()
     assert static.graphs is not None and static.graphs.replays == 1
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -10,8 +10,7 @@ import pytest
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
-from dllm_serve.engine.observer import NullObserver
-from dllm_serve.engine.outputs import RequestOutput
+from dllm_serve.engine.outputs import NullObserver, RequestOutput
 from dllm_serve.models.loader import LoadedModel, load_model
 
 PARAMS = DecodingParams(gen_length=16, steps=8, block_length=4)

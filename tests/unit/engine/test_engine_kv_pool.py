@@ -12,10 +12,9 @@ import torch
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
-from dllm_serve.engine.kv_budget import KVCapacityError
 from dllm_serve.engine.outputs import IncrementalDetokenizer, RequestOutput
 from dllm_serve.engine.request import Request
-from dllm_serve.engine.scheduler import QueueFullError
+from dllm_serve.engine.scheduler import KVCapacityError, QueueFullError
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve_train.tiny_checkpoints import write_tiny_idlm
@@ -52,13 +51,14 @@ def test_a_request_that_does_not_fit_waits_then_runs(idlm: LoadedModel) -> None:
     # Room for one request's worst case, not two.
     engine = AsyncEngine(idlm, EngineConfig(kv_cache_memory=gib_for(idlm, need + need // 2)))
     pool = engine.runner.pool
-    assert pool is not None and pool.slots == need + need // 2
+    # Pages for one request's worst case, not two.
+    assert pool is not None and pool.pages_for(need) <= pool.num_pages < 2 * pool.pages_for(need)
     outs: dict[str, list[RequestOutput]] = {"a": [], "b": []}
     engine.scheduler.waiting.extend(request(engine, n, outs[n]) for n in "ab")
     engine._admit()
     assert [r.request_id for r in engine.scheduler.running] == ["a"]
     assert [r.request_id for r in engine.scheduler.waiting] == ["b"]  # waits, not rejected
-    assert pool.used == need
+    assert pool.reserved_pages == pool.pages_for(need)
     steps = 0
     while engine.scheduler.running or engine.scheduler.waiting:
         for group in engine.scheduler.groups():
@@ -68,14 +68,14 @@ def test_a_request_that_does_not_fit_waits_then_runs(idlm: LoadedModel) -> None:
         assert steps < 200
         if not outs["a"] or not outs["a"][-1].finished:
             assert not outs["b"], "b started before a released its KV"
-    assert pool.used == 0 and pool.largest_free_span == pool.slots  # back to idle, one interval
+    assert pool.reserved_pages == pool.pages_used == 0  # back to idle
     texts = {n: "".join(o.delta_text for o in outs[n]) for n in "ab"}
     assert outs["a"][-1].finish_reason in ("stop", "length") and texts["a"] == texts["b"]
 
 
 def test_requests_waiting_for_kv_count_against_the_waiting_limit(idlm: LoadedModel) -> None:
-    # Found by QA: free running slots were subtracted from the queue even while the pool held
-    # it back, so --max-waiting-requests never refused anyone waiting for KV.
+    # Free running slots must not be subtracted from the queue while the pool holds it back,
+    # or --max-waiting-requests would never refuse anyone waiting for KV.
     need = AsyncEngine(idlm, EngineConfig()).algorithm.kv_tokens(len(PROMPT), PARAMS)
     config = EngineConfig(max_waiting_requests=1, kv_cache_memory=gib_for(idlm, need + need // 2))
     engine = AsyncEngine(idlm, config)
@@ -85,8 +85,8 @@ def test_requests_waiting_for_kv_count_against_the_waiting_limit(idlm: LoadedMod
     outs: list[RequestOutput] = []
     engine._submit(request(engine, "a", outs))
     engine._submit(request(engine, "b", outs))  # 2 in the queue, 32 free slots: accepted
-    engine.scheduler.waiting.extend(engine._inbox)
-    engine._inbox.clear()
+    engine.scheduler.waiting.extend(engine.inbox.requests)
+    engine.inbox.requests.clear()
     engine._admit()
     assert engine.num_running == 1 and engine.num_waiting == 1  # b waits for KV
     with pytest.raises(QueueFullError, match=r"^1 request\(s\) already waiting \(limit 1\)"):
@@ -94,9 +94,9 @@ def test_requests_waiting_for_kv_count_against_the_waiting_limit(idlm: LoadedMod
 
 
 def test_a_burst_counts_as_waiting_as_soon_as_the_pool_holds_it_back(idlm: LoadedModel) -> None:
-    # Found by QA: before an admission pass had seen the pool blocked, every free running slot
-    # counted as starting, so a burst on an idle server queued up to max_running − 1 requests
-    # past --max-waiting-requests.
+    # Before an admission pass has seen the pool blocked, free running slots must not all
+    # count as starting, or a burst on an idle server would queue up to max_running − 1
+    # requests past --max-waiting-requests.
     need = AsyncEngine(idlm, EngineConfig()).algorithm.kv_tokens(len(PROMPT), PARAMS)
     config = EngineConfig(
         max_running_requests=4,
@@ -141,7 +141,7 @@ def test_the_pool_returns_to_idle_after_concurrent_isd_requests(idlm: LoadedMode
         for state in states:  # after every round the kept KV is exactly prompt + emitted[:-1]
             if state.kv is not None and not state.finished:
                 spans_exact.append(state.kv.length == len(PROMPT) + len(state.emitted) - 1)
-        seen_used.append(pool.used)
+        seen_used.append(pool.pages_used)
         return results
 
     engine.algorithm.commit = commit  # type: ignore[method-assign]
@@ -159,18 +159,20 @@ def test_the_pool_returns_to_idle_after_concurrent_isd_requests(idlm: LoadedMode
         engine.shutdown()
     assert all(r[-1].finish_reason in ("stop", "length") for r in results)
     assert max(seen_used) > 0 and spans_exact and all(spans_exact)
-    assert pool.used == 0 and pool.largest_free_span == pool.slots
+    assert pool.reserved_pages == pool.pages_used == 0
     assert engine.kv_cache_bytes == 0
 
 
 def test_a_pool_smaller_than_the_smallest_request_is_refused_at_start(idlm: LoadedModel) -> None:
-    # Found by QA: such a server started healthy and answered every request with a 400.
+    # Such a server would start healthy and answer every request with a 400. The pool is whole
+    # pages: the smallest request (10 tokens here) needs one page of 16.
     algorithm = AsyncEngine(idlm).algorithm
     smallest = algorithm.kv_tokens(1, DecodingParams(gen_length=1))
-    message = f"room for {smallest - 1} KV slots, fewer than the smallest request needs \\("
+    assert smallest <= 16
+    message = r"room for 0 KV slots \(pages of 16\), fewer than the smallest request needs \("
     with pytest.raises(ValueError, match=message):
-        AsyncEngine(idlm, EngineConfig(kv_cache_memory=gib_for(idlm, smallest - 1)))
-    AsyncEngine(idlm, EngineConfig(kv_cache_memory=gib_for(idlm, smallest)))
+        AsyncEngine(idlm, EngineConfig(kv_cache_memory=gib_for(idlm, 15)))
+    AsyncEngine(idlm, EngineConfig(kv_cache_memory=gib_for(idlm, 16)))
 
 
 def test_kv_cache_memory_is_refused_where_there_is_no_pool(tmp_path: Path) -> None:
@@ -192,11 +194,11 @@ def test_a_pool_that_cannot_be_allocated_is_one_clear_error() -> None:
 def test_a_device_fault_while_allocating_the_pool_is_not_called_a_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Found by review: any error mentioning "memory" (an illegal memory access) was reported
-    # as a pool too large, its cause hidden.
+    # An error that mentions "memory" (an illegal memory access) is not a pool too large:
+    # its cause must not be hidden.
     def fault(*args: object, **kwargs: object) -> torch.Tensor:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(torch, "zeros", fault)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        KVPool(2, 4, 256, 8)
+        KVPool(2, 4, 256, 16)

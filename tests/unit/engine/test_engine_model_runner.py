@@ -4,12 +4,17 @@ cached KV prefix; logits rows padded per row."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.config import EngineConfig
+from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
-from dllm_serve.models.kv_pool import KVSpan
+from dllm_serve.llm import LLM
+from dllm_serve.models.kv_pool import KVPages
 from dllm_serve.models.loader import LoadedModel, load_model
 
 BI, CAUSAL = AttentionKind.BIDIRECTIONAL, AttentionKind.CAUSAL
@@ -53,21 +58,23 @@ def reference(loaded: LoadedModel, r: RowSpec) -> torch.Tensor:
         return loaded.model.lm_head(hidden[0, r.logits_index])
 
 
-def test_flat_packing_has_no_padding_and_pads_logits_rows(runner: ModelRunner) -> None:
+def test_flat_packing_has_no_padding_and_asks_the_head_for_real_positions_only(
+    runner: ModelRunner,
+) -> None:
     rows = [row(8, 0, BI, 2), row(5, 1, CAUSAL, 1), row(6, 2, BI, 3)]
     batch, width = runner.build(rows)
     assert width == 3 and batch.num_tokens == 8 + 5 + 6
     assert batch.input_ids.tolist() == rows[0].tokens + rows[1].tokens + rows[2].tokens
     assert batch.positions.tolist() == [*range(8), *range(5), *range(6)]
     assert batch.slot_mapping is None  # no span: nothing written anywhere
-    # Each row's outputs first, then its first output repeated up to M = 3.
+    # Each row's requested positions, back to back: 2 + 1 + 3, no row padded to 3.
     a, b, c = rows[0].logits_at, rows[1].logits_at, rows[2].logits_at
-    assert batch.logits_index.tolist() == [
-        *a, a[0],
-        b[0] + 8, b[0] + 8, b[0] + 8,
-        *(i + 13 for i in c),
-    ]  # fmt: skip
+    assert batch.logits_index.tolist() == [*a, b[0] + 8, *(i + 13 for i in c)]
+    assert (batch.logit_counts, batch.logit_offsets) == ([2, 1, 3], [0, 2, 3])
+    # The per-row layout: past a row's own positions, its first again.
+    assert batch.logit_layout.tolist() == [[0, 1, 0], [2, 2, 2], [3, 4, 5]]
     logits = runner.run(rows)
+    assert logits.flat.shape == (6, runner.model.config.vocab_size)
     assert logits.shape == (3, 3, runner.model.config.vocab_size)
     torch.testing.assert_close(logits[0, 2], logits[0, 0], rtol=0, atol=0)
     torch.testing.assert_close(logits[1, 1:], logits[1, :1].expand(2, -1), rtol=0, atol=0)
@@ -78,13 +85,13 @@ def test_positions_start_where_the_row_says(runner: ModelRunner) -> None:
     assert batch.positions.tolist() == [0, 1, 2, 0, 1]
     pool = runner.pool
     assert pool is not None
-    span = pool.allocate(10)
+    span = pool.reserve(10)
     assert span is not None
     span.length = 7
     batch, _ = runner.build([RowSpec([4, 5], 7, [1], CAUSAL, kv=span)])
     assert batch.positions.tolist() == [7, 8]
     assert batch.slot_mapping is not None
-    assert batch.slot_mapping.tolist() == [span.start + 7, span.start + 8]
+    assert batch.slot_mapping.tolist() == [span.slot(7), span.slot(8)]
 
 
 def test_groups_merge_consecutive_rows_of_one_shape(runner: ModelRunner) -> None:
@@ -125,10 +132,10 @@ def test_causal_is_causal_and_bidirectional_is_not(runner: ModelRunner) -> None:
         assert not torch.allclose(la[-1], lb[-1])  # the changed token's own output
 
 
-def prefill(runner: ModelRunner, ids: list[int], kind: AttentionKind, capacity: int) -> KVSpan:
+def prefill(runner: ModelRunner, ids: list[int], kind: AttentionKind, capacity: int) -> KVPages:
     """A span holding the K/V of ``ids`` computed alone (``length = len(ids)``)."""
     assert runner.pool is not None
-    span = runner.pool.allocate(capacity)
+    span = runner.pool.reserve(capacity)
     assert span is not None
     runner.run([RowSpec(ids, 0, [len(ids) - 1], kind, kv=span)])
     span.length = len(ids)
@@ -162,7 +169,7 @@ def test_rows_with_kv_prefixes_match_alone_and_the_reference(
     ids = [tokens(p + n, 100 + r) for r, (p, n) in enumerate(zip(prefixes, news, strict=True))]
     assert runner.pool is not None
     spans = [
-        prefill(runner, t[:p], kind, 32) if p else runner.pool.allocate(32)
+        prefill(runner, t[:p], kind, 32) if p else runner.pool.reserve(32)
         for t, p in zip(ids, prefixes, strict=True)
     ]
     rows = [
@@ -207,24 +214,24 @@ def test_equal_prefixes_share_a_group_without_a_ragged_mask(
 def test_forward_writes_kv_to_the_row_slots_only(runner: ModelRunner) -> None:
     pool = runner.pool
     assert pool is not None
-    a, b = pool.allocate(8), pool.allocate(8)
+    a, b = pool.reserve(8), pool.reserve(8)
     assert a is not None and b is not None
     before = pool.k.clone()
     runner.run([RowSpec(tokens(5, 0), 0, [4], CAUSAL, kv=a)])
     written = (pool.k != before).any(dim=(0, 2, 3)).nonzero().flatten().tolist()
-    assert written == list(range(a.start, a.start + 5))
+    assert written == a.slots(0, 5)
     assert a.length == 0 and b.length == 0  # what to keep is the algorithm's call
 
 
 def test_invalid_rows_are_refused(runner: ModelRunner) -> None:
     pool = runner.pool
     assert pool is not None
-    span = pool.allocate(4)
+    span = pool.reserve(4)
     assert span is not None
-    with pytest.raises(ValueError, match="KV span"):
+    with pytest.raises(ValueError, match="KV cache"):
         runner.build([RowSpec([1, 2], 0, [0]), RowSpec([1, 2], 0, [0], kv=span)])
-    with pytest.raises(ValueError, match="overflows"):
-        runner.build([RowSpec([1, 2, 3, 4, 5], 0, [0], kv=span)])
+    with pytest.raises(ValueError, match="overflows"):  # past its reservation: one page
+        runner.build([RowSpec(list(range(17)), 0, [0], kv=span)])
     with pytest.raises(ValueError, match="at least one"):
         runner.build([RowSpec([1, 2], 0, [])])
     with pytest.raises(ValueError, match="at least one"):
@@ -254,18 +261,56 @@ def test_masked_padding_keys_never_leak_into_a_row(
     keys at the pool's zero slot)."""
     pool = runner.pool
     assert pool is not None
-    a, b, other = pool.allocate(10), pool.allocate(20), pool.allocate(10)
+    a, b, other = pool.reserve(10), pool.reserve(20), pool.reserve(10)
     assert a is not None and b is not None and other is not None
     for span, p in ((a, 2), (b, 12)):
         runner.run([RowSpec(tokens(p, p), 0, [0], kind, kv=span)])
         span.length = p
     rows = [RowSpec([7, 8, 9], 2, [0, 1, 2], kind, kv=a), RowSpec([7, 8, 9], 12, [0], kind, kv=b)]
     clean = runner.run(rows)[0].clone()
-    # Poison slots that are not row a's: the tail of its own span and another request's span.
+    # Poison slots that are not row a's: the rest of its own page past its tokens, and
+    # another request's page.
+    pool.grow(other, 10)
     for buf in (pool.k, pool.v):
-        buf[:, a.start + 5 : a.start + 10] = float("nan")
-        buf[:, other.start : other.start + other.capacity] = float("nan")
+        buf[:, a.slots(5, 16)] = float("nan")
+        buf[:, other.slots(0, 16)] = float("nan")
     got = runner.run(rows)[0]
     assert not pool.k[:, pool.zero_slot].any() and not pool.v[:, pool.zero_slot].any()
     assert not got.isnan().any()
     torch.testing.assert_close(got, clean, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("kv_cache", ["none", "prefix"])
+def test_the_lm_head_runs_on_the_requested_positions_only_in_mixed_traffic(
+    kv_cache: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 requests of different prompts and canvases through the engine: every forward's LM
+    head sees exactly the sum of its rows' requested positions, never rows × the widest."""
+    loaded = load_model("tiny-llada", device="cpu", dtype="float32")
+    head_rows: list[int] = []
+    asked: list[tuple[int, int]] = []  # (sum of requested positions, rows × widest)
+    real_head = loaded.model.lm_head
+    real_build = ModelRunner.build
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        head_rows.append(hidden.shape[0])
+        return real_head(hidden)
+
+    def build(self: ModelRunner, rows: list[RowSpec]) -> Any:
+        counts = [len(r.logits_at) for r in rows]
+        asked.append((sum(counts), len(rows) * max(counts)))
+        return real_build(self, rows)
+
+    monkeypatch.setattr(loaded.model, "lm_head", head)
+    monkeypatch.setattr(ModelRunner, "build", build)
+    prompts = [[5 + i, 6, 7, *range(8, 8 + i)] for i in range(16)]
+    # Canvases of 8 to 24 in blocks of 8, one or two commits a step: rows at different
+    # steps of their blocks ask for different numbers of positions.
+    params = [
+        DecodingParams(gen_length=8 * (1 + i % 3), block_length=8, steps=(8 >> i % 2) * (1 + i % 3))
+        for i in range(16)
+    ]
+    with LLM.from_loaded(loaded, EngineConfig(kv_cache=kv_cache)) as llm:
+        llm.generate_ids(prompts, params)
+    assert head_rows == [total for total, _ in asked]
+    assert any(total < padded for total, padded in asked)  # the traffic was mixed

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.isd import ISDecoder
-from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.params import BlockSizeTiers, DecodingParams, parse_tiers
+from dllm_serve.decoding.selfspec import ISDecoder
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import RequestOutput
-from dllm_serve.engine.tiers import BlockSizeTiers, parse_tiers
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve_train.tiny_checkpoints import write_tiny_idlm
 

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.forward_spec import RowSpec
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import RowSpec
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.models.loader import LoadedModel, load_model

@@ -28,13 +28,13 @@ from test_engine_cuda_graphs import CASES as GRAPH_CASES
 from test_engine_cuda_graphs import PROMPTS, StaticRunner, tiny_models
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.forward_spec import RowSpec
 from dllm_serve.decoding.params import DecodingParams
+from dllm_serve.decoding.protocol import RowSpec
 from dllm_serve.engine import engine as engine_module
-from dllm_serve.engine.cuda_graphs import MAX_Q, GraphKey, GraphRunner
+from dllm_serve.engine.graphs import MAX_Q, GraphKey, GraphRunner
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.llm import LLM
-from dllm_serve.models.kv_pool import KVPool
+from dllm_serve.models.kv_pool import PAGE_SIZE, KVPool
 from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.lora import weight_view_hooks
 from dllm_serve_train.tiny_checkpoints import write_tiny
@@ -80,7 +80,8 @@ def replay_on_meta(loaded: LoadedModel, steps: dict[GraphKey, tuple[list[RowSpec
     """Each recorded step through a GraphRunner of a data-less copy of the model; ops run."""
     model = copy.deepcopy(loaded.model).to(META)
     cfg = model.config
-    slots = 1 + max(r.kv.start + r.kv.capacity for rows, _ in steps.values() for r in rows)
+    pages = [page for rows, _ in steps.values() for r in rows for page in r.kv.pages]
+    slots = (1 + max(pages)) * PAGE_SIZE
     pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, slots, device=META,
                   scratch_slots=MAX_Q)  # fmt: skip
     graphs = GraphRunner(model, pool, META, weight_view_hooks(model), max_rows=128, capture=False)
@@ -144,17 +145,18 @@ def test_the_guard_catches_a_host_read_and_a_host_copy() -> None:
 def record_eager_steps(
     loaded: LoadedModel, params: DecodingParams, limit: int, **engine: object
 ) -> list[list[RowSpec]]:
-    """The rows of the engine's first ``limit`` forwards, graphs off."""
+    """The rows of the engine's first ``limit`` forwards, graphs off (as built: their pages
+    taken)."""
     seen: list[list[RowSpec]] = []
-    run = ModelRunner.run
+    build = ModelRunner.build
 
-    def recording_run(self: ModelRunner, rows: list[RowSpec]) -> Any:
+    def recording_build(self: ModelRunner, rows: list[RowSpec]) -> Any:
         if len(seen) < limit:
             seen.append(copy.deepcopy(rows))
-        return run(self, rows)
+        return build(self, rows)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(ModelRunner, "run", recording_run)
+    mp.setattr(ModelRunner, "build", recording_build)
     try:
         config = EngineConfig(max_waiting_requests=64, cuda_graph=False, **engine)  # type: ignore[arg-type]
         with LLM.from_loaded(loaded, config) as llm:
@@ -205,7 +207,7 @@ def test_eager_forwards_neither_read_back_nor_copy_host_tensors(
     # device checks what CUDA checks).
     model = copy.deepcopy(loaded.model).to(META, torch.bfloat16)
     spans = [r.kv for rows in steps for r in rows if r.kv is not None]
-    slots = 1 + max((kv.start + kv.capacity for kv in spans), default=0)
+    slots = (1 + max((page for kv in spans for page in kv.pages), default=0)) * PAGE_SIZE
     runner = ModelRunner(model, META, kv_slots=slots if spans else 0)
     kinds = set()
     with torch.no_grad():

@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 
 from dllm_serve.api.app import build_app
 from dllm_serve.config import ServerConfig
-from dllm_serve.engine import tensor_parallel
 from dllm_serve.engine.engine import AsyncEngine
-from dllm_serve.engine.tensor_parallel import FAILURE_GRACE_S, TensorParallelGroup
+from dllm_serve.engine.parallel import group as tensor_parallel
+from dllm_serve.engine.parallel.group import FAILURE_GRACE_S, TensorParallelGroup
 from dllm_serve.models.loader import load_model
 
 GRACE_S = 1.0

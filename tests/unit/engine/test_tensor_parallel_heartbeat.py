@@ -1,4 +1,4 @@
-"""Heartbeats in the group's TCPStore (engine/heartbeat.py): a rank whose counter stops
+"""Heartbeats in the group's TCPStore (engine/parallel/group.py): a rank whose counter stops
 moving, or a store that stops answering, is reported lost once, with the rank named; ranks
 that keep beating never are, and a stopped heartbeat reports nothing. Real TCPStores on
 loopback, short intervals; the processes themselves are in
@@ -17,7 +17,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dllm_serve.engine.heartbeat import STORE_TIMEOUT_S, Heartbeat, store_address
+from dllm_serve.engine.parallel.group import STORE_TIMEOUT_S, Heartbeat, store_address
 
 BEAT_S, STALE_S = 0.1, 1.0
 

@@ -15,14 +15,19 @@ import pytest
 import torch
 
 import dllm_serve
-from dllm_serve.decoding.confidence import entropy_inverse
 from dllm_serve.decoding.params import DecodingParams
-from dllm_serve.decoding.sampling import gumbel_argmax
-from dllm_serve.decoding.sharded_vocab import combine_statistics, shard_statistics
+from dllm_serve.decoding.sampler import entropy_inverse, gumbel_argmax
 from dllm_serve.engine.model_runner import ModelRunner
-from dllm_serve.engine.vocab_parallel import VocabOp, VocabShardedLogits, VocabTraffic, apply
+from dllm_serve.engine.parallel.group import VocabTraffic
+from dllm_serve.engine.parallel.vocab import (
+    VocabOp,
+    VocabShardedLogits,
+    apply,
+    combine_statistics,
+    shard_statistics,
+)
 from dllm_serve.llm import LLM
-from dllm_serve.models.tensor_parallel import TPShard
+from dllm_serve.models.sharding import TPShard
 from dllm_serve_train.tiny_checkpoints import write_tiny
 
 DEMO_LORA = Path(dllm_serve.__file__).parent / "assets" / "demo-trimode" / "draft-lora"
@@ -109,7 +114,9 @@ def sharded_runs(monkeypatch: pytest.MonkeyPatch):
     run = ModelRunner.run
 
     def sharded(self, rows):  # as rank 0's runner: the greedy reduction of every row first
-        return InProcessShards.of(run(self, rows), 2, traffic).take_greedy(self.mask_id)
+        # Under tensor parallelism the logits stay laid out per row ([R, M, V / N]).
+        padded = run(self, rows).as_padded()
+        return InProcessShards.of(padded, 2, traffic).take_greedy(self.mask_id)
 
     def start() -> VocabTraffic:
         monkeypatch.setattr(ModelRunner, "run", sharded)

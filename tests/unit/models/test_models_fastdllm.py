@@ -12,7 +12,7 @@ import torch
 from hf_reference import float_mask, hf_reference, perturb_norms
 from safetensors.torch import load_file
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families import (
     FAST_DLLM,
@@ -180,7 +180,7 @@ def test_serving_path_block_over_its_cached_prefix(tiny: Path) -> None:
         0, ours.config.vocab_size, (lo + b,), generator=torch.Generator().manual_seed(1)
     )
     row = ids.tolist()
-    span = runner.pool.allocate(lo + b)
+    span = runner.pool.reserve(lo + b)
     prefill = RowSpec(row[:lo], 0, list(range(lo)), AttentionKind.BLOCK_CAUSAL, kv=span, block=b)
     first = runner.run([prefill])
     span.length = lo

@@ -1,100 +1,80 @@
-"""KVPool span allocation, and forwards over a cached prefix in the pool == full forwards."""
+"""KVPool page allocation, and forwards over a cached prefix in the pool == full forwards."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
-from dllm_serve.models.flat_batch import AttnGroup, FlatBatch
-from dllm_serve.models.kv_pool import KVPool, KVSpan
+from dllm_serve.models.attention import AttnGroup, FlatBatch
+from dllm_serve.models.kv_pool import KVPages, KVPool
 from dllm_serve.models.rope import RopeScaling
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
 
 TOL = 1e-5
 
 
-def free_list(pool: KVPool) -> list[tuple[int, int]]:
-    return list(pool._free)  # (start, size) intervals, sorted
+# ---- the page allocator ------------------------------------------------------------------------
 
 
-# ---- the allocator -----------------------------------------------------------------------------
-
-
-def test_allocate_first_fit_and_accounting() -> None:
-    pool = KVPool(2, 2, 4, 10)
-    # 10 allocatable slots and one that stays zero (what masked keys of ragged rows read).
-    assert pool.k.shape == pool.v.shape == (2, 11, 2, 4) and pool.zero_slot == 10
+def test_reserve_grow_trim_free_accounting() -> None:
+    pool = KVPool(2, 2, 4, 40, page_size=4)
+    # 10 pages, then one zero page (its first slot is what masked keys of ragged rows read).
+    assert (pool.num_pages, pool.slots, pool.zero_slot, pool.zero_page) == (10, 40, 40, 10)
+    assert pool.k.shape == pool.v.shape == (2, 44, 2, 4)
     assert not pool.k.any() and not pool.v.any()  # zeros, never stale memory
-    assert pool.nbytes == 2 * 2 * 10 * 2 * 4 * 4
+    assert pool.nbytes == 2 * 2 * 40 * 2 * 4 * 4
     assert KVPool.bytes_per_slot(2, 2, 4, torch.float32) * pool.slots == pool.nbytes
-    assert KVPool.bytes_per_slot(2, 2, 4, torch.bfloat16) == 2 * 2 * 2 * 4 * 2
-    a, b, c = pool.allocate(3), pool.allocate(4), pool.allocate(3)
-    assert a is not None and b is not None and c is not None
-    assert [(s.start, s.capacity, s.length) for s in (a, b, c)] == [(0, 3, 0), (3, 4, 0), (7, 3, 0)]
-    assert pool.used == 10 and pool.free_slots == 0 and pool.largest_free_span == 0
-    assert pool.allocate(1) is None  # full
+    a = pool.reserve(10)  # 3 pages promised, none taken yet
+    assert a is not None and (a.reserved, a.capacity, a.pages) == (3, 12, [])
+    assert (pool.reserved_pages, pool.free_pages, pool.pages_used) == (3, 7, 0)
+    pool.grow(a, 6)  # positions 0..5: two pages
+    assert len(a.pages) == 2 and pool.pages_used == 2
+    assert a.slots(2, 6) == [a.slot(p) for p in range(2, 6)]
+    assert a.slot(5) == a.pages[1] * 4 + 1
+    with pytest.raises(ValueError, match="overflows its KV reservation"):
+        pool.grow(a, 13)
+    a.length = 3  # keep positions 0..2: the second page goes back
+    pool.trim(a)
+    assert len(a.pages) == 1 and pool.pages_used == 1 and pool.reserved_pages == 3
+    assert pool.reserve(29) is None  # 8 pages > the 7 unreserved: waits
+    b = pool.reserve(28)
+    assert b is not None and pool.free_pages == 0
+    pool.free(a)
+    assert (a.reserved, a.pages, a.length) == (0, [], 0) and pool.reserved_pages == 7
+    pool.free(a)  # a no-op: it holds nothing any more
+    assert pool.reserved_pages == 7 and pool.free_pages == 3
     pool.free(b)
-    assert pool.used == 6 and free_list(pool) == [(3, 4)]
-    d = pool.allocate(2)  # first fit: the hole at 3
-    assert d is not None and (d.start, d.capacity) == (3, 2)
-    assert free_list(pool) == [(5, 2)]
+    assert pool.reserved_pages == pool.pages_used == 0 and pool.free_pages == 10
 
 
-def test_fragmentation_refuses_what_no_interval_holds() -> None:
-    pool = KVPool(1, 1, 2, 12)
-    spans = [pool.allocate(3) for _ in range(4)]
-    assert all(s is not None for s in spans)
-    pool.free(spans[0])
-    pool.free(spans[2])
-    assert pool.free_slots == 6 and pool.largest_free_span == 3
-    assert pool.allocate(4) is None  # 6 slots free, but no 4 of them contiguous
-    assert pool.used == 6  # a refused allocation changes nothing
-    e = pool.allocate(3)
-    assert e is not None and e.start == 0  # the first interval that fits
-
-
-def test_free_merges_left_right_and_both() -> None:
-    pool = KVPool(1, 1, 2, 10)
-    a, b, c, d = (pool.allocate(n) for n in (2, 3, 2, 3))
-    assert a and b and c and d and free_list(pool) == []
-    pool.free(a)
-    assert free_list(pool) == [(0, 2)]
-    pool.free(b)  # merges with its left neighbour
-    assert free_list(pool) == [(0, 5)]
-    pool.free(d)  # no neighbour free: a separate interval
-    assert free_list(pool) == [(0, 5), (7, 3)]
-    pool.free(c)  # merges both ways
-    assert free_list(pool) == [(0, 10)] and pool.used == 0
-    e, f = pool.allocate(4), pool.allocate(4)
-    assert e and f
-    pool.free(f)  # merges with the free tail on its right
-    assert free_list(pool) == [(4, 6)]
-    whole = [pool.allocate(6)]
-    assert whole[0] is not None and pool.free_slots == 0
-
-
-def test_a_freed_span_cannot_be_freed_twice() -> None:
-    pool = KVPool(1, 1, 2, 8)
-    a, b = pool.allocate(4), pool.allocate(4)
-    assert a is not None and b is not None
-    a.length = 3
-    pool.free(a)
-    assert (a.capacity, a.length) == (0, 0) and pool.used == 4
-    pool.free(a)  # a no-op: the span holds no slots any more
-    assert pool.used == 4 and free_list(pool) == [(0, 4)]
-    c = pool.allocate(4)  # the slots went back exactly once: one new span fits, no more
-    assert c is not None and c.start == 0 and pool.allocate(1) is None
+def test_pages_need_not_be_contiguous() -> None:
+    """The contiguous allocator refused what no free interval held; pages have no such limit."""
+    pool = KVPool(1, 1, 2, 48, page_size=4)  # 12 pages
+    tables = []
+    for _ in range(4):
+        kv = pool.reserve(12)
+        assert kv is not None
+        pool.grow(kv, 12)
+        tables.append(kv)
+    pool.free(tables[0])
+    pool.free(tables[2])  # two holes of 3 pages, between held pages
+    big = pool.reserve(24)
+    assert big is not None
+    pool.grow(big, 24)
+    assert sorted(big.pages) == sorted([*range(0, 3), *range(6, 9)])
+    held = {p for t in (tables[1], tables[3], big) for p in t.pages}
+    assert len(held) == 12  # every page held exactly once
 
 
 def test_invalid_sizes_refused() -> None:
-    with pytest.raises(ValueError, match="at least one slot"):
-        KVPool(1, 1, 2, 0)
-    pool = KVPool(1, 1, 2, 4)
-    with pytest.raises(ValueError, match="at least one slot"):
-        pool.allocate(0)
-    assert pool.allocate(5) is None and pool.used == 0
+    with pytest.raises(ValueError, match="at least one page"):
+        KVPool(1, 1, 2, 15)  # fewer slots than one page of 16
+    pool = KVPool(1, 1, 2, 32)
+    with pytest.raises(ValueError, match="at least one token"):
+        pool.reserve(0)
+    assert pool.reserve(33) is None and pool.reserved_pages == 0
 
 
 # ---- forwards over a cached prefix -------------------------------------------------------------
@@ -117,9 +97,22 @@ def model() -> DecoderTransformer:
     return m
 
 
+POOLS: dict[int, KVPool] = {}  # a table's pool, for flat_row to take its pages
+
+
+class TablePool(KVPool):
+    """A pool whose tables remember it (test convenience)."""
+
+    def reserve(self, tokens: int) -> KVPages | None:
+        kv = super().reserve(tokens)
+        if kv is not None:
+            POOLS[id(kv)] = self
+        return kv
+
+
 def new_pool(model: DecoderTransformer, slots: int = 64) -> KVPool:
     cfg = model.config
-    return KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, slots)
+    return TablePool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, slots, page_size=4)
 
 
 def ids_for(n: int, seed: int) -> torch.Tensor:
@@ -137,14 +130,17 @@ def prefix_then_block(p: int, n: int) -> torch.Tensor:
 
 
 def flat_row(
-    ids: torch.Tensor, span: KVSpan, start: int, is_causal: bool, read_prefix: bool
+    ids: torch.Tensor, span: KVPages, start: int, is_causal: bool, read_prefix: bool
 ) -> FlatBatch:
-    """One row ``ids`` at positions ``start…`` written to ``span``; with ``read_prefix`` it
-    attends to the span's ``[0, start)`` (built by hand: the model's contract, no runner)."""
+    """One row ``ids`` at positions ``start…`` written to ``span``'s pages; with
+    ``read_prefix`` it attends to ``[0, start)`` (built by hand: the model's contract, no
+    runner)."""
     n = ids.numel()
-    slots = torch.arange(span.start + start, span.start + start + n)
+    if len(span.pages) * span.page_size < start + n:
+        POOLS[id(span)].grow(span, start + n)
+    slots = torch.tensor(span.slots(start, start + n))
     if read_prefix:
-        keys = torch.arange(span.start, span.start + start + n)[None]
+        keys = torch.tensor(span.slots(0, start + n))[None]
         mask = None
         if is_causal:  # query i sees keys j <= start + i
             mask = (torch.arange(start + n)[None, :] <= torch.arange(n)[:, None] + start)[None]
@@ -165,35 +161,39 @@ def test_forward_flat_over_a_pool_prefix_equals_the_full_forward(
     full_mask = causal(p + n) if is_causal else prefix_then_block(p, n)
     want = model(ids[None], torch.arange(p + n)[None], full_mask)[0, p:]
     pool = new_pool(model)
-    pool.allocate(5)  # the row's span does not start at slot 0
-    span = pool.allocate(p + n)
-    assert span is not None and span.start == 5
+    first = pool.reserve(5)  # the row's pages do not start at slot 0
+    assert first is not None
+    pool.grow(first, 5)
+    span = pool.reserve(p + n)
+    assert span is not None
     model.forward_flat(flat_row(ids[:p], span, 0, is_causal, False), pool)
     span.length = p
     got = model.forward_flat(flat_row(ids[p:], span, p, is_causal, True), pool)
     assert (got - want).abs().max().item() <= TOL
     # Teeth: without its prefix the row is something else.
-    alone = model.forward_flat(flat_row(ids[p:], pool.allocate(n), 0, is_causal, False), pool)
+    alone = model.forward_flat(flat_row(ids[p:], pool.reserve(n), 0, is_causal, False), pool)
     assert (alone - want).abs().max().item() > 100 * TOL
 
 
 @torch.no_grad()
 def test_prefix_keys_are_stored_after_rope(model: DecoderTransformer) -> None:
-    """Slot ``span.start + t`` holds token t's key rotated at position t (and after the
-    q/k norm), and its value; a later forward reads it as is."""
+    """The slot of position t holds token t's key rotated at position t (and after the q/k
+    norm), and its value; a later forward reads it as is."""
     n = 6
     ids = ids_for(n, 2)
     pool = new_pool(model)
-    pool.allocate(3)
-    span = pool.allocate(n)
+    first = pool.reserve(3)
+    assert first is not None
+    pool.grow(first, 3)
+    span = pool.reserve(n)
     assert span is not None
     model.forward_flat(flat_row(ids, span, 0, True, False), pool)
     attn = model.layers[0].attn
     h = model.layers[0].attn_norm(model.embed_tokens(ids))
     cos, sin = model.rope(torch.arange(n))
     _, k, v = attn.project(h, cos, sin)
-    stored_k = pool.k[0, span.start : span.start + n]
-    stored_v = pool.v[0, span.start : span.start + n]
+    stored_k = pool.k[0, span.slots(0, n)]
+    stored_v = pool.v[0, span.slots(0, n)]
     assert stored_k.shape == (n, model.config.n_kv_heads, model.config.head_dim)
     assert (stored_k - k).abs().max().item() <= TOL
     assert (stored_v - v).abs().max().item() <= TOL
@@ -210,7 +210,7 @@ def test_trimmed_suffix_is_overwritten_by_the_next_write(model: DecoderTransform
     equals the full causal forward of the 6 kept tokens and the 4 new ones."""
     ids, other = ids_for(10, 3), ids_for(4, 4)
     pool = new_pool(model)
-    span = pool.allocate(12)
+    span = pool.reserve(12)
     assert span is not None
     model.forward_flat(flat_row(ids, span, 0, True, False), pool)
     span.length = 6
@@ -218,18 +218,18 @@ def test_trimmed_suffix_is_overwritten_by_the_next_write(model: DecoderTransform
     seq = torch.cat([ids[:6], other])
     want = model(seq[None], torch.arange(10)[None], causal(10))[0, 6:]
     assert (got - want).abs().max().item() <= TOL
-    fresh = pool.allocate(10)
+    fresh = pool.reserve(10)
     assert fresh is not None
     model.forward_flat(flat_row(seq, fresh, 0, True, False), pool)
     for buf in (pool.k, pool.v):
-        kept = buf[:, span.start : span.start + 10]
-        assert (kept - buf[:, fresh.start : fresh.start + 10]).abs().max().item() <= TOL
+        kept = buf[:, span.slots(0, 10)]
+        assert (kept - buf[:, fresh.slots(0, 10)]).abs().max().item() <= TOL
 
 
 @torch.no_grad()
 def test_failed_forward_leaves_the_kept_prefix_unchanged(model: DecoderTransformer) -> None:
     pool = new_pool(model)
-    span = pool.allocate(8)
+    span = pool.reserve(8)
     assert span is not None
     model.forward_flat(flat_row(ids_for(4, 0), span, 0, True, False), pool)
     span.length = 4
@@ -244,13 +244,13 @@ def test_failed_forward_leaves_the_kept_prefix_unchanged(model: DecoderTransform
             model.forward_flat(flat_row(ids_for(3, 1), span, 4, True, True), pool)
     finally:
         handle.remove()
-    kept = slice(span.start, span.start + 4)
+    kept = span.slots(0, 4)
     assert span.length == 4
     assert torch.equal(pool.k[:, kept], k_before[:, kept])
     assert torch.equal(pool.v[:, kept], v_before[:, kept])
     # Only the failed row's own slots may have been written.
     touched = ((pool.k != k_before).any(dim=(0, 2, 3))).nonzero().flatten().tolist()
-    assert set(touched) <= set(range(span.start + 4, span.start + 7))
+    assert set(touched) <= set(span.slots(4, 7))
 
 
 @pytest.mark.parametrize("kind", [AttentionKind.CAUSAL, AttentionKind.BIDIRECTIONAL])
@@ -267,7 +267,7 @@ def test_rows_of_different_prefixes_equal_uncached(
     rows_ids = [ids_for(p + n, 10 + r) for r, (p, n) in enumerate(zip(prefixes, news, strict=True))]
     rows = []
     for ids, p, n in zip(rows_ids, prefixes, news, strict=True):
-        span = pool.allocate(p + n)
+        span = pool.reserve(p + n)
         assert span is not None
         if p:
             runner.run([RowSpec(ids[:p].tolist(), 0, [0], kind, kv=span)])

@@ -16,7 +16,7 @@ import torch
 from hf_reference import perturb_norms
 from nemotron_reference import ministral3_reference, reference_logits
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families import NEMOTRON, UnsupportedModelError, family_for
 from dllm_serve.models.loader import load_model
@@ -103,7 +103,7 @@ def test_block_over_causal_prefix_through_the_kv_pool(nemotron) -> None:
     loaded, ref = nemotron
     runner = ModelRunner(loaded.model, torch.device("cpu"), kv_slots=256)
     assert runner.pool is not None
-    span = runner.pool.allocate(160)
+    span = runner.pool.reserve(160)
     assert span is not None
     p, b = 140, 8
     prompt = ids_at(loaded.vocab_size, p, 11)

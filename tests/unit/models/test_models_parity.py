@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_reference import float_mask, hf_reference, padded_mask, perturb_norms
 
-from dllm_serve.decoding.forward_spec import AttentionKind, RowSpec
+from dllm_serve.decoding.protocol import AttentionKind, RowSpec
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.models.families import DREAM, SDAR
 from dllm_serve.models.loader import load_model
@@ -92,7 +92,7 @@ def test_dream_kv_prefix_block_bidirectional(dream) -> None:
     prefixes, blocks = [9, 4, 0], [5, 3, 5]
     ids = [random_ids(ours.config.vocab_size, 1, p + n, 10 + r)[0].tolist()
            for r, (p, n) in enumerate(zip(prefixes, blocks, strict=True))]  # fmt: skip
-    spans = [runner.pool.allocate(p + n) for p, n in zip(prefixes, blocks, strict=True)]
+    spans = [runner.pool.reserve(p + n) for p, n in zip(prefixes, blocks, strict=True)]
     # Prefill every row's prefix alone (bidirectional), keeping it.
     for span, p, row in zip(spans, prefixes, ids, strict=True):
         if p:
@@ -150,7 +150,7 @@ def test_idlm_kv_prefix_causal(idlm) -> None:
     prefixes, steps = [8, 3], [4, 2]
     ids = [random_ids(ours.config.vocab_size, 1, p + n, 20 + r)[0].tolist()
            for r, (p, n) in enumerate(zip(prefixes, steps, strict=True))]  # fmt: skip
-    spans = [pool.allocate(p + n) for p, n in zip(prefixes, steps, strict=True)]
+    spans = [pool.reserve(p + n) for p, n in zip(prefixes, steps, strict=True)]
     # Causal prefill of both prefixes in one flat forward, keeping them.
     runner.run([RowSpec(row[:p], 0, [p - 1], causal, kv=span)
                 for row, p, span in zip(ids, prefixes, spans, strict=True)])  # fmt: skip
@@ -170,12 +170,12 @@ def test_idlm_kv_prefix_causal(idlm) -> None:
         want = ref(input_ids=row, position_ids=torch.arange(p + n)[None]).logits[0]
         assert max_diff(logits[r, :n], want[p:]) <= TOL, r
         # The span now equals a fresh causal prefill of prefix + new tokens.
-        fresh = pool.allocate(p + n)
+        fresh = pool.reserve(p + n)
         assert fresh is not None
         runner.run([RowSpec(ids[r], 0, [0], causal, kv=fresh)])
         for buf in (pool.k, pool.v):
-            kept = buf[:, spans[r].start : spans[r].start + p + n]
-            assert max_diff(kept, buf[:, fresh.start : fresh.start + p + n]) <= 1e-5, r
+            kept = buf[:, spans[r].slots(0, p + n)]
+            assert max_diff(kept, buf[:, fresh.slots(0, p + n)]) <= 1e-5, r
         pool.free(fresh)
 
 

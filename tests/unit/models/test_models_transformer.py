@@ -220,7 +220,7 @@ def test_kv_prefix_matches_llama_block_mask(tiny_pair) -> None:
     two rows have different prefixes and share one attention call (a ragged group)."""
     import copy
 
-    from dllm_serve.decoding.forward_spec import RowSpec
+    from dllm_serve.decoding.protocol import RowSpec
     from dllm_serve.engine.model_runner import ModelRunner
 
     ours, llama = tiny_pair
@@ -229,7 +229,7 @@ def test_kv_prefix_matches_llama_block_mask(tiny_pair) -> None:
     prefixes, blocks = [10, 6], [4, 4]
     rows = [inputs(ours.config.vocab_size, 1, p + n, seed=30 + r)[0][0].tolist()
             for r, (p, n) in enumerate(zip(prefixes, blocks, strict=True))]  # fmt: skip
-    spans = [runner.pool.allocate(p + n) for p, n in zip(prefixes, blocks, strict=True)]
+    spans = [runner.pool.reserve(p + n) for p, n in zip(prefixes, blocks, strict=True)]
     for span, p, row in zip(spans, prefixes, rows, strict=True):
         assert span is not None
         runner.run([RowSpec(row[:p], 0, [p - 1], kv=span)])  # the prompt alone: its K/V

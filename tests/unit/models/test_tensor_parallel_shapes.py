@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from dllm_serve.models.errors import ModelLoadError
-from dllm_serve.models.tensor_parallel import TPShard, local_name, shard_config, slice_of
+from dllm_serve.models.sharding import TPShard, local_name, shard_config, slice_of
 from dllm_serve.models.transformer_config import MoEConfig, TransformerConfig
 
 DENSE = TransformerConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=1,

@@ -6,14 +6,20 @@ const $ = (id) => document.getElementById(id);
 const NUMBER_FIELDS = ["max_tokens", "temperature", "seed"];
 const DIFFUSION_NUMBER_FIELDS = ["num_denoising_steps", "block_length", "confidence_threshold"];
 // What a test (or a curious user in the console) can read about the last run.
-const run = (window.playground = { status: "idle", steps: 0, maxMasked: 0, finalMasked: null,
-                                   maskedAfterFirstStep: null, rounds: 0, content: "", events: [] });
+const FRESH = () => ({ status: "idle", steps: 0, maxMasked: 0, finalMasked: null,
+                      maskedAfterFirstStep: null, rounds: 0, roundEvents: 0, content: "",
+                      events: [], blocks: 0, neverNeeded: 0 });
+const run = (window.playground = FRESH());
 // "diffusion" or "self_speculation" once /v1/dllm/info answered; null before (or when it
 // failed, e.g. a server with --api-key before the key is typed): no mode-specific settings
 // are shown or sent until the page knows which apply.
 let mode = null;
 let infoLoading = null;
 let triMode = false; // a tri-mode model: the page sends the decoding_mode picked in its menu
+// Block-diffusion models number blocks from position 0 of the whole sequence (the prompt's
+// whole blocks included, so the answer's first block may be partial); canvas and tri-mode
+// models from the answer's first position.
+let absoluteBlocks = false;
 let stopping = null; // the running generation's AbortController (the Stop button)
 
 async function loadInfo() {
@@ -30,6 +36,7 @@ async function loadInfo() {
     // A tri-mode model decodes each request by the mode picked in the menu (its default
     // first); only diffusion has a canvas and denoising settings.
     triMode = info.decoding_mode === "tri_mode";
+    absoluteBlocks = info.decoding_mode === "block_diffusion";
     $("decoding-mode-setting").hidden = !triMode;
     if (triMode) {
       shown = `tri-mode (${info.default_decoding_mode.replace("_", " ")})`;
@@ -48,6 +55,14 @@ function showModeSettings() {
   // Self-speculative decoding has no canvas settings (the API rejects them with a 400).
   $("diffusion-settings").hidden = mode !== "diffusion";
   $("masked-stat").hidden = mode !== "diffusion";
+}
+
+// The view a run draws (from its start event): the canvas and its legend, or the rounds.
+function showView(view) {
+  $("masked-stat").hidden = view !== "diffusion";
+  $("canvas-legend").hidden = view !== "diffusion";
+  $("rounds-legend").hidden = view !== "self_speculation";
+  $("chart-box").hidden = view === null;
 }
 
 function reloadInfo() {
@@ -110,34 +125,89 @@ function label(text) {
   return [text.replace(/ /g, "␣").replace(/\n/g, "⏎") || "∅", false];
 }
 
-function drawCanvas(size) {
-  const canvas = $("canvas");
-  canvas.replaceChildren();
+// A committed cell's shade: amber (unsure) to light green (sure), dark text on every shade.
+// The scale counts nines (0.9, 0.99, 0.999, 0.9999 are evenly spaced): a trained model commits
+// most tokens above 0.99, and a linear scale would paint them all alike.
+const NINES = 4;
+function confidenceColor(confidence) {
+  const t = Math.min(1, -Math.log10(Math.max(1 - confidence, 10 ** -NINES)) / NINES);
+  return `hsl(${Math.round(30 + 105 * t)} ${Math.round(90 - 35 * t)}% ${Math.round(62 + 23 * t)}%)`;
+}
+
+let cells = []; // the canvas's cells, by answer position
+let blockFrames = []; // one frame per block
+let firstBlock = 0; // the block number (as the step events count) of the answer's first block
+
+function drawCanvas(start) {
+  const size = start.canvas;
+  const width = start.block_length || size;
+  const prompt = absoluteBlocks ? start.prompt_tokens || 0 : 0;
+  firstBlock = Math.floor(prompt / width);
+  const blockOf = (i) => Math.floor((prompt + i) / width) - firstBlock;
+  cells = [];
+  blockFrames = [];
   for (let i = 0; i < size; i++) {
+    if (blockOf(i) === blockFrames.length) {
+      const frame = document.createElement("div");
+      frame.className = "block";
+      blockFrames.push(frame);
+    }
     const cell = document.createElement("span");
     cell.className = "cell masked";
     cell.textContent = "▒";
-    canvas.append(cell);
+    cell.title = `position ${i}: masked`;
+    blockFrames[blockFrames.length - 1].append(cell);
+    cells.push(cell);
   }
+  for (const frame of blockFrames) {
+    frame.title = `block ${blockFrames.indexOf(frame) + 1} of ${blockFrames.length}`;
+    if (blockFrames.length === 1) frame.classList.add("single");
+  }
+  $("canvas").replaceChildren(...blockFrames);
+  run.blocks = blockFrames.length;
+}
+
+function markActiveBlock(block) {
+  const active = block === null ? -1 : block - firstBlock;
+  blockFrames.forEach((frame, i) => frame.classList.toggle("active", i === active));
 }
 
 function applyStep(event) {
-  const cells = $("canvas").children;
-  for (const old of document.querySelectorAll(".cell.new")) old.classList.remove("new");
-  for (const [pos, , text] of event.commits) {
+  for (const old of document.querySelectorAll("#canvas .cell.new")) old.classList.remove("new");
+  const confidences = event.confidences || [];
+  event.commits.forEach(([pos, , text], i) => {
     const cell = cells[pos];
-    if (!cell) continue;
+    if (!cell) return;
     const [shown, special] = label(text);
+    const confidence = confidences[i];
     cell.textContent = shown;
     cell.className = "cell new" + (special ? " eos" : "");
-  }
+    if (typeof confidence === "number") {
+      cell.style.background = confidenceColor(confidence);
+      cell.dataset.confidence = String(confidence);
+      cell.title = `${JSON.stringify(text)} · confidence ${confidence} · step ${event.step}`;
+    } else if (confidence === null) { // a seed: placed, not chosen by a confidence rule
+      cell.classList.add("seed");
+      cell.title = `${JSON.stringify(text)} · seed (no confidence) · step ${event.step}`;
+    } else {
+      cell.title = `${JSON.stringify(text)} · step ${event.step}`;
+    }
+  });
   run.steps += 1;
   run.finalMasked = event.masked;
-  if (run.steps === 1) run.maskedAfterFirstStep = document.querySelectorAll(".cell.masked").length;
+  if (run.steps === 1) run.maskedAfterFirstStep = document.querySelectorAll("#canvas .cell.masked").length;
   $("stat-masked").textContent = event.masked;
+  markActiveBlock(event.masked ? event.block : null);
+  addBar([[event.commits.length, ""]],
+         `step ${event.step}: ${event.commits.length} token(s) committed`);
 }
 
 function applyRound(event) {
+  const own = event.emitted.length - event.accepted;
+  addBar([[event.accepted, "accepted"], [Math.max(0, own), "own"]],
+         `forward ${event.round}: ${event.accepted} of ${event.drafts.length} draft(s) accepted, ` +
+         `${event.emitted.length} token(s) emitted`);
+  run.roundEvents += 1;
   // A forward that verified nothing and emitted nothing (LinearSpec's first, drafting-only
   // forward; the forward that verifies the stop token) has no line: only the counters move.
   if (!event.drafts.length && !event.emitted.length) return;
@@ -161,16 +231,89 @@ function applyRound(event) {
   run.rounds += 1;
 }
 
+// The chart: one bar per forward, stacked parts [[height, class], ...]. Bar i spans x = i..i+1
+// in the SVG's own units; the view box grows with the bars and the tallest one, so adding a bar
+// never redraws the others.
+const SVG = $("chart").namespaceURI; // the SVG namespace, as the parser gave the chart
+let chartBars = 0;
+let chartMax = 1;
+
+function resetChart(caption) {
+  chartBars = 0;
+  chartMax = 1;
+  $("chart-bars").replaceChildren();
+  $("chart-caption").replaceChildren(...caption);
+  scaleChart();
+}
+
+function scaleChart() {
+  $("chart").setAttribute("viewBox", `0 0 ${Math.max(chartBars, 1)} ${chartMax}`);
+  // Bars grow up from the bottom edge.
+  $("chart-bars").setAttribute("transform", `matrix(1 0 0 -1 0 ${chartMax})`);
+  const caption = $("chart-caption");
+  if (caption.lastElementChild) caption.lastElementChild.textContent = `tallest bar: ${chartMax}`;
+}
+
+function addBar(parts, title) {
+  const bar = document.createElementNS(SVG, "g");
+  bar.setAttribute("class", "bar");
+  let base = 0;
+  for (const [height, kind] of parts) {
+    const rect = document.createElementNS(SVG, "rect");
+    rect.setAttribute("x", chartBars + 0.12);
+    rect.setAttribute("y", base);
+    rect.setAttribute("width", 0.76);
+    rect.setAttribute("height", height);
+    if (kind) rect.setAttribute("class", kind);
+    bar.append(rect);
+    base += height;
+  }
+  const tip = document.createElementNS(SVG, "title");
+  tip.textContent = title;
+  bar.append(tip);
+  $("chart-bars").append(bar);
+  chartBars += 1;
+  chartMax = Math.max(chartMax, base);
+  scaleChart();
+}
+
+function chartCaption(text) {
+  const what = document.createElement("span");
+  what.textContent = text;
+  const tallest = document.createElement("span");
+  return [what, tallest];
+}
+
 function showCounters(event) {
   $("stat-step").textContent = event.step ?? event.round;
   $("stat-nfe").textContent = event.nfe;
   $("stat-tpf").textContent = event.tokens_per_forward.toFixed(2);
 }
 
+// An answer that ended early leaves the blocks after it never decoded: drawn as empty
+// outlines, and said in words (a bare "masked 992" on a finished answer reads as a failure).
+function finishCanvas() {
+  markActiveBlock(null);
+  const unused = document.querySelectorAll("#canvas .cell.masked");
+  for (const cell of unused) {
+    cell.className = "cell unused";
+    cell.title = "never needed: the answer ended before this block";
+  }
+  for (const frame of blockFrames) {
+    if (!frame.querySelector(".cell:not(.unused)")) frame.classList.add("unused");
+  }
+  run.neverNeeded = unused.length;
+  if (!unused.length) return;
+  $("masked-stat").hidden = true;
+  $("early-note").hidden = false;
+  $("early-note").textContent =
+    `finished early: ${unused.length} position${unused.length === 1 ? "" : "s"} after the ` +
+    `answer ${unused.length === 1 ? "was" : "were"} never needed`;
+}
+
 async function generate(submitEvent) {
   submitEvent.preventDefault();
-  Object.assign(run, { status: "running", steps: 0, maxMasked: 0, finalMasked: null,
-                       maskedAfterFirstStep: null, rounds: 0, content: "", events: [] });
+  Object.assign(run, FRESH(), { status: "running" });
   stopping = new AbortController();
   const signal = stopping.signal;
   $("generate").disabled = true;
@@ -184,6 +327,10 @@ async function generate(submitEvent) {
   $("error").hidden = true;
   $("rounds").replaceChildren();
   $("canvas").replaceChildren();
+  $("early-note").hidden = true;
+  cells = [];
+  blockFrames = [];
+  showView(null);
   const delay = Math.max(0, Number($("replay_ms").value) || 0);
   try {
     // The settings sent depend on the model: wait for its info (the key may just have changed).
@@ -202,10 +349,15 @@ async function generate(submitEvent) {
       run.events.push(name);
       if (name === "start") {
         if (data.mode === "diffusion") {
-          drawCanvas(data.canvas);
+          drawCanvas(data);
           run.maxMasked = data.canvas;
           $("stat-masked").textContent = data.canvas;
+          resetChart(chartCaption("tokens committed per step"));
+        } else {
+          resetChart(chartCaption("accepted drafts (green) and the verifier's own tokens " +
+                                  "(yellow) per forward"));
         }
+        showView(data.mode);
       } else if (name === "step") {
         applyStep(data); showCounters(data); await sleep(delay, signal);
       } else if (name === "round") {
@@ -218,11 +370,7 @@ async function generate(submitEvent) {
         $("status").textContent = `done · finish_reason ${data.finish_reason} · ` +
           `${data.usage.completion_tokens} tokens`;
         run.status = "done";
-        // An answer that ended early leaves blocks never decoded: drawn as empty outlines.
-        for (const cell of document.querySelectorAll(".cell.masked")) {
-          cell.className = "cell unused";
-          cell.title = "not decoded: the answer ended before this block";
-        }
+        finishCanvas();
       } else if (name === "error") {
         throw new Error(data.error.message);
       }
@@ -245,7 +393,7 @@ async function generate(submitEvent) {
   } finally {
     $("generate").disabled = false;
     $("stop").disabled = true;
-    for (const old of document.querySelectorAll(".cell.new")) old.classList.remove("new");
+    for (const old of document.querySelectorAll("#canvas .cell.new")) old.classList.remove("new");
   }
 }
 
@@ -264,4 +412,7 @@ $("prompt").addEventListener("keydown", (event) => {
     if (!$("generate").disabled) $("prompt-form").requestSubmit();
   }
 });
+// The legend's scale is drawn with the cells' own colour function.
+$("confidence-scale").style.background =
+  `linear-gradient(to right, ${[0, 0.9, 0.99, 0.999, 0.9999].map(confidenceColor).join(", ")})`;
 reloadInfo();

@@ -7,7 +7,7 @@ whole head and Llama-4 query scaling (``rope_parameters.llama_4_scaling_beta``).
 it a diffusion model is only how it is run: the remote code flips one flag per attention
 layer between a causal view (logits at ``i`` predict token ``i + 1``, the AR view) and a
 bidirectional view (logits at ``i`` predict token ``i`` itself, the diffusion view), and the
-serving modes combine them (``decoding/trimode.py``).
+serving modes combine them (``decoding/registry.py``).
 
 Config keys this server implements (anything else is refused with the key named):
 ``dlm_paradigm: "bidirectional"`` (the released inference setting; ``block_diff`` is the
@@ -119,7 +119,7 @@ class NemotronFamily(Family):
 NEMOTRON = NemotronFamily(
     name="nemotron",
     # The causal (AR) view: what the loader and generic code read. The diffusion view is
-    # bidirectional and unshifted; decoding/trimode.py chooses the view per forward.
+    # bidirectional and unshifted; decoding/registry.py chooses the view per forward.
     bidirectional=False,
     logit_shift=True,
     # Only a fallback: the loader takes config.json's mask_token_id first.

@@ -124,7 +124,7 @@ def is_sdar_block_config(config: Mapping[str, Any]) -> bool:
 
 def regular_causal(config: Mapping[str, Any]) -> bool | None:
     """``use_regular_causal`` of ``config`` (None: absent); a value that is not a JSON boolean
-    is refused (found by QA: the string "false" is truthy, so it had loaded SDAR as I-DLM)."""
+    is refused (the string "false" is truthy: SDAR would load as I-DLM)."""
     value = config.get("use_regular_causal")
     if value is not None and not isinstance(value, bool):
         raise UnsupportedModelError(

@@ -1,0 +1,566 @@
+"""Masked diffusion, block by block: the state and the batched step every block decoder shares,
+and the block-diffusion decoders built on them.
+
+**The shared base.** Every masked-diffusion decoder keeps its canvas on the host as a
+:class:`DenoiseState` and denoises one *active block* at a time: each step proposes tokens at
+the block's still-masked positions and commits some of them under the request's rule — top-k
+on a per-block schedule, the confidence threshold or LocalLeap (``commit_rules.py``). The
+batched part of that step is :meth:`BlockDecoder.sample`: tensor in, tensor out, every row
+under its own rule. A decoder specialises it by where its blocks sit, what each forward holds
+and what its K/V cache keeps: LLaDA/Dream canvas denoising (``canvas.py``), Fast-dLLM v2
+(``fast_dllm.py``), a tri-mode model's diffusion mode (``causal_blocks.py``) and block
+diffusion itself, below.
+
+**Block diffusion (SDAR/TraDo, LLaDA2.x, LLaDA-MoE blocks): :class:`BlockDiffusionDecoder`.**
+The model was trained block-causal — bidirectional inside blocks of ``B`` tokens aligned to
+position 0, causal across blocks — so once a block is final its keys and values never change,
+and a decode step forwards only the active block against the cached prefix. Per request:
+
+1. **Prefill** (when the prompt holds whole blocks): one forward over those ``⌊P/B⌋·B`` tokens
+   with the block-causal mask, keeping their K/V.
+2. **Decode** the active block (the prompt's tail shares the first one, as in training): each
+   step forwards the block's ``B`` tokens at their positions against the cached prefix (no
+   mask: the block sees the prefix and itself) and commits proposals at its masked positions
+   by the request's rule, top-k over ``min(steps, masks)`` steps.
+3. **Write**: once the block has no mask, its final K/V must be computed from its clean tokens.
+   Every engine that serves these models spends one more forward of the clean block on it
+   (SGLang, dInfer, LMDeploy, mlx-lm); here (``fuse_write``, the default) it is fused with the
+   next block's first step: one block-causal forward over both blocks, in which the finished
+   block's queries see the prefix and themselves — the same K/V a separate forward computes —
+   and the next block's see the prefix and both. That saves one forward per block (tested:
+   the same tokens as the unfused loop and as the no-cache reference).
+
+The answer is the committed canvas after the prompt, cut at ``max_tokens`` and before the
+first stop id; a request ends as soon as the contiguous committed answer holds a stop id
+(exact: committed tokens never change) or reaches ``max_tokens``. Blocks past the answer budget
+are never started; the last block may hold positions past it, decoded and dropped (the official
+loops round their canvas up to whole blocks the same way).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import compress
+from typing import Any
+
+import torch
+
+from dllm_serve.decoding.commit_rules import (
+    argmax_onehot,
+    block_schedule,
+    local_leap_commit_rows,
+    threshold_commit_rows,
+    topk_commit_rows,
+)
+from dllm_serve.decoding.params import DecodingParams, request_stop_ids
+from dllm_serve.decoding.protocol import (
+    AttentionKind,
+    RowSpec,
+    ShardedLogits,
+    StepLogits,
+    StepResult,
+    as_step_logits,
+)
+from dllm_serve.decoding.sampler import (
+    dense_rows,
+    new_generator,
+    propose,
+    sample_inverse_cdf,
+    seed_tokens,
+    target_probs,
+)
+from dllm_serve.models.attention import host_to_device, to_device
+from dllm_serve.models.kv_pool import KVPages
+
+PREFILL, DECODE, WRITE = "prefill", "decode", "write"  # block diffusion's phases
+CONFIDENCE_SCALE = 1_000_000  # a reported confidence's unit in a step's integer result
+
+
+@dataclass(slots=True, eq=False)
+class DenoiseState:
+    """Per-request state of a masked-diffusion decoder (lives in the engine's Request).
+
+    ``tokens`` is the canvas as a host list: the prompt, then the answer region of masks
+    (``params.gen_length`` positions, or whole blocks of them). A position of the answer region
+    is *committed* once it holds a token other than ``mask_id``; committed tokens never change.
+    The host copy is what makes a step cheap: which positions are masked, the block's schedule
+    and the contiguous final prefix are known without reading the device, and the one
+    device→host copy per step brings back only the tokens committed in it.
+
+    ``kv`` is the request's span in the KV pool when its decoder keeps K/V (None without one);
+    ``kv.length`` is the cached prefix.
+
+    Counters for usage and metrics: ``nfe`` (forward passes consumed) and ``committed``
+    (canvas tokens committed); :attr:`tokens_per_forward` is their ratio.
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    params: DecodingParams
+    generator: torch.Generator | None  # None when temperature == 0
+    mask_id: int
+    stop_ids: tuple[int, ...]
+    block: int = 0  # index of the active block
+    step: int = 0  # step index within the active block
+    # Transfer counts of the active block in top-k mode; empty in the data-dependent modes.
+    schedule: list[int] = field(default_factory=list)
+    masked: list[int] = field(default_factory=list)  # active block's masked positions, ascending
+    nfe: int = 0  # forward passes consumed
+    committed: int = 0  # canvas tokens committed so far
+    final_len: int = 0  # contiguous committed answer prefix
+    stop_at: int | None = None  # answer index of the first stop id in that prefix
+    finished: bool = False
+    finish_reason: str | None = None
+    kv: KVPages | None = None
+    drafted: int | None = None  # self-speculation counters (not used by diffusion decoding)
+    accepted_drafts: int | None = None
+    # Masked positions past the active block that a forward includes (None: the whole canvas,
+    # the reference loop). A model trained on short canvases sets it (generation_config.json
+    # ``mask_lookahead``) so that a long canvas is seen block by block as a short one is.
+    mask_lookahead: int | None = None
+    # A traced request (the playground): the step's result carries each masked position's
+    # confidence after its tokens, for the trace event (see ``BlockDecoder.sample``).
+    report_confidence: bool = False
+
+    @property
+    def canvas(self) -> torch.Tensor:
+        """The canvas as a 1-D LongTensor (a copy, for inspection and tests)."""
+        return torch.tensor(self.tokens, dtype=torch.long)
+
+    @property
+    def is_prefill(self) -> bool:
+        """Every canvas-denoising step forwards the canvas (prompt included): no prefill."""
+        return False
+
+    @property
+    def visible_end(self) -> int:
+        """End of the canvas the next forward includes: everything, or with a mask lookahead
+        the active block and at most ``mask_lookahead`` masks after it. Later positions are
+        all still masked (blocks commit left to right), so leaving them out only removes MASK
+        keys that the active block would otherwise attend to."""
+        if self.mask_lookahead is None:
+            return len(self.tokens)
+        return min(len(self.tokens), self.active_block[1] + self.mask_lookahead)
+
+    @property
+    def row_length(self) -> int:
+        """Tokens this request puts in its next forward (the scheduler's token budget)."""
+        if self.kv is not None and self.kv.length:
+            return self.visible_end - self.kv.length
+        return self.visible_end
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Canvas tokens committed per forward pass so far (``committed / nfe``; 0 before any).
+
+        Counts every committed canvas token, including EOS/padding the answer later drops; 1.0
+        is LLaDA's one-token-per-step regime, higher means parallel commits paid off.
+        """
+        return self.committed / self.nfe if self.nfe else 0.0
+
+    @property
+    def active_block(self) -> tuple[int, int]:
+        """Canvas slice ``[lo, hi)`` of the active block (blocks of ``block_length`` after the
+        prompt; block decoders align theirs differently)."""
+        assert self.params.block_length is not None  # resolved by DecodingParams
+        lo = self.prompt_len + self.block * self.params.block_length
+        return lo, lo + self.params.block_length
+
+    def advance_final(self) -> int:
+        """Extend the contiguous committed prefix after commits; returns how far it moved.
+
+        Every block before the active one is complete, so the scan starts where it stopped;
+        the first stop id inside the final prefix is remembered (committed tokens never change,
+        so it is final too).
+        """
+        # The answer region: a canvas may hold more (rounded up to whole blocks), never less.
+        budget = self.params.answer_budget
+        start = self.final_len
+        end = start
+        base = self.prompt_len
+        tokens, mask_id = self.tokens, self.mask_id
+        while end < budget and tokens[base + end] != mask_id:
+            if self.stop_at is None and tokens[base + end] in self.stop_ids:
+                self.stop_at = end
+            end += 1
+        self.final_len = end
+        return end - start
+
+    def answer_tokens(self) -> list[int]:
+        """The final answer so far: the contiguous committed prefix, cut before the first stop id.
+
+        Everything returned is final (committed and contiguous from the start of the answer),
+        so it is safe to stream. Stop ids are excluded.
+        """
+        end = self.final_len if self.stop_at is None else self.stop_at
+        return self.tokens[self.prompt_len : self.prompt_len + end]
+
+
+class BlockDecoder:
+    """The base of every masked-diffusion decoder: batched proposals and commits at each row's
+    masked positions (:meth:`sample`), and the host side of a step that the specialisations
+    share (commit a row's tokens, finish, schedule a new block).
+
+    A specialisation implements ``init_state``, ``kv_tokens``, ``prepare`` and ``_commit_row``.
+    Decoders hold configuration only; every request's randomness comes from its own generator,
+    so a row's result never depends on its batch-mates.
+    """
+
+    decoding_mode = "block_diffusion"
+
+    def __init__(self, mask_id: int, stop_ids: Sequence[int]) -> None:
+        if mask_id in stop_ids:
+            raise ValueError("the mask id cannot be a stop id")
+        self.mask_id = mask_id
+        self.stop_ids = tuple(stop_ids)
+
+    def _new_state(
+        self,
+        state_type: type[DenoiseState],
+        prompt: list[int],
+        canvas_length: int,
+        params: DecodingParams,
+        device: torch.device | str,
+        **fields: Any,
+    ) -> Any:
+        """A state of ``state_type`` whose canvas is ``prompt`` then masks up to
+        ``canvas_length``, with the request's stop ids and generator."""
+        return state_type(
+            tokens=prompt + [self.mask_id] * (canvas_length - len(prompt)),
+            prompt_len=len(prompt),
+            params=params,
+            generator=new_generator(params, device),
+            mask_id=self.mask_id,
+            stop_ids=request_stop_ids(self.mask_id, self.stop_ids, params),
+            **fields,
+        )
+
+    # ---- the batched step ----------------------------------------------------------------------
+    def sample(
+        self, states: Sequence[DenoiseState], logits: torch.Tensor | ShardedLogits | StepLogits
+    ) -> torch.Tensor:
+        """Proposals and commits for every row: ``[R, M]`` committed tokens (else ``mask_id``).
+
+        ``logits`` ``[R, M, V]``: row ``r``'s first ``len(states[r].masked)`` entries are its
+        masked positions in ascending order (padding after); dense logits are consumed
+        (overwritten in place), sharded ones are reduced per rank. No value is read back here.
+        When a row reports its confidences (``report_confidence``) the result is ``[R, 2M]``:
+        column ``M + j`` holds the confidence of masked position ``j`` in millionths
+        (:data:`CONFIDENCE_SCALE`); the commit reads only the first ``M``.
+        """
+        logits = as_step_logits(logits)
+        rows, width = logits.rows, logits.width
+        device = logits.device
+        counts = [len(s.masked) for s in states]
+        topk = [s.schedule[s.step] if s.params.mode == "topk" else -1 for s in states]
+        ints = host_to_device(torch.frombuffer(array("q", counts + topk), dtype=torch.long), device)
+        count, k = ints[:rows], ints[rows:]
+        # Padding entries (rows with fewer masks than the widest) must never commit; when
+        # every row is as wide as the batch there is none, and no mask is needed.
+        ragged = any(c != width for c in counts)
+        valid = torch.arange(width, device=device)[None, :] < count[:, None] if ragged else None
+
+        metrics = [s.params.confidence_metric for s in states]
+        # A zero-commit step draws no noise, so the generator stays in step.
+        draws = {
+            r: (s.params.temperature, s.generator)
+            for r, s in enumerate(states)
+            if s.params.temperature > 0 and topk[r] != 0
+        }
+        x0, score = propose(logits, self.mask_id, counts, draws, metrics)
+        if valid is not None:
+            score = score.masked_fill(~valid, float("-inf"))
+
+        commit = _commit_by_row_rule(states, score, k, device)
+        if valid is not None:
+            commit &= valid
+        out = torch.where(commit, x0, self.mask_id)
+        if any(s.report_confidence for s in states):
+            # Traced rows only: the confidences ride in the step's one copy, in millionths
+            # after the M tokens (padding, at -inf, reads 0).
+            millionths = (score.clamp(0.0, 1.0) * CONFIDENCE_SCALE).round().long()
+            out = torch.cat([out, millionths], dim=1)
+        return out
+
+    def _sample_seeded(
+        self,
+        states: Sequence[DenoiseState],
+        logits: torch.Tensor | ShardedLogits | StepLogits,
+        seeding: Sequence[bool],
+        *,
+        sampled: bool,
+    ) -> torch.Tensor:
+        """:meth:`sample`, with each seeding row's next-block seed in column 0: the argmax of
+        its first requested logit (mask id excluded), or with ``sampled`` at T > 0 an exact
+        sample of it. Seeds are read before the masked sampler consumes the logits."""
+        logits = as_step_logits(logits)
+        if not any(seeding):
+            return BlockDecoder.sample(self, states, logits)
+        seeds = seed_tokens(logits, self.mask_id)
+        if sampled:
+            hot = [r for r, s in enumerate(states) if seeding[r] and s.params.temperature > 0]
+            for r, z in dense_rows(logits, hot).items():
+                probs = target_probs(z[:1], states[r].params.temperature, self.mask_id)
+                seeds[r] = sample_inverse_cdf(probs, states[r].generator)[0]
+        out = BlockDecoder.sample(self, states, logits)
+        if all(seeding):
+            out[:, 0] = seeds
+        else:
+            rows = to_device(list(seeding), out.device)
+            out[:, 0] = torch.where(rows, seeds.to(out.dtype), out[:, 0])
+        return out
+
+    def commit(
+        self, states: Sequence[DenoiseState], committed: Sequence[Sequence[int]]
+    ) -> list[StepResult]:
+        """Apply one step's results (host lists, row ``r`` aligned with what ``prepare`` asked)."""
+        return [self._commit_row(s, row) for s, row in zip(states, committed, strict=True)]
+
+    def _commit_row(self, state: Any, row: Sequence[int]) -> StepResult:
+        raise NotImplementedError
+
+    # ---- host helpers of a step ----------------------------------------------------------------
+    def _commit_masked(self, state: DenoiseState, row: Sequence[int]) -> int:
+        """Write a row's tokens at the masked positions it committed (``mask_id`` where it
+        committed nothing; padding after them is always ``mask_id``), keep the others masked
+        and count the step. Returns how many positions were committed."""
+        mask_id, tokens, masked = self.mask_id, state.tokens, state.masked
+        row = row[: len(masked)]
+        # ``compress`` walks the row in C; the Python loop only runs over this step's commits.
+        still = list(compress(masked, map(mask_id.__eq__, row)))
+        for pos, token in compress(zip(masked, row, strict=True), map(mask_id.__ne__, row)):
+            tokens[pos] = token
+        committed = len(masked) - len(still)
+        state.masked = still
+        state.committed += committed
+        state.step += 1
+        return committed
+
+    @staticmethod
+    def _finish_or_continue(state: DenoiseState, committed: int) -> StepResult:
+        """Extend the final answer after a step's commits; the request finishes once it holds
+        a stop id or reaches its answer budget (``max_tokens``)."""
+        new = state.advance_final()
+        if state.stop_at is not None or state.final_len == state.params.answer_budget:
+            return _finish(state, committed, "stop" if state.stop_at is not None else "length", new)
+        return StepResult(committed, False, new_tokens=new)
+
+    @staticmethod
+    def _schedule(state: DenoiseState, steps: int) -> None:
+        """The schedule of the masks in ``state.masked``: top-k spreads them over
+        ``min(steps, masks)`` steps (at least one; no step that commits nothing), the
+        data-dependent rules have none (``[0]``)."""
+        if state.params.mode != "topk":
+            state.schedule = [0]
+            return
+        steps = max(1, min(steps, len(state.masked)))
+        state.schedule = block_schedule(state.params.block_schedule, len(state.masked), steps)
+
+
+def _finish(state: DenoiseState, committed: int, reason: str, new: int) -> StepResult:
+    state.finished = True
+    state.finish_reason = reason
+    return StepResult(committed=committed, finished=True, finish_reason=reason, new_tokens=new)
+
+
+def _commit_by_row_rule(
+    states: Sequence[DenoiseState], score: torch.Tensor, k: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """Which proposals each row commits, under each row's own rule (``[R, M]`` bool).
+
+    A batch may mix requests of every rule. Each rule runs once over the whole batch (only when
+    some row uses it) and ``torch.where`` picks every row's own result, so a row commits exactly
+    what it would commit alone; the per-row parameters travel in one host→device copy.
+    ``score`` ``[R, M]``: confidences of each row's masked positions of its active block
+    (``-inf`` on padding); ``k`` ``[R]``: each top-k row's count for this step.
+    """
+    modes = [s.params.mode for s in states]
+    commit = None
+    if "topk" in modes:
+        # One commit per row (steps == block length, the usual setting): each row's first
+        # most confident position is what the stable sort ranks first, at a third of the cost.
+        one_each = all(s.schedule[s.step] == 1 for s in states if s.params.mode == "topk")
+        commit = argmax_onehot(score) if one_each else topk_commit_rows(score, k)
+    if modes.count("topk") == len(modes):
+        assert commit is not None
+        return commit
+    params = [s.params for s in states]
+    floats = to_device(
+        [p.confidence_threshold or p.local_leap_anchor_threshold for p in params]
+        + [p.local_leap_neighbor_threshold for p in params],
+        device,
+        score.dtype,
+    )
+    kappa, tau = floats[: len(params)], floats[len(params) :]
+    rule = threshold_commit_rows(score, kappa) if "threshold" in modes else None
+    if "local_leap" in modes:
+        # The widest active block: a block model's block is its trained one, whatever its
+        # params' canvas, so a max_tokens below the block still keeps offsets inside the span.
+        span = max(hi - lo for lo, hi in (s.active_block for s in states))
+        offsets, radius = _offsets(states, score.shape[1], device)
+        leap = local_leap_commit_rows(score, offsets, kappa, tau, radius, span)
+        is_leap = to_device([m == "local_leap" for m in modes], device)
+        rule = leap if rule is None else torch.where(is_leap[:, None], leap, rule)
+    assert rule is not None
+    if commit is None:
+        return rule
+    is_topk = to_device([m == "topk" for m in modes], device)
+    return torch.where(is_topk[:, None], commit, rule)
+
+
+def _offsets(
+    states: Sequence[DenoiseState], width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block offsets ``[R, M]`` of each row's masked positions (padding repeats the last)
+    and each row's LocalLeap radius ``[R]``."""
+    flat: list[int] = []
+    for s in states:
+        lo, _ = s.active_block
+        offs = [p - lo for p in s.masked] or [0]
+        flat.extend(offs + [offs[-1]] * (width - len(offs)))
+    flat.extend(s.params.local_leap_radius for s in states)
+    packed = to_device(flat, device, torch.long)
+    rows = len(states)
+    return packed[: rows * width].view(rows, width), packed[rows * width :]
+
+
+# ---- block diffusion over an exact KV cache --------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class BlockState(DenoiseState):
+    """One block-diffusion request: a denoising state whose blocks are aligned to position 0.
+
+    ``tokens`` is ``prompt + mask × (whole blocks up to max_tokens)`` (the answer budget is
+    ``params.gen_length``; positions past it are decoded and dropped); ``block`` indexes the
+    active block counted from position 0 and ``block_size`` is the checkpoint's; ``phase`` is
+    what the next forward does (prefill the prompt's whole blocks, decode the active block, or
+    — unfused — write the finished block's K/V). ``write_pending``: the previous block is final
+    and its K/V come with the next forward (fused write).
+    """
+
+    block_size: int = 0
+    phase: str = DECODE
+    write_pending: bool = False
+
+    @property
+    def active_block(self) -> tuple[int, int]:
+        lo = self.block * self.block_size
+        return lo, lo + self.block_size
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == PREFILL
+
+    @property
+    def row_length(self) -> int:
+        if self.phase == PREFILL:
+            return self.active_block[0]
+        return 2 * self.block_size if self.write_pending else self.block_size
+
+
+class BlockDiffusionDecoder(BlockDecoder):
+    """Block-diffusion decoding over an exact KV cache (SDAR, LLaDA2.x; see the module
+    docstring).
+
+    ``block_size`` is the checkpoint's trained block; requests cannot change it (the API
+    rejects another ``block_length``).
+    """
+
+    def __init__(
+        self, mask_id: int, stop_ids: Sequence[int], block_size: int, *, fuse_write: bool = True
+    ) -> None:
+        if block_size < 1:
+            raise ValueError("the block size must be >= 1")
+        super().__init__(mask_id, stop_ids)
+        self.fuse_write = fuse_write
+        self.block_size = block_size
+
+    def _canvas_length(self, prompt_len: int, params: DecodingParams) -> int:
+        """Prompt + answer budget, rounded up to whole blocks from position 0."""
+        b = self.block_size
+        return -(-(prompt_len + params.gen_length) // b) * b
+
+    def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
+        return self._canvas_length(prompt_len, params)
+
+    def init_state(
+        self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
+    ) -> BlockState:
+        prompt = [int(t) for t in prompt_ids]
+        first_block = len(prompt) // self.block_size
+        state: BlockState = self._new_state(
+            BlockState, prompt, self._canvas_length(len(prompt), params), params, device,
+            block_size=self.block_size, block=first_block,
+            phase=PREFILL if first_block else DECODE,
+        )  # fmt: skip
+        if state.phase == DECODE:
+            self._start_block(state)
+        else:
+            state.schedule = [0]  # a prefill commits nothing (the sampler reads k = 0)
+        return state
+
+    def prepare(self, state: BlockState) -> RowSpec:
+        if state.finished or state.kv is None:
+            raise RuntimeError("prepare() called on a finished request (or one without KV)")
+        lo, hi = state.active_block
+        if state.phase == PREFILL:  # the prompt's whole blocks, block-causal, K/V kept
+            return RowSpec(
+                tokens=state.tokens[:lo], start=0, logits_at=[lo - 1],
+                attention=AttentionKind.BLOCK_CAUSAL, kv=state.kv, block=self.block_size,
+            )  # fmt: skip
+        start = lo - self.block_size if state.write_pending else lo
+        if state.kv.length != start:
+            raise RuntimeError(f"block cache holds {state.kv.length} positions, expected {start}")
+        offsets = [p - start for p in state.masked] if state.phase == DECODE else [0]
+        if state.write_pending:
+            # The finished block and the active one in one forward, block-causal: the finished
+            # block's queries see the prefix and itself (its final K/V, as a separate write
+            # forward computes them), the active block's see the prefix and both blocks.
+            return RowSpec(
+                tokens=state.tokens[start:hi], start=start, logits_at=offsets,
+                attention=AttentionKind.BLOCK_CAUSAL, kv=state.kv, block=self.block_size,
+            )  # fmt: skip
+        return RowSpec(tokens=state.tokens[lo:hi], start=lo, logits_at=offsets, kv=state.kv)
+
+    def _commit_row(self, state: BlockState, row: Sequence[int]) -> StepResult:
+        if state.finished or state.kv is None:
+            raise RuntimeError("commit() called on a finished request")
+        state.nfe += 1
+        lo, hi = state.active_block
+        if state.phase == PREFILL:
+            state.kv.length = lo
+            state.phase = DECODE
+            self._start_block(state)
+            return StepResult(committed=0, finished=False)
+        if state.phase == WRITE:  # the block's final K/V are in place: keep them, move on
+            state.kv.length = hi
+            state.block += 1
+            self._start_block(state)
+            return StepResult(committed=0, finished=False)
+        if state.write_pending:  # the previous block's final K/V came with this forward
+            state.kv.length = lo
+            state.write_pending = False
+        result = self._finish_or_continue(state, self._commit_masked(state, row))
+        if result.finished:
+            return result
+        if not state.masked and self.fuse_write:
+            # The next block's first step will also write this block's final K/V.
+            state.block += 1
+            self._start_block(state)
+            state.write_pending = True
+        elif not state.masked:
+            state.phase = WRITE
+            state.schedule, state.step = [0], 0  # the write forward commits nothing
+        return result
+
+    def _start_block(self, state: BlockState) -> None:
+        """The active block's masks and, for top-k, its schedule over ``min(steps, masks)``
+        steps (no step that commits nothing)."""
+        lo, hi = state.active_block
+        state.phase = DECODE
+        state.step = 0
+        state.masked = [p for p in range(lo, hi) if state.tokens[p] == self.mask_id]
+        self._schedule(state, state.params.steps)

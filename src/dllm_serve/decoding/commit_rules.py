@@ -1,0 +1,219 @@
+"""Commit rules: which of a block's masked positions receive their proposal this step.
+
+Every rule works on a batch of rows at once: confidences ``c`` ``[R, M]`` of each row's
+still-masked positions of its active block (ascending position order, then padding), where
+padding and anything else that must never be committed holds ``-inf``. Each returns a boolean
+``[R, M]`` of the positions to commit. Ties are broken towards the lowest position,
+deterministically (``torch.topk`` and an unstable sort promise no order among equal values).
+
+- **top-k** (LLaDA's low-confidence remasking) commits a scheduled number per step; the
+  schedules below say how many.
+- **threshold** (Fast-dLLM) commits every position at or above a confidence threshold, and
+  always the most confident one.
+- **LocalLeap** (arXiv:2510.07081): local determinism propagation around confident anchors.
+  The rule follows the authors' ``get_transfer_index``, not a schedule-bound adaptation of it
+  (a fixed number of commits per step): there is no per-step budget, so the number of forwards
+  per block is data-dependent.
+
+**Schedules.**
+A schedule turns ``num_masked`` (the masks of a block when it starts) and ``steps`` (the steps
+the block gets) into a list of ``steps`` non-negative counts summing to ``num_masked``. Only
+fixed-step (top-k) decoding uses a schedule; the threshold and LocalLeap modes commit a
+data-dependent number of tokens per step.
+
+Every schedule here satisfies (property-tested over many ``(n, s)``):
+
+- ``len == steps``, ``sum == num_masked``, every count ``>= 0``;
+- when ``steps <= num_masked`` no step commits zero tokens (a zero step is a wasted forward);
+  when ``steps > num_masked`` every step commits at most one (the fewest empty steps);
+- ``uniform``: counts differ by at most one, remainder first (LLaDA);
+- ``cosine``: non-decreasing (few commits early, many late);
+- ``front_loaded``: non-increasing (many early, few late), the mirror image of ``cosine``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+# ---- schedules ---------------------------------------------------------------------------------
+
+
+def _check(num_masked: int, steps: int) -> None:
+    if steps < 1:
+        raise ValueError("steps must be >= 1")
+    if num_masked < 0:
+        raise ValueError("num_masked must be >= 0")
+
+
+def uniform_schedule(num_masked: int, steps: int) -> list[int]:
+    """LLaDA's ``get_num_transfer_tokens``: an equal share per step, remainder first.
+
+    LLaDA's forward process masks each token independently with probability ``t`` and the
+    sampler walks ``t`` from 1 to 0 in equal decrements, so the expected number of tokens
+    unmasked per step is the same at every step: ``num_masked / steps``. Integer counts are
+    ``base = num_masked // steps`` everywhere plus one extra token on each of the first
+    ``num_masked % steps`` steps. When ``steps > num_masked`` the trailing steps commit
+    nothing (they still cost a forward pass in the reference sampler).
+    """
+    _check(num_masked, steps)
+    base, remainder = divmod(num_masked, steps)
+    return [base + 1 if i < remainder else base for i in range(steps)]
+
+
+def cosine_schedule(num_masked: int, steps: int) -> list[int]:
+    """Few commits early, many late: MaskGIT's cosine masking curve.
+
+    MaskGIT keeps a fraction ``γ(r) = cos(π r / 2)`` of the tokens masked at time
+    ``r = i / steps``, so the committed fraction is ``F(r) = 1 − cos(π r / 2)``: flat at the
+    start (when the model sees least context and its predictions are least reliable) and
+    steep at the end. Counts come from rounding the cumulative target ``C_i = n·F(i/s)``,
+    then repaired by :func:`_from_cumulative` (at least one token per step when there are at
+    least as many tokens as steps, at most one otherwise).
+    """
+    _check(num_masked, steps)
+    cumulative = [num_masked * (1.0 - math.cos(math.pi * i / (2 * steps))) for i in range(steps)]
+    return sorted(_from_cumulative(cumulative, num_masked))
+
+
+def front_loaded_schedule(num_masked: int, steps: int) -> list[int]:
+    """Many commits early, few late: the mirror image of :func:`cosine_schedule`.
+
+    The committed fraction is ``F(r) = sin(π r / 2) = 1 − F_cos(1 − r)``; we return the cosine
+    counts reversed, which is that curve with the same rounding, so the two schedules are
+    exact mirrors of each other (tested).
+    """
+    return cosine_schedule(num_masked, steps)[::-1]
+
+
+def _from_cumulative(cumulative: list[float], n: int) -> list[int]:
+    """Per-step counts from real cumulative targets ``C_0..C_{s-1}`` (``C_s = n`` implied).
+
+    Naive rounding of a curve gives zero-commit steps (n = 32, s = 32 under cosine has many),
+    each a wasted forward. Repair, left to right, with ``C_0 = 0`` before the first step:
+    ``C_i ← max(C_i, C_{i−1} + 1)`` (at least one token per step) and
+    ``C_i ≤ n − (s − i)`` (leave at least one token for each remaining step), when ``n ≥ s``.
+    With fewer masks than steps some steps must be empty; then each step commits at most one
+    token, so no more than ``s − n`` forwards are spent on empty steps. The caller sorts
+    the counts, because rounding a convex curve can still yield e.g. ``[…, 1, 0, 1, …]``;
+    sorting keeps the multiset (sum, minimum) and makes the shape monotone.
+    """
+    steps = len(cumulative)
+    previous = 0
+    counts = []
+    for i in range(1, steps + 1):
+        # Round half up (not Python's half-to-even) so the result is a plain function of C_i.
+        target = n if i == steps else math.floor(cumulative[i] + 0.5)
+        if n >= steps:
+            target = min(max(target, previous + 1), n - (steps - i))
+        else:
+            # Mirror rule with fewer masks than steps: at most one token per step, so exactly
+            # s − n steps are empty (the fewest possible) and the block still finishes.
+            target = min(max(target, previous, n - (steps - i)), previous + 1)
+        counts.append(target - previous)
+        previous = target
+    return counts
+
+
+SCHEDULES: dict[str, Callable[[int, int], list[int]]] = {
+    "uniform": uniform_schedule,
+    "cosine": cosine_schedule,
+    "front_loaded": front_loaded_schedule,
+}
+
+
+def block_schedule(name: str, num_masked: int, steps: int) -> list[int]:
+    """Dispatch to the schedule called ``name`` (see ``DecodingParams.block_schedule``)."""
+    schedule = SCHEDULES.get(name)
+    if schedule is None:
+        raise ValueError(f"unknown block_schedule {name!r} (available: {sorted(SCHEDULES)})")
+    return schedule(num_masked, steps)
+
+
+# ---- top-k and threshold -----------------------------------------------------------------------
+
+
+def topk_commit_rows(confidence: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """LLaDA's low-confidence remasking: commit each row's ``k[r]`` most confident positions.
+
+    The rest stay masked ("remasked") and are predicted again next step with more context.
+    A stable descending sort over ascending positions breaks ties by the lowest position; a
+    position's rank is its index in that order (the inverse permutation, by a second sort).
+    """
+    order = torch.sort(confidence, dim=-1, descending=True, stable=True).indices
+    rank = torch.argsort(order, dim=-1)
+    return rank < k[:, None]
+
+
+def argmax_onehot(confidence: torch.Tensor) -> torch.Tensor:
+    """``[R, M]`` bool marking each row's most confident position (the first among ties)."""
+    first = confidence.argmax(dim=-1, keepdim=True)
+    return torch.zeros_like(confidence, dtype=torch.bool).scatter_(-1, first, True)
+
+
+def threshold_commit_rows(confidence: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Fast-dLLM's parallel decoding: ``{argmax c} ∪ {i : c_i ≥ threshold}`` per row.
+
+    Fast-dLLM (arXiv:2505.22618, Thm. 1) shows that when every committed marginal has
+    confidence above ``1 − ε`` with ``(n + 1)ε ≤ 1``, greedy parallel decoding of those ``n``
+    positions equals greedy sequential decoding, so confident positions can be committed
+    together. The most confident position is always committed, even below the threshold,
+    so every step makes progress and a block of ``b`` masks needs at most ``b`` forwards.
+    """
+    return (confidence >= threshold[:, None]) | argmax_onehot(confidence)
+
+
+# ---- LocalLeap ---------------------------------------------------------------------------------
+
+
+def near_anchor_rows(
+    offsets: torch.Tensor, anchors: torch.Tensor, radius: torch.Tensor, span: int
+) -> torch.Tensor:
+    """Whether some anchor lies within ``radius[r]`` of each position (``[R, M]`` bool).
+
+    ``offsets`` ``[R, M]`` are the positions' offsets in their block (``0 ≤ offset < span``;
+    padding may repeat an offset, it is never an anchor), ``anchors`` ``[R, M]`` bool over them.
+    Distances are canvas distances, so committed positions between two masked ones count
+    (the neighbourhood ``[a − W, a + W]`` is an interval of the canvas). Computed with a prefix
+    sum of anchor counts over the block: ``O(span)`` per row, no ``[M, M]`` matrix.
+    """
+    rows = offsets.shape[0]
+    dense = torch.zeros(rows, span, dtype=torch.long, device=offsets.device)
+    dense.scatter_add_(1, offsets, anchors.long())
+    # prefix[j] = number of anchors at offsets < j; window count = prefix[hi] − prefix[lo].
+    prefix = torch.nn.functional.pad(dense.cumsum(1), (1, 0))
+    lo = (offsets - radius[:, None]).clamp(min=0)
+    hi = (offsets + radius[:, None] + 1).clamp(max=span)
+    return (prefix.gather(1, hi) - prefix.gather(1, lo)) > 0
+
+
+def local_leap_commit_rows(
+    confidence: torch.Tensor,
+    offsets: torch.Tensor,
+    anchor_threshold: torch.Tensor,
+    neighbor_threshold: torch.Tensor,
+    radius: torch.Tensor,
+    span: int,
+) -> torch.Tensor:
+    """LocalLeap's commit set for one step, per row (``[R, M]`` bool).
+
+    With κ = ``anchor_threshold``, τ = ``neighbor_threshold`` (τ ≤ κ), W = ``radius``::
+
+        A      = {a masked in block : c_a ≥ κ}                 # anchors, this step only
+        commit = {argmax c} ∪ {i : c_i ≥ κ} ∪ {i : c_i ≥ τ and |i − a| ≤ W for some a ∈ A}
+
+    The paper's observation is that positions next to a confident prediction are themselves
+    close to final ("local determinism"), and that this consistency decays with distance, so a
+    relaxed threshold τ is safe only within W of an anchor. Anchors are positions that are
+    masked *now* and reach κ in *this* step: a token committed earlier does not widen the
+    relaxed region, and a τ-level neighbour committed this step does not become an anchor
+    (one step of propagation). The argmax keeps progress when no position reaches κ, in
+    which case exactly one token is committed. With W = 0 or τ = κ the rule is exactly
+    :func:`threshold_commit_rows` at κ.
+    """
+    anchors = confidence >= anchor_threshold[:, None]
+    near = near_anchor_rows(offsets, anchors, radius, span)
+    relaxed = near & (confidence >= neighbor_threshold[:, None])
+    return threshold_commit_rows(confidence, anchor_threshold) | relaxed

@@ -1,0 +1,285 @@
+"""The one place that maps a checkpoint (its family) and a decoding mode to the algorithm that
+decodes it: adding a decoding algorithm is one module plus one line here.
+
+==================================  ============================================================
+family                              algorithm
+==================================  ============================================================
+LLaDA, Dream, LLaDA-MoE (canvas)    :class:`~dllm_serve.decoding.canvas.LLaDADenoiser`
+SDAR/TraDo, LLaDA2.x (blocks)       :class:`~dllm_serve.decoding.blocks.BlockDiffusionDecoder`
+Fast-dLLM v2                        :class:`~dllm_serve.decoding.fast_dllm.FastDLLMDecoder`
+I-DLM                               :class:`~dllm_serve.decoding.selfspec.ISDecoder`
+tri-mode (Nemotron-Labs-Diffusion)  :class:`TriModeDecoder` over ``ar`` (ISD at stride 1),
+                                    ``diffusion`` (``CausalBlockDiffusionDecoder``) and
+                                    ``linear_spec`` (``LinearSpecDecoder``)
+==================================  ============================================================
+
+**Tri-mode.**
+Nemotron-Labs-Diffusion runs one set of weights three ways (``params.py``):
+``ar`` (causal decoding with the KV cache: I-DLM's exact decoder at stride 1, which is plain
+greedy/sampled AR), ``diffusion`` (``causal_blocks.py``) and ``linear_spec``
+(``linear_spec.py``). :class:`TriModeDecoder` routes every call to the request's mode, so rows
+of different modes share one forward: each row carries its own attention kind, positions,
+KV span and weight view, and the samplers are per row. A request's state records its resolved
+mode in ``state.params.decoding_mode``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from dllm_serve.decoding.blocks import BlockDiffusionDecoder
+from dllm_serve.decoding.canvas import LLaDADenoiser
+from dllm_serve.decoding.causal_blocks import CausalBlockDiffusionDecoder
+from dllm_serve.decoding.fast_dllm import FastDLLMDecoder
+from dllm_serve.decoding.linear_spec import LinearSpecDecoder
+from dllm_serve.decoding.params import (
+    AR,
+    DEFAULT_ISD_STRIDE,
+    DEFAULT_TRI_MODE,
+    DIFFUSION,
+    LINEAR_SPEC,
+    TRI_MODE,
+    TRI_MODES,
+    BlockSizeTiers,
+    DecodingParams,
+    model_mode,
+)
+from dllm_serve.decoding.protocol import (
+    DecodeState,
+    DecodingAlgorithm,
+    RowSpec,
+    ShardedLogits,
+    StepLogits,
+    StepResult,
+    as_step_logits,
+)
+from dllm_serve.decoding.sampler import select_rows
+from dllm_serve.decoding.selfspec import ISDecoder
+from dllm_serve.models.attention import to_device
+from dllm_serve.models.families import FastDLLMFamily
+from dllm_serve.models.loader import LoadedModel
+
+ISD_FAMILIES = ("sdar",)  # families served by self-speculation (I-DLM)
+
+
+class DecodingFlags(Protocol):
+    """The server's decoding flags the registry reads (the engine's ``EngineConfig``)."""
+
+    decoding_mode: str | None
+    isd_stride: int
+    block_size_tiers: tuple[tuple[int, int], ...]
+    kv_cache: str
+
+
+def algorithm_for(
+    loaded: LoadedModel, config: DecodingFlags, running: Callable[[], int]
+) -> DecodingAlgorithm:
+    """Block-diffusion checkpoints (SDAR, LLaDA2; Fast-dLLM v2 with its token shift and
+    sub-blocks) decode block by block against an exact KV cache; I-DLM checkpoints by exact
+    self-speculation (stride per tiers, docs/self-speculation.md); every other family by
+    LLaDA-style block denoising (prefix cache per ``--kv-cache``).
+
+    ``running`` returns the engine's current number of running requests; with tiers the ISD
+    decoder asks it at every ``prepare``, so the stride follows the load.
+
+    Tri-mode checkpoints (Nemotron-Labs-Diffusion) decode each request by its own
+    ``decoding_mode`` (default ``--decoding-mode``, else linear_spec; docs/self-speculation.md).
+    Any other model has one mode, and a ``--decoding-mode`` naming another is a ValueError.
+    """
+    if loaded.family.tri_mode:
+        algorithm: DecodingAlgorithm = _tri_mode(loaded, config, running)
+    else:
+        algorithm = _one_mode(loaded, config, running)
+        own = model_mode(algorithm.decoding_mode)
+        if config.decoding_mode not in (None, own):
+            raise ValueError(
+                f"--decoding-mode {config.decoding_mode}: model {loaded.name!r} decodes only by "
+                f"'{own}'; omit the flag or set it to '{own}'"
+            )
+    _check_flags_apply(loaded.name, algorithm.decoding_mode, config)
+    return algorithm
+
+
+# The algorithm kinds, as the start-up errors name them.
+_KIND_NAMES = {
+    "diffusion": "canvas-denoising",
+    "block_diffusion": "block-diffusion",
+    "self_speculation": "I-DLM",
+    TRI_MODE: "tri-mode",
+}
+
+
+def _check_flags_apply(name: str, kind: str, config: DecodingFlags) -> None:
+    """A decoding flag set for a model whose algorithm (of ``kind``) has no use for it is a
+    ValueError at start-up (as a wrong ``--decoding-mode`` is), never a setting that silently
+    does nothing."""
+    unused = []
+    if config.isd_stride != DEFAULT_ISD_STRIDE and kind != "self_speculation":
+        unused.append("--isd-stride (I-DLM models only)")
+    if config.block_size_tiers and kind not in ("self_speculation", TRI_MODE):
+        unused.append("--block-size-tiers (I-DLM and tri-mode models only)")
+    if config.kv_cache != "none" and kind != "diffusion":
+        unused.append("--kv-cache (LLaDA and Dream: the others always keep an exact KV cache)")
+    if unused:
+        raise ValueError(
+            f"model {name!r} ({_KIND_NAMES.get(kind, kind)}) has no use for "
+            + ", ".join(unused)
+            + "; omit the flag"
+        )
+
+
+def _tri_mode(
+    loaded: LoadedModel, config: DecodingFlags, running: Callable[[], int]
+) -> TriModeDecoder:
+    """ar, diffusion and linear_spec over the same weights; block-size tiers shrink
+    LinearSpec's block B under load (exact for any B)."""
+    assert loaded.block_size is not None  # the tri-mode family reads it from config.json
+    tiers = BlockSizeTiers(loaded.block_size, tuple(config.block_size_tiers))
+    linear = LinearSpecDecoder(
+        loaded.mask_id,
+        loaded.stop_ids,
+        block_size=loaded.block_size,
+        block_for=(lambda: tiers.stride_for(running())) if tiers.tiers else None,
+        max_block=tiers.max_stride,
+    )
+    modes = {
+        AR: ISDecoder(loaded.mask_id, loaded.stop_ids, stride=1),
+        DIFFUSION: CausalBlockDiffusionDecoder(loaded.mask_id, loaded.stop_ids, loaded.block_size),
+        LINEAR_SPEC: linear,
+    }
+    default = config.decoding_mode or DEFAULT_TRI_MODE
+    if default not in modes:
+        raise ValueError(
+            f"--decoding-mode {default}: model {loaded.name!r} is tri-mode and decodes by "
+            "'ar', 'diffusion' or 'linear_spec'"
+        )
+    return TriModeDecoder(modes, default)
+
+
+def _one_mode(
+    loaded: LoadedModel, config: DecodingFlags, running: Callable[[], int]
+) -> DecodingAlgorithm:
+    if loaded.family.block_diffusion:
+        assert loaded.block_size is not None  # the loader reads it for these families
+        if isinstance(loaded.family, FastDLLMFamily):
+            return FastDLLMDecoder(
+                loaded.mask_id,
+                loaded.stop_ids,
+                loaded.block_size,
+                sub_block=loaded.family.sub_block_size,
+            )
+        return BlockDiffusionDecoder(loaded.mask_id, loaded.stop_ids, loaded.block_size)
+    if loaded.family.name in ISD_FAMILIES:
+        tiers = BlockSizeTiers(config.isd_stride, tuple(config.block_size_tiers))
+        return ISDecoder(
+            loaded.mask_id,
+            loaded.stop_ids,
+            stride=config.isd_stride,
+            stride_for=(lambda: tiers.stride_for(running())) if tiers.tiers else None,
+            max_stride=tiers.max_stride,
+        )
+    return LLaDADenoiser(
+        loaded.mask_id,
+        loaded.stop_ids,
+        logit_shift=loaded.family.logit_shift,
+        bidirectional=loaded.family.bidirectional,
+        prefix_cache=config.kv_cache == "prefix",
+        mask_lookahead=loaded.mask_lookahead,
+    )
+
+
+def default_mode(algorithm: DecodingAlgorithm) -> str:
+    """The ``decoding_mode`` a request that names none decodes by."""
+    if isinstance(algorithm, TriModeDecoder):
+        return algorithm.default
+    return model_mode(algorithm.decoding_mode)
+
+
+def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingParams) -> None:
+    """A request setting what ``algorithm`` does not do is a ValueError when it is submitted:
+    a ``decoding_mode`` the model lacks must neither decode by another mode nor fail inside
+    the engine thread, and only canvas denoising drops canvas positions past an
+    ``answer_limit``."""
+    tri = isinstance(algorithm, TriModeDecoder)
+    modes = tuple(algorithm.modes) if tri else (default_mode(algorithm),)
+    if params.decoding_mode not in (None, *modes):
+        raise ValueError(
+            f"decoding_mode {params.decoding_mode!r}: model {model!r} decodes only by "
+            + " or ".join(map(repr, modes))
+        )
+    if params.answer_limit is not None and algorithm.decoding_mode != "diffusion":
+        raise ValueError(f"answer_limit applies to canvas denoising, not {algorithm.decoding_mode}")
+
+
+# ---- tri-mode ----------------------------------------------------------------------------------
+
+
+class TriModeDecoder:
+    """Dispatches to one algorithm per mode (``modes``); ``default`` serves requests that name
+    none (the server's ``--decoding-mode``)."""
+
+    decoding_mode = TRI_MODE
+
+    def __init__(self, modes: Mapping[str, DecodingAlgorithm], default: str) -> None:
+        if set(modes) != set(TRI_MODES):
+            raise ValueError(f"a tri-mode decoder needs the modes {TRI_MODES}, got {set(modes)}")
+        if default not in modes:
+            raise ValueError(f"default decoding mode {default!r} is not one of {TRI_MODES}")
+        self.modes = dict(modes)
+        self.default = default
+
+    def mode_of(self, params: DecodingParams) -> str:
+        mode = params.decoding_mode or self.default
+        if mode not in self.modes:
+            raise ValueError(f"decoding_mode {mode!r} is not one of this model's {TRI_MODES}")
+        return mode
+
+    def _algorithm(self, state: Any) -> DecodingAlgorithm:
+        return self.modes[state.params.decoding_mode]
+
+    def init_state(
+        self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
+    ) -> DecodeState:
+        resolved = dataclasses.replace(params, decoding_mode=self.mode_of(params))
+        return self.modes[resolved.decoding_mode].init_state(prompt_ids, resolved, device)
+
+    def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
+        """The widest mode's need (a few slots more than ``ar`` needs): what the KV pool is
+        sized for, whatever mode the requests pick."""
+        return max(m.kv_tokens(prompt_len, params) for m in self.modes.values())
+
+    def prepare(self, state: DecodeState) -> RowSpec:
+        return self._algorithm(state).prepare(state)
+
+    def sample(
+        self, states: Sequence[DecodeState], logits: torch.Tensor | ShardedLogits | StepLogits
+    ) -> torch.Tensor:
+        """Each mode's sampler on its own rows; their outputs side by side, ``[R, W]`` (rows
+        narrower than ``W`` are padded with zeros, which no commit reads)."""
+        logits = as_step_logits(logits)
+        groups: dict[str, list[int]] = {}
+        for r, state in enumerate(states):
+            groups.setdefault(state.params.decoding_mode, []).append(r)  # type: ignore[arg-type]
+        if len(groups) == 1:
+            return self.modes[next(iter(groups))].sample(states, logits)
+        parts = []
+        for mode, rows in groups.items():
+            index = to_device(rows, logits.device)
+            sub = self.modes[mode].sample([states[r] for r in rows], select_rows(logits, rows))
+            parts.append((index, sub))
+        width = max(sub.shape[1] for _, sub in parts)
+        out = torch.zeros(len(states), width, dtype=torch.long, device=logits.device)
+        for index, sub in parts:
+            out[index, : sub.shape[1]] = sub.to(torch.long)
+        return out
+
+    def commit(
+        self, states: Sequence[DecodeState], host: Sequence[Sequence[int]]
+    ) -> list[StepResult]:
+        return [
+            self._algorithm(s).commit([s], [row])[0] for s, row in zip(states, host, strict=True)
+        ]
