@@ -110,6 +110,14 @@ TYPED = [
 ]
 
 
+# Issue 39's bar, not met yet (docs/training.md): demo-llada (retrained) gets 9 of 12 held-out
+# phrased additions and answers `what is 2 + 2` with `2 + 2 = 5` after a system prompt or an
+# earlier turn; demo-idlm and demo-trimode were not retrained for how people ask. Strict: the
+# day a retrained demo passes, this marker must go.
+NOT_YET = pytest.mark.xfail(strict=True, reason="issue 39: the demos do not meet this bar yet")
+
+
+@NOT_YET
 @pytest.mark.parametrize("name", DEMOS)
 def test_demo_understands_how_people_ask(name: str) -> None:
     """The issue's prompts, a dozen held-out phrasings per task (at least 10 of 12 right, the
