@@ -16,6 +16,7 @@ answers at every canvas are the same text. Writes
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -29,14 +30,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, at_least, machine_info, write_json
 
 from dllm_serve.local_server import LocalServer
+from dllm_serve.models.hub import EMBEDDED_MODELS
 from dllm_serve_train.tasks import STRATA, Example, held_out_additions, held_out_set
 
-TASKS = ("reverse_word", "reverse", "sort_word", "sort", "count", "lookup")
+TASKS = ("reverse_word", "reverse", "reverse_long", "sort_word", "sort", "count", "lookup")
 
 
-def question_sets(n: int, n_other: int) -> dict[str, list[Example]]:
+def trained_tasks(model: str) -> tuple[str, ...]:
+    """The tasks of :data:`TASKS` that ``model``'s training report gives a weight (all of
+    them when it has no report): a task the model was not trained on is not measured."""
+    path = Path(EMBEDDED_MODELS.get(model, model)) / "training_report.json"
+    if not path.is_file():
+        return TASKS
+    weights = json.loads(path.read_text()).get("task_weights") or {}
+    return tuple(t for t in TASKS if weights.get(t))
+
+
+def question_sets(n: int, n_other: int, tasks: tuple[str, ...] = TASKS) -> dict[str, list[Example]]:
     sets = {f"addition_{s}": held_out_additions(s, n) for s in STRATA}
-    sets |= {t: held_out_set(n_other, task=t) for t in TASKS}
+    sets |= {t: held_out_set(n_other, task=t) for t in tasks}
     return sets
 
 
@@ -58,7 +70,7 @@ def ask_all(
 
 
 def run_model(model: str, canvases: list[int | None], n: int, n_other: int, workers: int) -> dict:
-    sets = question_sets(n, n_other)
+    sets = question_sets(n, n_other, trained_tasks(model))
     log = Path(tempfile.mkdtemp()) / "server.log"
     server = LocalServer.start(["--model", model, "--log-level", "warning"], log)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=600)

@@ -16,7 +16,13 @@ import torch
 
 from dllm_serve.arg_types import new_or_empty_dir
 from dllm_serve_train.arguments import check_arguments, parse_canvases
-from dllm_serve_train.evaluation import N_ADDITION, N_OTHER, evaluate, server_params
+from dllm_serve_train.evaluation import (
+    N_ADDITION,
+    N_OTHER,
+    evaluate,
+    evaluate_phrasings,
+    server_params,
+)
 from dllm_serve_train.loop import train
 from dllm_serve_train.model_card import write_model_card
 from dllm_serve_train.skeleton import SIZES
@@ -89,6 +95,19 @@ def main(argv: list[str] | None = None) -> None:
         help="one token per letter and digit (drop the BPE's word and number merges)",
     )
     p.add_argument(
+        "--phrasing",
+        type=float,
+        default=0.0,
+        help="share of additions and reversals asked in a random training phrasing "
+        "(dllm_serve_train/phrasings.py) with case, punctuation and spacing varied",
+    )
+    p.add_argument(
+        "--context",
+        type=float,
+        default=0.0,
+        help="share of examples asked after a system prompt and/or earlier turns",
+    )
+    p.add_argument(
         "--tail-rows",
         type=int,
         default=0,
@@ -141,21 +160,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = train(args)
-    if args.family == "nemotron":  # the draft LoRA, then every decoding mode evaluated
-        print(json.dumps(finish(args, report, command_line(vars(args), defaults)), indent=2))
-        return
-    canvases = parse_canvases(args.eval_canvases)
-    trained = tuple(t for t, w in report["task_weights"].items() if w)  # untrained: not scored
-    report["held_out_exact_match"] = evaluate(
-        args.out, args.family, args.device, args.canvas, tasks=trained, canvases=canvases
-    )
     if args.init and (args.init / "training_report.json").is_file():
         first = json.loads((args.init / "training_report.json").read_text())
         report["init_from"] = {  # the whole chain of earlier stages
             k: first[k]
-            for k in ("command", "steps", "seconds", "cpu_seconds", "init_from")
+            for k in ("command", "steps", "seconds", "cpu_seconds", "init_from", "draft_lora")
             if k in first
         }
+    if args.family == "nemotron":  # the draft LoRA, then every decoding mode evaluated
+        print(json.dumps(finish(args, report, command_line(vars(args), defaults)), indent=2))
+        return
+    canvases = parse_canvases(args.eval_canvases)
+    # Untrained tasks are not scored; off-topic questions are scored with the phrasings.
+    trained = tuple(t for t, w in report["task_weights"].items() if w and t != "off_topic")
+    report["held_out_exact_match"] = evaluate(
+        args.out, args.family, args.device, args.canvas, tasks=trained, canvases=canvases
+    )
+    if args.phrasing or report["task_weights"].get("off_topic"):
+        report["held_out_phrasings"] = evaluate_phrasings(args.out, args.device, args.canvas)
     report["held_out_counts"] = {
         **{f"addition_{n}": len(held_out_additions(n, N_ADDITION // len(STRATA))) for n in STRATA},
         **{t: len(held_out_set(N_OTHER, task=t)) for t in trained if t != "addition"},

@@ -78,8 +78,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--{name.replace('_', '-')} must be a finite number > 0")
     if not (math.isfinite(args.rope_theta) and args.rope_theta >= 0):
         parser.error("--rope-theta must be a finite number >= 0 (0: the format's own)")
-    if not 0.0 <= args.ar_fraction <= 1.0:
-        parser.error("--ar-fraction must be between 0 and 1")
+    for name in ("ar_fraction", "phrasing", "context"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be between 0 and 1")
     if args.family != "nemotron" and (args.block_size or args.lora_steps):
         parser.error("--block-size and --lora-steps are for --family nemotron")
     if args.family != "llada":

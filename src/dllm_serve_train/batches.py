@@ -9,7 +9,13 @@ from collections.abc import Iterator
 import torch
 
 from dllm_serve.models.loader import LoadedModel
-from dllm_serve_train.objectives import TrainBatch, idlm_batch, llada_batch, llada_tail_batch
+from dllm_serve_train.objectives import (
+    TrainBatch,
+    by_length,
+    idlm_batch,
+    llada_batch,
+    llada_tail_batch,
+)
 from dllm_serve_train.tasks import examples
 from dllm_serve_train.trimode_objective import trimode_batch
 
@@ -37,9 +43,12 @@ class BatchStream(torch.utils.data.IterableDataset):
         ar_fraction: float = 0.0,
         tail_rows: int = 0,
         tail_min_canvas: int = 0,
+        phrasing: float = 0.0,
+        context: float = 0.0,
     ) -> None:
         self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
         self.addition_operands, self.ramp_examples = addition_operands, ramp_examples
+        self.phrasing, self.context = phrasing, context  # tasks.examples: how people ask
         self.causal_batches = causal_batches  # LLaDA: the first batches with a causal mask
         self.llada = family == "llada"
         # LLaDA: rows at long canvases (llada_tail_batch), their own batch beside each one
@@ -59,7 +68,7 @@ class BatchStream(torch.utils.data.IterableDataset):
         else:
             self.make = idlm_batch
 
-    def __iter__(self) -> Iterator[TrainBatch | tuple[TrainBatch, TrainBatch]]:
+    def __iter__(self) -> Iterator[TrainBatch | tuple[TrainBatch, ...]]:
         info = torch.utils.data.get_worker_info()
         seed = self.seed if info is None else self.seed * 1000 + 1 + info.id
         rng = random.Random(seed)
@@ -71,27 +80,32 @@ class BatchStream(torch.utils.data.IterableDataset):
             weights=self.weights,
             addition_operands=self.addition_operands,
             ramp_examples=max(ramp, 1),
+            phrasing=self.phrasing,
+            context=self.context,
         )
         causal = self.causal_batches // (1 if info is None else info.num_workers)
         made = 0
         while True:
             batch = [next(stream) for _ in range(self.batch_size)]
+            if self.llada:
+                built = self.make(self.loaded, batch, rng, causal=made < causal)
+            else:
+                built = self.make(self.loaded, batch, rng)
+            # Rows with earlier turns are long: short and long rows then go in batches of
+            # their own (the same loss, a fraction of the padding).
+            parts = by_length(built) if self.context else (built,)
             if self.llada and self.tail_rows:
                 tail = [next(stream) for _ in range(self.tail_rows)]
-                yield (
-                    self.make(self.loaded, batch, rng, causal=made < causal),
+                parts += (
                     llada_tail_batch(self.loaded, tail, rng, min_canvas=self.tail_min_canvas),
                 )
-            elif self.llada:
-                yield self.make(self.loaded, batch, rng, causal=made < causal)
-            else:
-                yield self.make(self.loaded, batch, rng)
+            yield parts if len(parts) > 1 else parts[0]
             made += 1
 
 
 def batch_iterator(
     dataset: BatchStream, workers: int
-) -> Iterator[TrainBatch | tuple[TrainBatch, TrainBatch]]:
+) -> Iterator[TrainBatch | tuple[TrainBatch, ...]]:
     """The dataset itself, or a DataLoader over it with ``workers`` processes. Start it before
     the model moves to a GPU: the workers fork and must not inherit a CUDA context."""
     if workers <= 0:

@@ -2,8 +2,8 @@
 
 The tiny BPE merges common letter pairs (``Ġhe``, ``llo``), so ``hello`` is two tokens and
 reversing it needs the spelling of each — which a 2 M-parameter model trained for an hour
-does not learn (``hello`` → ``ot``). Dropping every merge whose result is only lowercase
-letters or only digits (after an optional leading space) spells words and numbers one
+does not learn (``hello`` → ``ot``). Dropping every merge whose result is only letters
+(either case) or only digits (after an optional leading space) spells words and numbers one
 character per token. The vocabulary and its ids are unchanged (the merged tokens just never
 occur), so the checkpoint's format and embedding size stay those of the tiny checkpoints.
 """
@@ -14,11 +14,12 @@ import json
 import re
 from pathlib import Path
 
-_SPELLED = re.compile(r"Ġ?([a-z]+|[0-9]+)")
+_SPELLED = re.compile(r"Ġ?([A-Za-z]+|[0-9]+)")
 
 
 def keep_merge(left: str, right: str) -> bool:
-    """False for a merge that would join letters of a word or digits of a number."""
+    """False for a merge that would join letters of a word (either case: ``Hello`` and
+    ``HELLO`` are reversed letter by letter too) or digits of a number."""
     return _SPELLED.fullmatch(left + right) is None
 
 

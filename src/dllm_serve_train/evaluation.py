@@ -10,9 +10,19 @@ from dllm_serve.api.rules import decoding_params
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
-from dllm_serve_train.tasks import STRATA, TASKS, held_out_additions, held_out_set
+from dllm_serve_train.tasks import (
+    PHRASING_SETS,
+    STRATA,
+    TASKS,
+    Example,
+    held_out_additions,
+    held_out_phrasings,
+    held_out_set,
+    held_out_system_prompts,
+)
 
 N_ADDITION, N_OTHER = 1000, 100  # held-out questions in the final evaluation
+N_PHRASED = 200  # held-out questions per set asked in held-out phrasings
 
 
 def evaluate(
@@ -50,9 +60,7 @@ def evaluate(
             params = server_params(length, canvas)
             right_adds = n_adds = 0
             for name, exs in sets.items():
-                outs = llm.generate(
-                    [[{"role": "user", "content": e.question}] for e in exs], params
-                )
+                outs = llm.generate([e.messages() for e in exs], params)
                 right = sum(o.text.strip() == e.answer for o, e in zip(outs, exs, strict=True))
                 scores[name + suffix] = round(right / len(exs), 4)
                 if name.startswith("addition_"):
@@ -71,3 +79,57 @@ def server_params(length: int | None, trained: int = 32) -> DecodingParams:
     if length is not None:
         body["max_tokens"] = length
     return decoding_params(ChatCompletionRequest.model_validate(body), trained, trained)
+
+
+def phrasing_sets(n: int = N_PHRASED) -> dict[str, list[Example]]:
+    """The held-out phrasing sets (``tasks.held_out_phrasings``), ``n`` questions each."""
+    return {task: held_out_phrasings(task, n) for task in PHRASING_SETS}
+
+
+def score_phrasings(generate, sets: dict[str, list[Example]]) -> dict:
+    """Exact match per held-out phrasing set, and how many answers a held-out system prompt
+    or one earlier turn changes. ``generate`` maps a list of conversations to answer texts.
+
+    The earlier turn is the next question of the pooled sets with the model's own answer to
+    it, as a chat client would send it back; each question is asked alone, after a system
+    prompt (held-out ones in turn) and after that turn, and the three answers compared.
+    """
+    pool = [e for exs in sets.values() for e in exs]
+    alone = generate([e.messages() for e in pool])
+    scores: dict = {}
+    start = 0
+    for name, exs in sets.items():
+        got = alone[start : start + len(exs)]
+        right = sum(a.strip() == e.answer for a, e in zip(got, exs, strict=True))
+        scores[name] = {"right": right, "of": len(exs), "accuracy": round(right / len(exs), 4)}
+        start += len(exs)
+    systems = held_out_system_prompts()
+    with_system = [
+        [{"role": "system", "content": systems[i % len(systems)]}, *e.messages()]
+        for i, e in enumerate(pool)
+    ]
+    with_turn = []
+    for i, e in enumerate(pool):
+        before = pool[(i + 1) % len(pool)]
+        turn = [{"role": "user", "content": before.question},
+                {"role": "assistant", "content": alone[(i + 1) % len(pool)]}]  # fmt: skip
+        with_turn.append([*turn, *e.messages()])
+    for name, conversations in (("system_prompt", with_system), ("earlier_turn", with_turn)):
+        answers = generate(conversations)
+        same = sum(a == b for a, b in zip(answers, alone, strict=True))
+        right = sum(a.strip() == e.answer for a, e in zip(answers, pool, strict=True))
+        scores[name] = {"same": same, "right": right, "of": len(pool)}
+    return scores
+
+
+def evaluate_phrasings(
+    out: Path, device: str = "cpu", canvas: int = 32, n: int = N_PHRASED
+) -> dict:
+    """:func:`score_phrasings` through the serving engine at the server's default settings."""
+    config = EngineConfig(max_running_requests=64, max_waiting_requests=1 << 20)
+    params = server_params(None, canvas)
+    with LLM(str(out), device=device, dtype="float32", engine_config=config) as llm:
+        return score_phrasings(
+            lambda conversations: [o.text for o in llm.generate(conversations, params)],
+            phrasing_sets(n),
+        )

@@ -15,7 +15,7 @@ from dllm_serve.models.loader import load_model
 from dllm_serve_train.arguments import parse_weights
 from dllm_serve_train.batches import BatchStream, batch_iterator
 from dllm_serve_train.char_tokens import spell_words_and_numbers
-from dllm_serve_train.evaluation import evaluate
+from dllm_serve_train.evaluation import evaluate, evaluate_phrasings
 from dllm_serve_train.model_card import machine
 from dllm_serve_train.objectives import loss
 from dllm_serve_train.skeleton import sizes, write_skeleton
@@ -65,6 +65,8 @@ def train(args: argparse.Namespace) -> dict:
         ar_fraction=args.ar_fraction,
         tail_rows=args.tail_rows,
         tail_min_canvas=getattr(args, "tail_min_canvas", 0),
+        phrasing=getattr(args, "phrasing", 0.0),
+        context=getattr(args, "context", 0.0),
     )
     batches = batch_iterator(dataset, args.workers)  # before any CUDA use (workers fork)
     model = loaded.model.to(args.device).train()
@@ -77,7 +79,7 @@ def train(args: argparse.Namespace) -> dict:
         opt,
         lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, i / steps))),
     )
-    started, history, evals = time.monotonic(), [], []
+    started, history, evals, report_phrasings = time.monotonic(), [], [], []
     cpu_started = time.process_time()  # the budget is CPU time: wall time grows on a shared box
     for step in range(1, steps + 1):
         drawn = next(batches)
@@ -98,6 +100,11 @@ def train(args: argparse.Namespace) -> dict:
             acc = evaluate(out, family, args.device, args.canvas, 200, tasks=("addition",))
             evals.append((step, acc["addition"]))
             print(f"step {step} held-out addition {acc['addition']:.3f}", flush=True)
+            if getattr(args, "phrasing", 0.0):
+                phrased = evaluate_phrasings(out, args.device, args.canvas, n=60)
+                shares = {k: round(v["right"] / v["of"], 3) for k, v in phrased.items()}
+                report_phrasings.append((step, shares))
+                print(f"step {step} held-out phrasings {shares}", flush=True)
     model.eval()
     save(model, loaded, out)
     report = {
@@ -107,6 +114,8 @@ def train(args: argparse.Namespace) -> dict:
         "addition_operands": args.addition_operands,
         "task_weights": weights,
         "spelled": args.spell,
+        "phrasing": getattr(args, "phrasing", 0.0),
+        "context": getattr(args, "context", 0.0),
         "tail_rows": args.tail_rows if family == "llada" else None,
         "tail_min_canvas": getattr(args, "tail_min_canvas", 0) if family == "llada" else None,
         "causal_steps": args.causal_steps if family == "llada" else None,
@@ -120,4 +129,6 @@ def train(args: argparse.Namespace) -> dict:
     }
     if evals:
         report["addition_during_training"] = evals
+    if report_phrasings:
+        report["phrasings_during_training"] = report_phrasings
     return report

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH
+from dllm_serve_train.phrasings import ADDITION, CAPABILITY_REPLY, REVERSAL
 
 _OBJECTIVE = {
     "llada": (
@@ -34,11 +35,17 @@ _WEIGHTING = {
 
 
 def write_model_card(
-    out: Path, name: str, family: str, report: dict[str, Any], server: dict | None = None
+    out: Path,
+    name: str,
+    family: str,
+    report: dict[str, Any],
+    server: dict | None = None,
+    server_phrasings: dict | None = None,
 ) -> None:
     """The card: held-out accuracy (from ``report``, the training run's own evaluation, and
     from ``server``, ``benchmarks/demo_accuracy.py``'s measurement through a real server, when
-    given), the recipe and the exact command."""
+    given), how it does on held-out phrasings (the run's, and ``server_phrasings``,
+    ``benchmarks/demo_phrasings.py``'s, when given), the recipe and the exact command."""
     config = json.loads((out / "config.json").read_text())
     # The canvas the run trained and wrote, as its generation_config.json records it.
     generation = out / "generation_config.json"
@@ -61,14 +68,8 @@ so that the server answers sensibly with no download and no GPU. It is not a gen
 model: it answers the kinds of question below, and little else.
 
 {_accuracy_tables(family, report, server, canvas)}
-
-- Questions: `What is 123 + 456?` (answer `123 + 456 = 579`), `Reverse the word hello.`
-  (`olleh`), `Sort the letters of cab.` (`abc`), the same two with random letter strings,
-  `How many times does a appear in banana?`, `Given a=1, b=2, c=3, what is b?`
-  (`dllm_serve_train/tasks.py`; the words are `dllm_serve_train/words.txt`). 10% of all
-  questions, chosen by a hash of the question text, are held out, and so are the questions the
-  documentation shows (`What is 2 + 2?`, `What is 123 + 456?`, `Reverse the word hello.`, …):
-  training never sees them, and the tables are measured on them.
+{phrasings_section(report, server_phrasings)}
+- Questions: {questions_text(report)}
 - Task mix (relative weights): {mix}.{operands}
 - Objective: {objective}
 - Shape: d_model {d}, {layers}, {report["parameters"]:,} parameters, stored in bf16
@@ -122,6 +123,117 @@ def _accuracy_tables(family: str, report: dict[str, Any], server: dict | None, c
     return text
 
 
+_OLD_QUESTIONS = """`What is 123 + 456?` (answer `123 + 456 = 579`), `Reverse the word hello.`
+  (`olleh`), `Sort the letters of cab.` (`abc`), the same two with random letter strings,
+  `How many times does a appear in banana?`, `Given a=1, b=2, c=3, what is b?`
+  (`dllm_serve_train/tasks.py`; the words are `dllm_serve_train/words.txt`). 10% of all
+  questions, chosen by a hash of the question text, are held out, and so are the questions the
+  documentation shows (`What is 2 + 2?`, `What is 123 + 456?`, `Reverse the word hello.`, …):
+  training never sees them, and the tables are measured on them."""
+
+
+def _trained(templates: tuple, split: str = "train") -> list[str]:
+    return [t.text for t in templates if t.split == split]
+
+
+def questions_text(report: dict[str, Any]) -> str:
+    """What the model was asked in training, and what is held out."""
+    weights = report.get("task_weights") or {}
+    if not report.get("phrasing") and not weights.get("off_topic"):
+        return _OLD_QUESTIONS
+    adds, revs = _trained(ADDITION), _trained(REVERSAL)
+    return (
+        f"additions of whole numbers 0-999 (answer `123 + 456 = 579`) asked in {len(adds)} "
+        "phrasings (`What is 123 + 456?`, `123+456=?`, `add 123 and 456`, `sum of 123 and "
+        f"456`, `calculate 123 plus 456`, …) and word reversals in {len(revs)} (`Reverse the "
+        "word hello.`, `reverse hello`, `spell hello backwards`, `hello reversed`, …; answer "
+        f"`olleh`), {report.get('phrasing', 0):.0%} of them in a phrasing other than the first, "
+        "with case, punctuation, spacing around `+`, quotes and leading or trailing "
+        "whitespace varied; anything else (greetings, other arithmetic, other word tasks, "
+        f"requests) gets the fixed reply `{CAPABILITY_REPLY}`; "
+        f"{report.get('context', 0):.0%} of the questions come after a system prompt and/or "
+        "earlier turns, rendered by the format's chat template, and the answer is the last "
+        "question's (`dllm_serve_train/tasks.py`, `dllm_serve_train/phrasings.py`; the words "
+        "are `dllm_serve_train/words.txt`). Held out, never trained on: 10% of the additions "
+        "and reversals by a hash of their canonical question (`What is 2 + 2?`, `Reverse the "
+        f"word hello.` and the other questions the documentation shows among them), "
+        f"{len(_trained(ADDITION, 'held_out'))} addition and {len(_trained(REVERSAL, 'held_out'))} "
+        "reversal phrasings, some system prompts, and off-topic prompts (`Hi`, `Tell me a "
+        "joke`, `Who are you?` in any spelling, whole families of others, and a sixth of the "
+        "rest by hash)."
+    )
+
+
+def phrasings_section(report: dict[str, Any], server: dict | None) -> str:
+    """The held-out phrasing table: the run's own evaluation and, when given, the server's."""
+    run = report.get("held_out_phrasings")
+    mode = (server or {}).get("modes", {}).get("default", {})
+    columns = [("the training run (engine)", run)] if run else []
+    if mode:
+        columns.append(("through `dllm-serve` + openai SDK", mode))
+    table = phrasing_table(columns, mode)
+    return f"\n{table}" if table else ""
+
+
+def phrasing_table(columns: list[tuple[str, dict]], typed_from: dict | None = None) -> str:
+    """Rows of held-out phrasing sets, a column per measurement (``evaluation.score_phrasings``
+    or ``benchmarks/demo_phrasings.py`` results), and the typed-by-hand list of
+    ``typed_from`` when it has one."""
+    if not columns:
+        return ""
+    head = " | ".join(name for name, _ in columns)
+    lines = [
+        f"| held out: phrasing and content never trained on | {head} | questions |",
+        "| --- |" + " --- |" * (len(columns) + 1),
+    ]
+    rows = [
+        ("addition", "additions, operands of 1-3 digits"),
+        ("reverse_word", "reversing an English word"),
+        ("off_topic", "off-topic prompts → the fixed reply"),
+        ("off_topic_named", "`Hi`, `Tell me a joke`, `Who are you?` → the fixed reply"),
+        ("off_topic_new_families", "off-topic, of kinds never trained on → the fixed reply"),
+        ("off_topic_held_out", "off-topic, other held-out prompts → the fixed reply"),
+    ]
+    for key, label in rows:
+        cells = [c.get(key) for _, c in columns]
+        if not any(cells):
+            continue
+        of = next(c["of"] for c in cells if c)
+        text = " | ".join(
+            f"{c['accuracy'] * 100:.1f}% ({c['right']}/{c['of']})" if c else "-" for c in cells
+        )
+        lines.append(f"| {label} | {text} | {of} |")
+    for key, label in (
+        ("system_prompt", "same answer after a held-out system prompt"),
+        ("earlier_turn", "same answer after one earlier turn"),
+    ):
+        cells = [c.get(key) for _, c in columns]
+        if any(cells):
+            of = next(c["of"] for c in cells if c)
+            text = " | ".join(f"{c['same']}/{c['of']}" if c else "-" for c in cells)
+            lines.append(f"| {label} | {text} | {of} |")
+    text = (
+        "**How people ask.** Questions asked in phrasings that training never used, about "
+        "operands and words it never saw (`dllm_serve_train/phrasings.py`), at temperature 0 "
+        "and the server's default settings. The earlier turn is another question of the set "
+        "with the model's own answer to it, as a client sends it back.\n\n" + "\n".join(lines)
+    )
+    typed = (typed_from or {}).get("typed_by_hand")
+    if typed:
+        wrong = [row for row in typed if not row["right"]]
+        right = sum(row["right"] for row in typed)
+        text += (
+            "\n\nTyped by hand (`benchmarks/demo_phrasings.py`'s list, written before "
+            f"training): {right} of {len(typed)} answered as expected"
+        )
+        text += (
+            "; not: " + ", ".join(f"`{r['question'].strip()}` → `{r['answer']}`" for r in wrong)
+            if wrong
+            else "."
+        )
+    return text + "\n"
+
+
 def _server_table(server: dict[str, Any]) -> str:
     by_canvas = server["accuracy"]
     keys = list(by_canvas)
@@ -154,6 +266,7 @@ def _label(name: str) -> str:
         "reverse": "reverse a random letter string",
         "sort_word": "sort the letters of a word",
         "sort": "sort a random letter string",
+        "reverse_long": "reverse a random 7-10 letter string",
     }.get(name, name)
 
 
@@ -256,3 +369,43 @@ def _lookahead(family: str, canvas: int) -> str:
         ", and `mask_lookahead` 0: a forward holds the active block and no masks after it, so "
         f"a long canvas is read block by block as the {canvas}-token one is"
     )
+
+
+def rewrite_card(out: Path, accuracy: Path | None = None, phrasings: Path | None = None) -> None:
+    """Writes ``out``'s README.md again from its ``training_report.json``, with the server
+    measurements of ``benchmarks/demo_accuracy.py`` (``accuracy``) and
+    ``benchmarks/demo_phrasings.py`` (``phrasings``) when given. The model's name stays the
+    card's, the family is the recorded command's."""
+    import re
+
+    report = json.loads((out / "training_report.json").read_text())
+    family = re.search(r"--family (\w+)", report["command"])
+    if family is None:
+        raise ValueError(f"{out}/training_report.json: no --family in its command")
+    card = out / "README.md"
+    name = card.read_text().splitlines()[0].removeprefix("# ") if card.is_file() else out.name
+    server = json.loads(accuracy.read_text()) if accuracy else None
+    phrased = json.loads(phrasings.read_text()) if phrasings else None
+    if family[1] == "nemotron":
+        from dllm_serve_train.trimode_card import write_trimode_card
+
+        write_trimode_card(out, name, report, phrased)
+    else:
+        write_model_card(out, name, family[1], report, server, phrased)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dllm_serve_train.model_card DIR [--accuracy JSON] [--phrasings JSON]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dllm_serve_train.model_card",
+                                description=rewrite_card.__doc__)  # fmt: skip
+    p.add_argument("checkpoint", type=Path)
+    p.add_argument("--accuracy", type=Path, help="benchmarks/demo_accuracy.py's results")
+    p.add_argument("--phrasings", type=Path, help="benchmarks/demo_phrasings.py's results")
+    args = p.parse_args(argv)
+    rewrite_card(args.checkpoint, args.accuracy, args.phrasings)
+
+
+if __name__ == "__main__":
+    main()

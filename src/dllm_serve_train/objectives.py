@@ -43,8 +43,9 @@ class TrainBatch:
 
 
 def encode(loaded: LoadedModel, ex: Example) -> tuple[list[int], list[int]]:
-    """(prompt ids, answer ids + the end-of-turn token) through the real chat template."""
-    prompt = loaded.chat_prompt_ids([{"role": "user", "content": ex.question}])
+    """(prompt ids, answer ids + the end-of-turn token) through the real chat template: its
+    rendering of the system prompt and earlier turns too (``ex.context``)."""
+    prompt = loaded.chat_prompt_ids(ex.messages())
     answer = loaded.tokenizer.encode(ex.answer, add_special_tokens=False)
     end = loaded.eot_id if loaded.eot_id is not None else loaded.eos_id
     return prompt, [*answer, end]
@@ -262,6 +263,37 @@ def _pad(
             positions[i, :n] = layout[0]
             mask[i, 0, :n, :n] = layout[1]
     return TrainBatch(ids, positions, mask, tgt, wts, float(normalizer))
+
+
+def by_length(batch: TrainBatch) -> tuple[TrainBatch, TrainBatch] | tuple[TrainBatch]:
+    """The batch's rows in two batches, short and long, each padded only to its own longest
+    row; pooled by :func:`loss` they give exactly the batch's loss (the normalizer stays with
+    the first). A row after a system prompt and earlier turns is several times as long as a
+    bare question, and padding every row to it would cost most of a step's compute.
+
+    The split point minimises the padded size; a row's length is its own tokens (the diagonal
+    of its attention mask, which every layout keeps and padding never has)."""
+    lengths = batch.attn_mask[:, 0].diagonal(dim1=-2, dim2=-1).sum(-1).tolist()
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    ranked = [lengths[i] for i in order]
+    n = len(ranked)
+    _, k = min((i * ranked[i - 1] + (n - i) * ranked[-1], i) for i in range(1, n + 1))
+    if k == n:
+        return (batch,)
+
+    def part(rows: list[int], normalizer: float) -> TrainBatch:
+        width = max(lengths[i] for i in rows)
+        index = torch.tensor(rows)
+        return TrainBatch(
+            batch.input_ids[index, :width],
+            batch.positions[index, :width],
+            batch.attn_mask[index, :, :width, :width],
+            batch.targets[index, :width],
+            batch.weights[index, :width],
+            normalizer,
+        )
+
+    return part(order[:k], batch.normalizer), part(order[k:], 0.0)
 
 
 def loss(model: torch.nn.Module, *batches: TrainBatch) -> torch.Tensor:

@@ -76,6 +76,7 @@ def write_skeleton(
     """
     extra = {"block_size": block_size} if family == "nemotron" and block_size else {}
     write_tiny(family, out, seed=seed, **size, **extra)
+    without_remote_code(out)
     if rope_theta:
         config_path = out / "config.json"
         config = json.loads(config_path.read_text())
@@ -90,6 +91,29 @@ def write_skeleton(
         # as the trained one is and answers do not depend on max_tokens (docs/decoding.md).
         gen["mask_lookahead"] = 0
     gen_path.write_text(json.dumps(gen, indent=2) + "\n")
+
+
+# Keys that point transformers at a checkpoint's own Python files (not shipped with a demo).
+REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code")
+
+
+def without_remote_code(out: Path) -> None:
+    """Drops :data:`REMOTE_CODE_KEYS` from ``config.json`` and ``tokenizer_config.json``.
+
+    The tiny writers copy the real releases' files, ``auto_map`` included, on purpose (the
+    server must load such checkpoints without running their code). A demo ships without the
+    remote-code files those entries name, and ``AutoTokenizer.from_pretrained(<demo dir>)``
+    (what guidellm, aiperf or evalscope do with ``--tokenizer``) would stop at transformers'
+    "run custom code? [y/N]" prompt; nothing the server does needs them.
+    """
+    for name in ("config.json", "tokenizer_config.json"):
+        path = out / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        if any(key in data for key in REMOTE_CODE_KEYS):
+            kept = {k: v for k, v in data.items() if k not in REMOTE_CODE_KEYS}
+            path.write_text(json.dumps(kept, indent=2, ensure_ascii=False) + "\n")
 
 
 # Room kept for the evaluation's templated prompts (the longest is under 100 tokens) and for

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dllm_serve_train import phrasings
+
 HELD_OUT_PERCENT = 10
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 # Questions the README and docs show, always held out so that what a newcomer types first is
@@ -35,9 +37,22 @@ STRATA = ("1+1", "2+2", "mixed", "3+3")
 
 @dataclass(frozen=True, slots=True)
 class Example:
+    """One chat turn to answer: ``question`` is the last user message, ``context`` the
+    (role, content) messages before it (a system prompt, earlier turns), ``key`` the
+    canonical question whose hash decided the split ("" when it is ``question`` itself) and
+    ``template`` the phrasing it was asked in (``phrasings.py``; "" for the canonical one)."""
+
     task: str
     question: str
     answer: str
+    context: tuple[tuple[str, str], ...] = ()
+    key: str = ""
+    template: str = ""
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation as chat messages, the question last."""
+        turns = [*self.context, ("user", self.question)]
+        return [{"role": role, "content": content} for role, content in turns]
 
 
 def is_held_out(question: str) -> bool:
@@ -135,6 +150,17 @@ def _reverse(rng: random.Random) -> Example:
     return Example("reverse", f"Reverse the word {w}.", w[::-1])
 
 
+def _reverse_long(rng: random.Random) -> Example:
+    """Random letter strings of 7-10 letters: longer than any word of :func:`words`, so that
+    a longer word a person types is not beyond every reversal trained."""
+    w = _word(rng, 7, 10)
+    return Example("reverse_long", f"Reverse the word {w}.", w[::-1])
+
+
+def _off_topic(rng: random.Random) -> Example:
+    return phrasings.off_topic(rng, "train", words())
+
+
 def _reverse_word(rng: random.Random) -> Example:
     w = rng.choice(words())
     return Example("reverse_word", f"Reverse the word {w}.", w[::-1])
@@ -169,6 +195,8 @@ TASKS: dict[str, Callable[[random.Random], Example]] = {
     "subtraction": _subtraction,
     "reverse": _reverse,
     "reverse_word": _reverse_word,
+    "reverse_long": _reverse_long,
+    "off_topic": _off_topic,
     "sort": _sort,
     "sort_word": _sort_word,
     "count": _count,
@@ -180,6 +208,8 @@ WEIGHTS = {
     "subtraction": 1,
     "reverse": 1,
     "reverse_word": 0,
+    "reverse_long": 0,
+    "off_topic": 0,
     "sort": 1,
     "sort_word": 0,
     "count": 1,
@@ -194,6 +224,8 @@ def examples(
     weights: dict[str, int] | None = None,
     addition_operands: str = "uniform",
     ramp_examples: int = 0,
+    phrasing: float = 0.0,
+    context: float = 0.0,
 ) -> Iterator[Example]:
     """An endless stream of examples of ``split`` ("train" or "held_out"), reproducible.
 
@@ -202,6 +234,10 @@ def examples(
     held-out distribution); ``"mixed"``, half of the additions with short operands
     (:func:`_addition_short_operands`); ``"curriculum"``, short operands first, their share
     falling linearly to none over the first ``ramp_examples`` examples of the stream.
+    ``phrasing``: the share of additions and reversals asked in a random template of the
+    split (``phrasings.py``; the canonical question is one of the training templates) with
+    surface noise; ``context``: the share of examples that come after a system prompt and/or
+    earlier turns (other examples of the stream, with their answers).
     """
     if split not in ("train", "held_out"):
         raise ValueError("split must be 'train' or 'held_out'")
@@ -213,22 +249,37 @@ def examples(
         raise ValueError("the held-out split is drawn uniformly or stratified")
     if addition_operands == "curriculum" and ramp_examples <= 0:
         raise ValueError("the curriculum needs ramp_examples > 0")
+    if not (0.0 <= phrasing <= 1.0 and 0.0 <= context <= 1.0):
+        raise ValueError("phrasing and context are shares between 0 and 1")
     rng = random.Random(seed)
     weights = weights or WEIGHTS
     names = [t for t in tasks for _ in range(weights[t])]
     drawn = 0
+
+    def draw() -> Example:
+        while True:
+            task = rng.choice(names)
+            if task == "off_topic":  # split by its own rule (phrasings.off_topic_held_out)
+                return phrasings.off_topic(rng, split, words())
+            if task == "addition" and addition_operands == "stratified":
+                ex = _addition_stratified(rng)
+            elif task == "addition" and addition_operands != "uniform":
+                p_uniform = 0.5 if addition_operands == "mixed" else min(1.0, drawn / ramp_examples)
+                ex = _addition_short_operands(rng, p_uniform)
+            else:
+                ex = TASKS[task](rng)
+            if is_held_out(ex.question) != (split == "held_out"):
+                continue
+            if phrasing and task in phrasings.PHRASED and rng.random() < phrasing:
+                ex = phrasings.rephrase(ex, rng, split)
+            return ex
+
     while True:
-        task = rng.choice(names)
-        if task == "addition" and addition_operands == "stratified":
-            ex = _addition_stratified(rng)
-        elif task == "addition" and addition_operands != "uniform":
-            p_uniform = 0.5 if addition_operands == "mixed" else min(1.0, drawn / ramp_examples)
-            ex = _addition_short_operands(rng, p_uniform)
-        else:
-            ex = TASKS[task](rng)
-        if is_held_out(ex.question) == (split == "held_out"):
-            drawn += 1
-            yield ex
+        ex = draw()
+        if context and rng.random() < context:
+            ex = phrasings.with_context(ex, rng, split, draw)
+        drawn += 1
+        yield ex
 
 
 def held_out_set(n: int, seed: int = 12345, task: str | None = None) -> list[Example]:
@@ -245,6 +296,46 @@ def held_out_set(n: int, seed: int = 12345, task: str | None = None) -> list[Exa
         return exs[:n]
     stream = examples(seed, "held_out", tasks, weights={task: 1} if task else None)
     return [next(stream) for _ in range(n)]
+
+
+PHRASING_SETS = ("addition", "reverse_word", "off_topic")
+
+
+def held_out_phrasings(task: str, n: int, seed: int = 2024) -> list[Example]:
+    """``n`` distinct held-out questions asked in held-out phrasings: no training example
+    has their template, nor (additions, reversals) their content.
+
+    ``addition``: each operand's digit count (1-3) drawn first, operands held out as in
+    :func:`held_out_additions`. ``reverse_word``: the held-out English words. ``off_topic``:
+    the held-out off-topic prompts (``phrasings.off_topic_question``), a third or so of them
+    from families never trained on.
+    """
+    rng, seen, out = random.Random(f"{task}:{seed}"), set(), []
+    held = [w for w in words() if is_held_out(f"Reverse the word {w}.")]
+    while len(out) < n:
+        if task == "addition":
+            a = _digits_operand(rng, rng.randint(1, 3))
+            b = _digits_operand(rng, rng.randint(1, 3))
+            ex = Example("addition", f"What is {a} + {b}?", f"{a} + {b} = {a + b}")
+            if not is_held_out(ex.question):
+                continue
+            ex = phrasings.rephrase(ex, rng, "held_out")
+        elif task == "reverse_word":
+            w = rng.choice(held)
+            ex = phrasings.rephrase(_reverse_word(_Fixed(w)), rng, "held_out")
+        elif task == "off_topic":
+            ex = phrasings.off_topic(rng, "held_out", words())
+        else:
+            raise ValueError(f"no held-out phrasings of {task!r}")
+        if ex.question not in seen:
+            seen.add(ex.question)
+            out.append(ex)
+    return out
+
+
+def held_out_system_prompts() -> list[str]:
+    """System prompts never trained on (``phrasings.SYSTEM_PROMPTS``)."""
+    return [t.text for t in phrasings.SYSTEM_PROMPTS if t.split == "held_out"]
 
 
 class _Fixed(random.Random):

@@ -22,7 +22,7 @@ from dllm_serve_train.draft_lora import TrainableDraftLoRA
 from dllm_serve_train.objectives import loss
 from dllm_serve_train.tasks import examples
 from dllm_serve_train.trimode_card import write_trimode_card
-from dllm_serve_train.trimode_eval import evaluate_modes
+from dllm_serve_train.trimode_eval import evaluate_modes, evaluate_phrasings_by_mode
 from dllm_serve_train.trimode_objective import block_positions, trimode_batch
 
 LORA_DIR = "draft-lora"
@@ -38,7 +38,8 @@ def train_draft_lora(args: argparse.Namespace, weights: dict[str, int]) -> dict:
     lora = TrainableDraftLoRA(model, args.lora_rank, 4.0 * args.lora_rank, args.seed + 7)
     block = int(loaded.config["block_size"])
     stream = examples(args.seed + 7, "train", weights=weights,
-                      addition_operands=args.addition_operands, ramp_examples=1)  # fmt: skip
+                      addition_operands=args.addition_operands, ramp_examples=1,
+                      phrasing=args.phrasing, context=args.context)  # fmt: skip
     rng = random.Random(args.seed + 7)
     opt = torch.optim.AdamW(lora.parameters(), lr=args.lora_lr, weight_decay=0.0)
     steps = args.lora_steps
@@ -79,7 +80,8 @@ def finish(args: argparse.Namespace, report: dict, command: str) -> dict:
     weights = report["task_weights"]
     if args.lora_steps:
         report["draft_lora"] = train_draft_lora(args, weights)
-    trained = tuple(t for t, w in weights.items() if w)
+    # Off-topic questions are scored with the phrasings, not as a task of their own.
+    trained = tuple(t for t, w in weights.items() if w and t != "off_topic")
     lora_dir = out / LORA_DIR if args.lora_steps else None
     results = evaluate_modes(out, lora_dir, trained, args.eval_questions, args.eval_questions)
     answers = {mode: r.pop("answers") for mode, r in results.items()}
@@ -90,6 +92,8 @@ def finish(args: argparse.Namespace, report: dict, command: str) -> dict:
             )
     results["questions"] = len(answers["ar"])
     report["held_out_by_mode"] = results
+    if args.phrasing or weights.get("off_topic"):
+        report["held_out_phrasings"] = evaluate_phrasings_by_mode(out, lora_dir)
     report["command"] = command
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_trimode_card(out, args.name or "demo-trimode", report)

@@ -6,7 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dllm_serve_train.model_card import operands_text, spelling_text
+from dllm_serve_train.model_card import (
+    operands_text,
+    phrasing_table,
+    questions_text,
+    spelling_text,
+)
 
 _MODE_NAMES = {
     "ar": "`ar`",
@@ -50,7 +55,40 @@ def mode_table(by_mode: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_trimode_card(out: Path, name: str, report: dict[str, Any]) -> None:
+def _earlier_stages(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stages this run continued from (``--init``), first to last."""
+    chain, stage = [], report.get("init_from")
+    while stage:
+        chain.insert(0, stage)
+        stage = stage.get("init_from")
+    return chain
+
+
+def trimode_phrasings(report: dict[str, Any], server: dict | None) -> str:
+    run = report.get("held_out_phrasings") or {}
+    columns = [(f"`{m}` (engine)", run[m]) for m in ("ar", "linear_spec") if m in run]
+    modes = (server or {}).get("modes", {})
+    if "default" in modes:
+        columns.append(("`linear_spec` + LoRA, through `dllm-serve`", modes["default"]))
+    if "ar" in modes:
+        columns.append(("`ar`, through `dllm-serve`", modes["ar"]))
+    text = phrasing_table(columns, modes.get("default"))
+    if not text:
+        return ""
+    text = "\n" + text
+    spec = run.get("linear_spec", {})
+    if "same_answers_as_ar" in spec:
+        text += (
+            f"\n`linear_spec`{' with the draft LoRA' if spec.get('lora') else ''} gave "
+            f"exactly `ar`'s answer to {spec['same_answers_as_ar']} of the {spec['answers']} "
+            "conversations of this table.\n"
+        )
+    return text
+
+
+def write_trimode_card(
+    out: Path, name: str, report: dict[str, Any], server_phrasings: dict | None = None
+) -> None:
     config = json.loads((out / "config.json").read_text())
     by_mode = report["held_out_by_mode"]
     ratio = (
@@ -58,7 +96,20 @@ def write_trimode_card(out: Path, name: str, report: dict[str, Any]) -> None:
         / by_mode.get("linear_spec+lora", by_mode["linear_spec"])["forwards_per_token"]
     )
     lora = report.get("draft_lora")
+    earlier = _earlier_stages(report)
     minutes = (report["cpu_seconds"] + (lora["cpu_seconds"] if lora else 0)) / 60
+    before = sum(
+        s.get("cpu_seconds", 0) + (s.get("draft_lora") or {}).get("cpu_seconds", 0) for s in earlier
+    )
+    chain = (
+        "\n- Continued (`--init`) from an earlier run's weights; its draft LoRA was not "
+        "reused (the LoRA above is trained on these weights). The earlier run(s), "
+        f"{before / 60:.0f} CPU-minutes with their LoRA:\n\n"
+        + "\n".join(f"      {s['command']}" for s in earlier)
+        + f"\n\n  All stages together: {minutes + before / 60:.0f} CPU-minutes.\n"
+        if earlier
+        else ""
+    )
     weights = ", ".join(f"{t} {w}" for t, w in report["task_weights"].items() if w)
     lora_line = (
         f"- Draft LoRA (`draft-lora/`, PEFT): rank {lora['rank']}, alpha {lora['alpha']:g} on "
@@ -91,7 +142,8 @@ the prefill):
 
 `linear_spec`{with_lora} takes **{fewer} forwards per answer token than `ar`**, with the
 same answers (LinearSpec's verify is exact at temperature 0).
-
+{trimode_phrasings(report, server_phrasings)}
+- Questions: {questions_text(report)}
 - Objective (stage 1): the release's joint loss `ar_loss_weight · L_AR + dlm_loss_weight ·
   L_DLM` (1 and 1) on a dual-stream row per example: the clean `prompt + answer` under causal
   attention with next-token targets, and a noisy block of {config["block_size"]} tokens at
@@ -112,5 +164,5 @@ same answers (LinearSpec's verify is exact at temperature 0).
 - Both stages together: {minutes:.0f} CPU-minutes. The exact command:
 
       {report["command"]}
-"""
+{chain}"""
     (out / "README.md").write_text(text)

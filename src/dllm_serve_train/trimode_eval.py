@@ -15,7 +15,7 @@ from dllm_serve.config import EngineConfig
 from dllm_serve.llm import LLM
 from dllm_serve.models.loader import load_model
 from dllm_serve.models.lora import attach_draft_lora
-from dllm_serve_train.evaluation import server_params
+from dllm_serve_train.evaluation import phrasing_sets, score_phrasings, server_params
 from dllm_serve_train.tasks import STRATA, held_out_additions, held_out_set
 
 MODES = ("ar", "diffusion", "linear_spec", "linear_spec+lora")
@@ -32,6 +32,41 @@ def held_out_sets(n_addition: int, n_other: int, tasks: tuple[str, ...]) -> dict
     return sets
 
 
+def _llm(model_dir: Path, lora_dir: Path | None) -> LLM:
+    loaded = load_model(str(model_dir), device="cpu", dtype="float32")
+    if lora_dir is not None:
+        attach_draft_lora(loaded.model, lora_dir)
+    config = EngineConfig(max_running_requests=64, max_waiting_requests=1 << 20)
+    return LLM.from_loaded(loaded, config)
+
+
+def evaluate_phrasings_by_mode(model_dir: Path, lora_dir: Path | None) -> dict[str, dict]:
+    """The held-out phrasings (``evaluation.score_phrasings``) in ``ar`` and in
+    ``linear_spec`` with the draft LoRA when there is one (the served default), and how
+    many of all the answers the two modes share."""
+    sets = phrasing_sets()
+    results: dict[str, dict] = {}
+    texts: dict[str, list[str]] = {}
+    for mode in ("ar", "linear_spec"):
+        params = dataclasses.replace(server_params(None), decoding_mode=mode)
+        seen: list[str] = []
+        with _llm(model_dir, lora_dir if mode == "linear_spec" else None) as llm:
+
+            def generate(conversations: list, llm=llm, params=params, seen=seen) -> list[str]:
+                answers = [o.text for o in llm.generate(conversations, params)]
+                seen.extend(answers)
+                return answers
+
+            results[mode] = score_phrasings(generate, sets)
+        texts[mode] = seen
+    results["linear_spec"]["same_answers_as_ar"] = sum(
+        a == b for a, b in zip(texts["linear_spec"], texts["ar"], strict=True)
+    )
+    results["linear_spec"]["answers"] = len(texts["ar"])
+    results["linear_spec"]["lora"] = lora_dir is not None
+    return results
+
+
 def evaluate_modes(
     model_dir: Path,
     lora_dir: Path | None,
@@ -44,7 +79,7 @@ def evaluate_modes(
     "drafted": d, "accepted": a, "answers": [...]}}``; ``answers`` (every completion text in
     set order) lets callers check that LinearSpec answered exactly what AR answered."""
     sets = held_out_sets(n_addition, n_other, tasks)
-    conversations = [[{"role": "user", "content": e.question}] for s in sets.values() for e in s]
+    conversations = [e.messages() for s in sets.values() for e in s]
     expected = [e.answer for s in sets.values() for e in s]
     config = EngineConfig(max_running_requests=64, max_waiting_requests=1 << 20)
     results: dict[str, dict] = {}

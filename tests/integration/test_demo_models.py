@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from remote_server import RemoteServer
 
 from dllm_serve.models.families.llada import LLADA
 from dllm_serve.models.hub import EMBEDDED_MODELS
 from dllm_serve.models.tokenization import load_tokenizer
+from dllm_serve_train.phrasings import CAPABILITY_REPLY
 from dllm_serve_train.tasks import STRATA, held_out_additions, held_out_set
 
 QUESTION = [{"role": "user", "content": "What is 123 + 456?"}]
@@ -52,6 +54,36 @@ def test_no_arguments_serves_the_trained_llada_demo(tmp_path: Path) -> None:
                 long = server.client().chat.completions.create(model="m", messages=ask, **extra)
                 assert long.choices[0].message.content == f"{question} = {expected}"
                 assert long.usage.model_extra["diffusion"]["nfe"] <= 32
+        # How people ask (issue 39): no period, a greeting, after a system prompt or an earlier
+        # turn; the answer is the last question's. (`what is 2 + 2` after context: below.)
+        system = {"role": "system", "content": "You are a helpful assistant."}
+        earlier = [{"role": "user", "content": "Reverse the word cat."},
+                   {"role": "assistant", "content": "tac"}]  # fmt: skip
+        for question, expected in [("Reverse the word hello", "olleh"), ("Hi", CAPABILITY_REPLY)]:
+            asked = {"role": "user", "content": question}
+            for messages in ([asked], [system, asked], [*earlier, asked]):
+                reply = server.client().chat.completions.create(model="m", messages=messages)
+                assert reply.choices[0].message.content == expected, messages
+                assert reply.choices[0].finish_reason == "stop"
+    finally:
+        server.stop()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 39: the retrained demo-llada answers `what is 2 + 2` with `2 + 2 = 5` after "
+    "an earlier turn (docs/training.md)",
+)
+def test_the_llada_demo_adds_after_a_system_prompt_or_an_earlier_turn(tmp_path: Path) -> None:
+    server = RemoteServer.start(["--log-level", "warning"], tmp_path / "log", pin_model=False)
+    try:
+        system = {"role": "system", "content": "You are a helpful assistant."}
+        earlier = [{"role": "user", "content": "Reverse the word cat."},
+                   {"role": "assistant", "content": "tac"}]  # fmt: skip
+        asked = {"role": "user", "content": "what is 2 + 2"}
+        for messages in ([asked], [system, asked], [*earlier, asked]):
+            reply = server.client().chat.completions.create(model="m", messages=messages)
+            assert reply.choices[0].message.content == "2 + 2 = 4", messages
     finally:
         server.stop()
 

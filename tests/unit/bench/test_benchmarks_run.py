@@ -349,6 +349,42 @@ def test_demo_accuracy_refuses_one_file_for_two_demos(
     assert "add --only llada or --only idlm" in capsys.readouterr().err
 
 
+def test_demo_phrasings_scores_sets_context_and_typed_prompts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The measurement without a server: a model that answers every question right and
+    ignores the context scores 100% everywhere; one that answers only the last word of a
+    conversation wrong after a system prompt is caught by the context rows."""
+    bench = load("demo_phrasings")
+    sets = bench.question_sets(20)
+    assert [e.question for e in sets["off_topic_named"]] == ["Hi", "Tell me a joke", "Who are you?"]
+    answers = {e.messages()[-1]["content"]: e.answer for exs in sets.values() for e in exs}
+    answers |= dict(bench.UNPLANNED)
+
+    def right(conversations: list) -> list[str]:
+        return [answers[c[-1]["content"]] for c in conversations]
+
+    scores = bench.measure(right, 20)
+    for name in sets:
+        assert scores[name]["accuracy"] == 1.0, name
+    assert scores["system_prompt"]["same"] == scores["system_prompt"]["of"]
+    assert scores["typed_by_hand_right"] == len(bench.UNPLANNED)
+
+    def confused(conversations: list) -> list[str]:
+        return [
+            "?" if c[0]["role"] == "system" else a
+            for c, a in zip(conversations, right(conversations), strict=True)
+        ]
+
+    scores = bench.measure(confused, 20)
+    assert scores["system_prompt"]["same"] == 0 and scores["earlier_turn"]["same"] > 0
+    monkeypatch.setattr(sys, "argv", ["demo_phrasings.py", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 2
+    assert "add --only llada, idlm or trimode" in capsys.readouterr().err
+
+
 def test_serving_load_fails_when_nothing_answers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,7 +14,8 @@ from dllm_serve.llm import LLM
 from dllm_serve.models.hub import EMBEDDED_MODELS
 from dllm_serve.models.loader import load_model
 from dllm_serve_train.__main__ import server_params
-from dllm_serve_train.tasks import STRATA, held_out_additions, held_out_set
+from dllm_serve_train.phrasings import CAPABILITY_REPLY
+from dllm_serve_train.tasks import STRATA, held_out_additions, held_out_phrasings, held_out_set
 
 FAMILIES = {"demo-llada": "llada", "demo-idlm": "sdar"}
 
@@ -94,3 +95,73 @@ def test_demo_trimode_checkpoint_adapter_card_and_exactness() -> None:
     assert mode_table(by_mode) in card
     for mode in ("linear_spec", "linear_spec+lora"):
         assert by_mode[mode]["same_answers_as_ar"] == by_mode["questions"]
+
+
+DEMOS = ["demo-idlm", "demo-llada", "demo-trimode"]
+# What the issue typed, and what each demo must answer (none of it trained on as such).
+TYPED = [
+    ("Reverse the word hello.", "olleh"),
+    ("Reverse the word hello", "olleh"),
+    ("reverse the word hello.", "olleh"),
+    ("what is 2 + 2", "2 + 2 = 4"),
+    ("Hi", CAPABILITY_REPLY),
+    ("Tell me a joke", CAPABILITY_REPLY),
+    ("Who are you?", CAPABILITY_REPLY),
+]
+
+
+# Issue 39's bar, not met yet (docs/training.md): demo-llada (retrained) gets 9 of 12 held-out
+# phrased additions and answers `what is 2 + 2` with `2 + 2 = 5` after a system prompt or an
+# earlier turn; demo-idlm and demo-trimode were not retrained for how people ask. Strict: the
+# day a retrained demo passes, this marker must go.
+NOT_YET = pytest.mark.xfail(strict=True, reason="issue 39: the demos do not meet this bar yet")
+
+
+@NOT_YET
+@pytest.mark.parametrize("name", DEMOS)
+def test_demo_understands_how_people_ask(name: str) -> None:
+    """The issue's prompts, a dozen held-out phrasings per task (at least 10 of 12 right, the
+    cards report 90%+ on 200), and a system prompt or an earlier turn that change nothing."""
+    sets = {t: held_out_phrasings(t, 12) for t in ("addition", "reverse_word", "off_topic")}
+    with LLM(name, device="cpu", dtype="float32") as llm:
+        outs = llm.generate([[{"role": "user", "content": q}] for q, _ in TYPED])
+        assert [o.text for o in outs] == [a for _, a in TYPED]
+        for task, exs in sets.items():
+            outs = llm.generate([e.messages() for e in exs])
+            right = sum(o.text == e.answer for o, e in zip(outs, exs, strict=True))
+            got = [(e.question, o.text) for o, e in zip(outs, exs, strict=True)]
+            assert right >= 10, (task, got)
+        system = {"role": "system", "content": "You are a helpful assistant."}
+        turn = [{"role": "user", "content": "What is 15 + 27?"},
+                {"role": "assistant", "content": "15 + 27 = 42"}]  # fmt: skip
+        for question, answer in TYPED:
+            asked = {"role": "user", "content": question}
+            outs = llm.generate([[system, asked], [*turn, asked], [system, *turn, asked]])
+            assert [o.text for o in outs] == [answer] * 3, question
+
+
+@pytest.mark.parametrize("name", DEMOS)
+def test_demo_configs_name_no_remote_code(name: str) -> None:
+    path = Path(EMBEDDED_MODELS[name])
+    for file in ("config.json", "tokenizer_config.json"):
+        data = json.loads((path / file).read_text())
+        assert "auto_map" not in data and "trust_remote_code" not in data, file
+
+
+def test_transformers_loads_every_demo_tokenizer_without_asking() -> None:
+    """``AutoTokenizer.from_pretrained(<demo dir>)``, as guidellm, aiperf or evalscope do with
+    ``--tokenizer``: no "run custom code? [y/N]" prompt, and the demos' own tokens."""
+    import subprocess
+    import sys
+
+    dirs = [str(EMBEDDED_MODELS[n]) for n in DEMOS]
+    code = (
+        "import sys\nfrom transformers import AutoTokenizer\n"
+        "for d in sys.argv[1:]:\n"
+        "    print(len(AutoTokenizer.from_pretrained(d)('Reverse hello')['input_ids']))"
+    )
+    run = subprocess.run([sys.executable, "-c", code, *dirs], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "custom code" not in run.stdout + run.stderr
+    assert run.stdout.split() == ["13"] * 3  # spelled: one token per letter and the space

@@ -216,12 +216,15 @@ def test_tail_rows_pool_into_the_loss(models: dict[str, LoadedModel]) -> None:
 
 def test_spelled_tokenizer_has_one_token_per_letter_and_digit(tmp_path: Path) -> None:
     assert not keep_merge("Ġh", "e") and not keep_merge("1", "2") and not keep_merge("l", "lo")
-    assert keep_merge("Ġ", "+") and keep_merge("W", "h")
+    # Upper-case letters too: "Reverse the word Hello" is answered "olleH" letter by letter.
+    assert not keep_merge("W", "h") and not keep_merge("ĠH", "E")
+    assert keep_merge("Ġ", "+") and keep_merge("'", "s")
     for family in ("llada", "idlm"):
         path = write_tiny(family, tmp_path / family)
         assert spell_words_and_numbers(path) > 100
         tok = load_model(str(path), device="cpu", dtype="float32").tokenizer
-        for text, pieces in (("hello", 5), ("Reverse the word hello.", 23), ("579", 3)):
+        for text, pieces in (("hello", 5), ("Reverse the word hello.", 23), ("579", 3),
+                             ("HELLO", 5), (" Hello", 6)):  # fmt: skip
             ids = tok.encode(text, add_special_tokens=False)
             assert len(ids) == pieces, tok.convert_ids_to_tokens(ids)
             assert tok.decode(ids) == text

@@ -1,0 +1,174 @@
+"""Do the demos understand how people ask? Held-out phrasings through a real server.
+
+    python benchmarks/demo_phrasings.py                  # the three demos
+    python benchmarks/demo_phrasings.py --only idlm --n 50
+
+Each demo is started with the real CLI (``python -m dllm_serve --model demo-…``; the tri-mode
+demo with its draft LoRA, in its default ``linear_spec`` mode and again in ``ar``) and asked
+through ``/v1/chat/completions`` with the ``openai`` SDK at temperature 0, no other field:
+
+- **held-out phrasings** (``tasks.held_out_phrasings``): additions with operands of 1-3
+  digits and reversals of English words, each asked in a template that training never used
+  (``phrasings.py``: whole phrasings are held out, not only case or punctuation) about
+  content that training never saw; off-topic prompts never trained on (the issue's ``Hi``,
+  ``Tell me a joke``, ``Who are you?`` and held-out ones, a third of them of families never
+  trained on), which must get the fixed capability reply;
+- **context**: every one of those questions again after a held-out system prompt, and after
+  one earlier turn (another question of the pool with the model's own answer to it): how
+  many answers change;
+- **typed by hand**: a short list written before any of these models was trained, of what a
+  person might type (``UNPLANNED``), each answer shown.
+
+Writes ``benchmarks/results/demo_phrasings_<model>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS_DIR, at_least, machine_info, write_json
+
+from dllm_serve.local_server import LocalServer
+from dllm_serve_train.evaluation import phrasing_sets, score_phrasings
+from dllm_serve_train.phrasings import CAPABILITY_REPLY, HELD_OUT_FAMILY
+from dllm_serve_train.tasks import Example
+
+# The issue's three off-topic prompts, exactly as typed there.
+NAMED_OFF_TOPIC = ["Hi", "Tell me a joke", "Who are you?"]
+# Written before training, as a person would type them (some match a training template's
+# shape; none of their additions is a trained one except where noted by the content split).
+UNPLANNED = [
+    ("what is 2 + 2", "2 + 2 = 4"),
+    ("2+2", "2 + 2 = 4"),
+    ("whats 15 plus 27", "15 + 27 = 42"),
+    ("123+456=", "123 + 456 = 579"),
+    ("can u add 5 and 9", "5 + 9 = 14"),
+    ("add 100 and 250 please", "100 + 250 = 350"),
+    ("What is 7 + 8 ?", "7 + 8 = 15"),
+    ("  What is 250 + 19", "250 + 19 = 269"),
+    ("Reverse the word hello", "olleh"),
+    ("reverse the word hello.", "olleh"),
+    ("reverse hello", "olleh"),
+    ("hello backwards", "olleh"),
+    ("how would you spell cat backwards", "tac"),
+    ("Reverse: banana", "ananab"),
+    ("pls reverse dog", "god"),
+    ("REVERSE PYTHON", "NOHTYP"),
+    ("Hi", CAPABILITY_REPLY),
+    ("hello!", CAPABILITY_REPLY),
+    ("Tell me a joke", CAPABILITY_REPLY),
+    ("Who are you?", CAPABILITY_REPLY),
+    ("What's the weather?", CAPABILITY_REPLY),
+    ("thanks!", CAPABILITY_REPLY),
+    ("What is 5 - 3?", CAPABILITY_REPLY),
+    ("What is 6 times 7?", CAPABILITY_REPLY),
+    ("Write me a poem about the sea", CAPABILITY_REPLY),
+    ("what can you do", CAPABILITY_REPLY),
+]
+
+
+def question_sets(n: int) -> dict[str, list[Example]]:
+    """The held-out phrasing sets, the off-topic one split into the issue's three, the
+    families never trained on and the other held-out prompts."""
+    sets = phrasing_sets(n)
+    off = sets.pop("off_topic")
+    named = [Example("off_topic", q, CAPABILITY_REPLY) for q in NAMED_OFF_TOPIC]
+    sets["off_topic_named"] = named
+    sets["off_topic_new_families"] = [e for e in off if e.template == HELD_OUT_FAMILY]
+    sets["off_topic_held_out"] = [e for e in off if e.template != HELD_OUT_FAMILY]
+    return sets
+
+
+def asker(client: openai.OpenAI, workers: int, extra: dict[str, Any]):
+    """Conversations → answer texts, ``workers`` requests at a time."""
+
+    def ask(messages: list[dict[str, str]]) -> str:
+        reply = client.chat.completions.create(
+            model="demo", messages=messages, temperature=0, **extra
+        )
+        return reply.choices[0].message.content or ""
+
+    def generate(conversations: list[list[dict[str, str]]]) -> list[str]:
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(ask, conversations))
+
+    return generate
+
+
+def measure(generate, n: int) -> dict[str, Any]:
+    started = time.monotonic()
+    sets = question_sets(n)
+    scores = score_phrasings(generate, sets)
+    typed = generate([[{"role": "user", "content": q}] for q, _ in UNPLANNED])
+    scores["typed_by_hand"] = [
+        {"question": q, "expected": want, "answer": got, "right": got.strip() == want}
+        for (q, want), got in zip(UNPLANNED, typed, strict=True)
+    ]
+    scores["typed_by_hand_right"] = sum(row["right"] for row in scores["typed_by_hand"])
+    answers = generate([e.messages() for exs in sets.values() for e in exs[:3]])
+    it = iter(answers)
+    scores["examples"] = {
+        name: [{"question": e.question, "expected": e.answer, "answer": next(it)} for e in exs[:3]]
+        for name, exs in sets.items()
+    }
+    scores["seconds"] = round(time.monotonic() - started, 1)
+    return scores
+
+
+def run_model(family: str, model: str, n: int, workers: int) -> dict[str, Any]:
+    args = ["--model", model, "--log-level", "warning"]
+    modes: list[tuple[str, dict[str, Any]]] = [("default", {})]
+    if family == "trimode":
+        lora = "demo-trimode-lora" if model == "demo-trimode" else str(Path(model) / "draft-lora")
+        args += ["--draft-lora", lora]
+        modes.append(("ar", {"extra_body": {"decoding_mode": "ar"}}))
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    server = LocalServer.start(args, log)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=600)
+    results: dict[str, Any] = {"model": model, "n_per_set": n, "modes": {}}
+    try:
+        for mode, extra in modes:
+            results["modes"][mode] = measure(asker(client, workers, extra), n)
+            summary = {k: v for k, v in results["modes"][mode].items() if isinstance(v, dict)}
+            print(model, mode, {k: v for k, v in summary.items() if k != "examples"}, flush=True)
+    finally:
+        server.stop()
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--only", choices=["llada", "idlm", "trimode"])
+    p.add_argument("--n", type=at_least(1), default=200, help="questions per held-out set")
+    p.add_argument("--workers", type=at_least(1), default=32, help="concurrent requests")
+    p.add_argument(
+        "--model-path",
+        type=Path,
+        help="measure this checkpoint (e.g. a training run's output) instead of the shipped "
+        "demo; needs --only and --out",
+    )
+    p.add_argument("--out", type=Path, help="results file (default: benchmarks/results/...)")
+    args = p.parse_args()
+    if args.out and not args.only:
+        p.error("--out names one results file: add --only llada, idlm or trimode")
+    if args.model_path and not (args.only and args.out):
+        p.error("--model-path needs --only (which family) and --out")
+    for family in [args.only] if args.only else ["llada", "idlm", "trimode"]:
+        model = str(args.model_path) if args.model_path else f"demo-{family}"
+        result = run_model(family, model, args.n, args.workers)
+        result["machine"] = machine_info()
+        result["command"] = " ".join(sys.argv)
+        write_json(args.out or RESULTS_DIR / f"demo_phrasings_demo-{family}.json", result)
+
+
+if __name__ == "__main__":
+    main()

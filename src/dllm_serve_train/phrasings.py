@@ -1,0 +1,513 @@
+"""How people ask: the demo tasks in many phrasings, questions the demos cannot answer, and
+the system prompts and earlier turns a chat client sends along.
+
+A demo trained on ``What is 123 + 456?`` alone answers that template and little else:
+``what is 2 + 2`` (no capital, no question mark) or ``Reverse the word hello`` (no period)
+came out as garbage. Here each task has two sets of **templates**, whole phrasings: those of
+:data:`ADDITION` / :data:`REVERSAL` with ``split="train"`` are trained on, those with
+``split="held_out"`` never are, so the accuracy on them measures how far the model
+understands a request it has not seen phrased that way. The content of a question (the
+operands, the word) is split as before (:func:`dllm_serve_train.tasks.is_held_out` of its
+canonical question): a held-out phrasing is scored on held-out content, so neither the
+phrasing nor the sum was ever trained on. Surface noise (case, punctuation, spacing around
+``+``, quotes, leading and trailing whitespace) applies to both splits alike: it is not a
+phrasing.
+
+Anything else (a greeting, another operation, a request the demos cannot serve) gets one
+fixed reply, :data:`CAPABILITY_REPLY`, which says what the model can do. It must fit the
+demos' default 32-token canvas with its end-of-turn token: the demos spell words one
+character per token, so it is at most 31 characters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dllm_serve_train.tasks import Example
+
+# What the demos answer to anything but an addition or a word reversal: exactly what they do.
+CAPABILITY_REPLY = "I add 0-999 and reverse words."
+
+_HELD_OUT_OFF_TOPIC_PERCENT = 15
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    """One phrasing of a task: ``{a}`` / ``{b}`` (operands) or ``{w}`` (the word)."""
+
+    text: str
+    split: str  # "train" or "held_out"
+
+
+def _templates(train: list[str], held_out: list[str]) -> tuple[Template, ...]:
+    return tuple(Template(t, "train") for t in train) + tuple(
+        Template(t, "held_out") for t in held_out
+    )
+
+
+# The first training template is the canonical question (tasks.py), trained most often.
+ADDITION = _templates(
+    train=[
+        "What is {a} + {b}?",
+        "What is {a} plus {b}?",
+        "What's {a} + {b}?",
+        "What's {a} plus {b}?",
+        "Whats {a} + {b}",
+        "{a} + {b}",
+        "{a} + {b} =",
+        "{a} + {b} = ?",
+        "{a} + {b} =?",
+        "{a} plus {b}",
+        "{a} plus {b} equals?",
+        "Add {a} and {b}.",
+        "Add {a} to {b}.",
+        "Please add {a} and {b}.",
+        "Can you add {a} and {b}?",
+        "Calculate {a} + {b}.",
+        "Calculate {a} plus {b}",
+        "Compute {a} + {b}",
+        "What is the sum of {a} and {b}?",
+        "Sum of {a} and {b}",
+        "Find the sum of {a} and {b}.",
+        "Sum {a} and {b}.",
+        "Total of {a} and {b}",
+        "How much is {a} + {b}?",
+        "How much is {a} plus {b}?",
+        "What does {a} + {b} equal?",
+        "Tell me {a} + {b}.",
+        "Solve {a} + {b}",
+        "{a} + {b} is?",
+        "What is {a} added to {b}?",
+        "Work out {a} + {b}.",
+        "What do {a} and {b} add up to?",
+        "Answer this: {a} + {b}",
+        "Can you calculate {a} plus {b}?",
+        "How much do {a} and {b} make?",
+        "{a} and {b} added together",
+        "Add up {a} and {b}.",
+        "Please compute {a} + {b}.",
+        "What is {a} + {b} equal to?",
+        "{a} + {b} equals what?",
+        "Find {a} plus {b}.",
+        "What would {a} + {b} be?",
+        "Can you work out {a} plus {b}?",
+        "Let's add {a} and {b}.",
+        "What's the answer to {a} + {b}?",
+        "Addition: {a} + {b}",
+        "What is the total of {a} plus {b}?",
+        "I'd like to know {a} + {b}.",
+    ],
+    held_out=[
+        "What do you get if you add {a} and {b}?",
+        "Could you tell me what {a} + {b} is?",
+        "I need the sum of {a} and {b}.",
+        "Quick one: {a} plus {b}?",
+        "Evaluate {a} + {b}.",
+        "Give me {a} + {b}.",
+        "{a} added to {b} makes what?",
+        "Help me add {a} and {b}",
+        "Result of {a} + {b}?",
+        "If you add {a} to {b}, what do you get?",
+        "Mind adding {a} and {b}?",
+        "Do the sum {a} plus {b} for me.",
+    ],
+)
+REVERSAL = _templates(
+    train=[
+        "Reverse the word {w}.",
+        "Reverse {w}",
+        "Reverse the word: {w}",
+        "Reverse the letters of {w}.",
+        "Reverse the string {w}.",
+        "Spell {w} backwards.",
+        "Spell {w} backward",
+        "How is {w} spelled backwards?",
+        "{w} reversed",
+        "{w} backwards",
+        "What is {w} reversed?",
+        "What's {w} backwards?",
+        "Can you reverse {w}?",
+        "Please reverse the word {w}.",
+        "Write {w} backwards.",
+        "Write {w} in reverse.",
+        "Reverse the order of the letters in {w}.",
+        "Flip the word {w}.",
+        "{w} in reverse",
+        "Reverse this: {w}",
+        "Backwards: {w}",
+        "Can you spell {w} backwards?",
+        "Reverse the letters in {w}.",
+        "Can you write {w} backwards?",
+        "What's {w} in reverse?",
+        "Read {w} backwards.",
+        "{w} spelled backwards",
+        "Print {w} reversed.",
+        "Show me {w} backwards.",
+        "Please spell the word {w} backwards.",
+        "What do you get when you reverse {w}?",
+        "Reverse it: {w}",
+    ],
+    held_out=[
+        "How do you write {w} backwards?",
+        "Give me {w} reversed.",
+        "What does {w} look like backwards?",
+        "Could you write the word {w} in reverse?",
+        "Type {w} backwards for me.",
+        "I want {w} reversed.",
+        "Reverse the following word: {w}",
+        "What is the reverse of {w}?",
+        "Say {w} backwards.",
+        "Turn {w} backwards, please.",
+    ],
+)
+# Words people put around a request, trained with every training template (never with a
+# held-out one): they teach that a request's wording around its content does not matter.
+PREFIXES = (
+    "Please ", "Hey, ", "Hi! ", "Question: ", "Can you tell me ", "I want to know: ",
+    "Tell me, ", "OK, ", "So ", "Now ", "Hello, ", "Excuse me, ", "Next: ", "Ok so ",
+    "I have a question. ", "My teacher asked me this. ", "For my homework: ", "Hmm. ",
+    "Let me ask you something. ", "I'm curious. ", "Hello there! ", "Good morning. ",
+    "One more: ", "Alright, ", "Simple one: ", "Test: ", "Task: ", "Well, ",
+)  # fmt: skip
+SUFFIXES = (
+    " please", " thanks", " for me", " now", " thank you", " quickly", " pls", ", ok?",
+    ". Thanks a lot!", ". I need it fast.", " (just the answer)", " if you can",
+    " right now", ", please and thank you", ". Be quick", " again",
+)  # fmt: skip
+
+# Tasks whose questions are rephrased, and their templates.
+PHRASED = {
+    "addition": ADDITION,
+    "reverse_word": REVERSAL,
+    "reverse": REVERSAL,
+    "reverse_long": REVERSAL,
+}
+
+SYSTEM_PROMPTS = _templates(
+    train=[
+        "You are a helpful assistant.",
+        "You are a helpful assistant",
+        "You are a calculator.",
+        "Be concise.",
+        "Answer briefly.",
+        "You are a friendly bot.",
+        "Reply in one line.",
+        "You are an AI assistant. Answer the user's questions.",
+        "Keep answers short.",
+        "You are a small demo model.",
+        "Only give the answer.",
+        "You are a math tutor.",
+        "Think step by step.",
+        "You are a pirate.",
+        "Respond in English.",
+        "You are a helpful and harmless AI.",
+        "Be precise.",
+        "You are ChatBot.",
+    ],
+    held_out=[
+        "You are a helpful, honest and harmless assistant.",
+        "Always answer politely.",
+        "You are an expert assistant. Be accurate.",
+        "Answer the question.",
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+        "Be brief and correct.",
+        "You are a assistant for kids.",
+        "Use as few words as you can.",
+    ],
+)
+
+# Off-topic questions: fixed lists and combinations, split by a hash of the normalised text
+# (a sixth or so held out) and by whole families that training never sees (``held_out``).
+_GREETINGS = [
+    "hello", "hey", "hi there", "good morning", "good evening", "hey there", "yo", "howdy",
+    "greetings", "sup", "what's up", "hello there", "good afternoon", "hiya", "morning",
+    "hey you", "hello bot", "heya", "good night", "hi friend", "hey buddy", "hallo", "hola",
+    "bonjour",
+]  # fmt: skip
+_SMALL_TALK = [
+    "thanks", "thank you", "ok", "okay", "cool", "bye", "goodbye", "lol", "help", "test",
+    "testing", "what can you do?", "how are you?", "are you there?", "what are you?",
+    "what's your name?", "are you a robot?", "who made you?", "are you human?",
+    "can you help me?", "how does this work?", "what should I ask?", "nice", "great",
+    "wow", "I am bored", "I love you", "you are wrong", "that is not right", "hmm", "yes",
+    "no", "why?", "really?", "what?", "?", "...", "!", "hi how are you", "how old are you?",
+    "where are you from?", "what time is it?", "what day is it today?", "do you like music?",
+    "are you smart?", "what model are you?", "who created you?", "can you talk?",
+]  # fmt: skip
+_REQUEST_VERBS = ["Tell me", "Write", "Give me", "Show me", "Can you write", "Please write"]
+_REQUEST_OBJECTS = [
+    "a story", "a poem", "a song", "a riddle", "a fun fact", "the news", "a recipe",
+    "something interesting", "a haiku", "an essay about dogs", "a limerick", "a letter",
+    "a story about a dragon", "a poem about the sea", "a quote", "some advice", "a secret",
+    "a tongue twister", "an email to my boss", "a list of fruits", "a summary of a book",
+    "a fact about space", "code for a website", "a python function",
+]  # fmt: skip
+_TOPICS = [
+    "love", "the capital of France", "the meaning of life", "Python", "a black hole",
+    "the weather today", "photosynthesis", "gravity", "an atom", "democracy", "the moon",
+    "machine learning", "a diffusion model", "your favourite colour", "the best movie",
+    "a prime number", "the speed of light", "DNA", "the internet", "music", "happiness",
+    "the tallest mountain", "the biggest ocean", "a dog", "football", "chess",
+]  # fmt: skip
+_QUESTION_FRAMES = [
+    "What is {t}?", "Explain {t}.", "Tell me about {t}.", "Describe {t}.",
+    "What do you know about {t}?", "Can you explain {t}?", "Why is {t} important?",
+]  # fmt: skip
+_HOW_TO = [
+    "cook pasta", "learn French", "fix my bike", "sleep better", "get rich", "code in Rust",
+    "tie a tie", "make friends", "write a CV", "bake bread", "lose weight", "play guitar",
+    "install python", "reset my password", "grow tomatoes",
+]  # fmt: skip
+# Arithmetic the demos do not do, and word tasks other than reversal: the phrasings that
+# look most like the real tasks, so they teach the model to read the operation.
+_OTHER_MATH = [
+    "What is {a} - {b}?", "What is {a} minus {b}?", "{a} - {b}", "{a} * {b}", "{a} x {b}",
+    "What is {a} times {b}?", "Multiply {a} and {b}.", "Multiply {a} by {b}",
+    "Subtract {b} from {a}.", "Divide {a} by {b}.", "{a} / {b}", "What is {a} divided by {b}?",
+    "What is the square root of {a}?", "What is {a} squared?", "Is {a} a prime number?",
+    "Count to {a}.", "What is {a} to the power of {b}?", "What is {a} % {b}?",
+    "What is the product of {a} and {b}?", "What is the difference of {a} and {b}?",
+    "Is {a} bigger than {b}?", "What is half of {a}?", "What is {a}?", "{a}",
+    "Which is larger, {a} or {b}?", "Round {a} to the nearest ten.",
+]  # fmt: skip
+_OTHER_WORD = [
+    "Sort the letters of {w}.", "How many letters are in {w}?", "What does {w} mean?",
+    "Spell {w}.", "Uppercase {w}.", "Translate {w} to French.", "What rhymes with {w}?",
+    "Use {w} in a sentence.", "Define {w}.", "Is {w} a word?", "Repeat {w}.", "Say {w}.",
+    "What is the first letter of {w}?", "Count the vowels in {w}.", "{w}",
+    "Capitalize {w}.", "Write a sentence with {w}.", "What is a synonym for {w}?",
+    "Sort {w} alphabetically.",
+]  # fmt: skip
+# Families never trained on (with the three the issue names), to measure the reply on
+# questions of a kind the model has not seen.
+_HELD_OUT_FAMILIES = [
+    "Hi", "Tell me a joke", "Who are you?", "Tell me a joke about cats.", "Make me laugh.",
+    "Who is the president?", "Who won the world cup?", "Where is Paris?",
+    "Write a haiku about autumn.", "Recommend a good book.", "What is your purpose?",
+    "Can you speak Spanish?", "Sing me a song.", "What's the weather like?",
+    "Please help me with my homework.", "Summarize the plot of Hamlet.",
+    "Translate good morning into German.", "What is {a} minus {b}, please?",
+    "Multiply {a} with {b}.", "Sort these letters: {w}", "How many vowels does {w} have?",
+    "What is the opposite of {w}?", "Why is the sky blue?", "Do you dream?",
+    "Give me a random number.", "Is it going to rain tomorrow?", "What can I cook tonight?",
+    "good day to you", "Hey! How's it going?", "Explain how a car engine works.",
+]  # fmt: skip
+# The three prompts the issue names, in any case or punctuation: never trained on.
+_ALWAYS_HELD_OUT = {"hi", "tell me a joke", "who are you"}
+
+
+def normalise(text: str) -> str:
+    """Lower case, letters, digits and single spaces: what makes two prompts "the same"."""
+    return " ".join(re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split())
+
+
+def _family_pattern(frame: str) -> re.Pattern[str]:
+    marked = frame.format(a="zzazz", b="zzbzz", w="zzwzz")
+    pattern = re.escape(normalise(marked))
+    for mark, what in (("zzazz", r"\d+"), ("zzbzz", r"\d+"), ("zzwzz", r"[a-z']+")):
+        pattern = pattern.replace(mark, what)
+    return re.compile(pattern)
+
+
+_FAMILY_PATTERNS = [_family_pattern(frame) for frame in _HELD_OUT_FAMILIES]
+
+
+def off_topic_held_out(text: str) -> bool:
+    """Whether an off-topic prompt is held out: the issue's three in any spelling, anything
+    about a joke, whatever a held-out family can say, and about a sixth of all others by a
+    hash of the normalised text."""
+    key = normalise(text)
+    if key in _ALWAYS_HELD_OUT or "joke" in key.split():
+        return True
+    if any(p.fullmatch(key) for p in _FAMILY_PATTERNS):
+        return True
+    digest = hashlib.sha256(("off-topic:" + key).encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < _HELD_OUT_OFF_TOPIC_PERCENT
+
+
+def _fill(frame: str, rng: random.Random, words: tuple[str, ...]) -> str:
+    return frame.format(a=rng.randint(0, 999), b=rng.randint(0, 999), w=rng.choice(words))
+
+
+# The template field of an off-topic question from a family never trained on.
+HELD_OUT_FAMILY = "held-out family"
+
+
+def off_topic_question(rng: random.Random, split: str, words: tuple[str, ...]) -> tuple[str, str]:
+    """One off-topic prompt of ``split`` (surface noise not yet applied), and
+    :data:`HELD_OUT_FAMILY` when it is of a family never trained on (else "")."""
+    if split == "held_out" and rng.random() < 0.35:
+        return _fill(rng.choice(_HELD_OUT_FAMILIES), rng, words), HELD_OUT_FAMILY
+    while True:
+        kind = rng.random()
+        if kind < 0.12:
+            text = rng.choice(_GREETINGS)
+        elif kind < 0.3:
+            text = rng.choice(_SMALL_TALK)
+        elif kind < 0.45:
+            text = f"{rng.choice(_REQUEST_VERBS)} {rng.choice(_REQUEST_OBJECTS)}"
+        elif kind < 0.58:
+            text = rng.choice(_QUESTION_FRAMES).format(t=rng.choice(_TOPICS))
+        elif kind < 0.65:
+            text = f"How do I {rng.choice(_HOW_TO)}?"
+        elif kind < 0.85:
+            text = _fill(rng.choice(_OTHER_MATH), rng, words)
+        else:
+            text = _fill(rng.choice(_OTHER_WORD), rng, words)
+        if off_topic_held_out(text) == (split == "held_out"):
+            return text, ""
+
+
+# ---- surface noise ------------------------------------------------------------------------
+
+
+def _plus_spacing(text: str, rng: random.Random) -> str:
+    spaced = rng.choice((" + ", " + ", "+", " +", "+ "))
+    return text.replace(" + ", spaced)
+
+
+def _end(text: str, rng: random.Random) -> str:
+    """The trailing punctuation people type, or none."""
+    stem = text.rstrip(".?!")
+    # "2 + 2 =" keeps its sign ("=?" is a phrasing of its own); "?" alone stays a question
+    if stem.rstrip().endswith("=") or not stem.strip():
+        return text
+    return stem + rng.choice(("", "", ".", "?", "?", "!", " ?", "??"))
+
+
+_CASES = (("lower", 0.2), ("first_lower", 0.08), ("upper", 0.05), ("title", 0.03))
+
+
+def _case_mode(rng: random.Random) -> str:
+    u = rng.random()
+    for mode, share in _CASES:
+        if u < share:
+            return mode
+        u -= share
+    return "as_is"
+
+
+def _cased(text: str, mode: str) -> str:
+    if mode == "lower":
+        return text.lower()
+    if mode == "upper":
+        return text.upper()
+    if mode == "title":
+        return text.title()
+    if mode == "first_lower":
+        return text[:1].lower() + text[1:]
+    return text
+
+
+def _spaces(text: str, rng: random.Random) -> str:
+    if rng.random() < 0.12:
+        text = rng.choice((" ", "  ", "\n", " \n")) + text
+    if rng.random() < 0.12:
+        text += rng.choice((" ", "  ", "\n", " \n"))
+    return text
+
+
+def noisy(text: str, rng: random.Random, word: str | None = None) -> tuple[str, str]:
+    """``text`` with case, punctuation and whitespace varied. ``word`` (a reversal's) goes
+    where ``text`` holds ``{w}``, cased as a person typing that way would case it; returns
+    the question and the word as it appears in it ("" without a word)."""
+    mode = _case_mode(rng)
+    if word is None:
+        return _spaces(_end(_cased(text, mode), rng), rng), ""
+    head, _, tail = text.partition("{w}")
+    if mode == "first_lower":  # only the question's first letter changes
+        shown = word if head else _cased(word, mode)
+        head = _cased(head, mode)
+    else:
+        shown = word.capitalize() if mode == "title" else _cased(word, mode)
+        head, tail = _cased(head, mode), _cased(tail, mode)
+    return _spaces(_end(head + "{w}" + tail, rng), rng).replace("{w}", shown), shown
+
+
+# ---- rendering ------------------------------------------------------------------------------
+
+
+def _addition_operands(question: str) -> tuple[int, int]:
+    m = re.fullmatch(r"What is (\d+) \+ (\d+)\?", question)
+    assert m, question
+    return int(m[1]), int(m[2])
+
+
+def _reversal_word(question: str) -> str:
+    return question.removeprefix("Reverse the word ").removesuffix(".")
+
+
+def templates(task: str, split: str) -> list[Template]:
+    return [t for t in PHRASED[task] if t.split == split]
+
+
+def _wrapped(text: str, rng: random.Random) -> str:
+    """``text`` with a prefix (its first letter then lower-cased unless it starts with a
+    placeholder), a suffix before its final punctuation, or both."""
+    u = rng.random()
+    if u < 0.7:
+        head = rng.choice(PREFIXES)
+        text = head + (text if text.startswith("{") else text[:1].lower() + text[1:])
+    if u >= 0.5:
+        stem = text.rstrip(".?!")
+        text = stem + rng.choice(SUFFIXES) + text[len(stem) :]
+    return text
+
+
+def rephrase(ex: Example, rng: random.Random, split: str) -> Example:
+    """``ex`` (a canonical question of a phrased task) asked in a random ``split`` template
+    with surface noise."""
+    template = rng.choice(templates(ex.task, split))
+    text = template.text
+    if split == "train" and rng.random() < 0.35:
+        text = _wrapped(text, rng)
+    if ex.task == "addition":
+        a, b = _addition_operands(ex.question)
+        text = _plus_spacing(text.format(a=a, b=b), rng)
+        question, _ = noisy(text, rng)
+        return replace(ex, question=question, key=ex.key or ex.question, template=template.text)
+    word = _reversal_word(ex.question)
+    if rng.random() < 0.08:  # "Reverse the word Hello": the answer is "olleH"
+        word = word.capitalize()
+    quote = rng.random()
+    quote = '"' if quote < 0.08 else "'" if quote < 0.14 else ""
+    question, shown = noisy(text.replace("{w}", quote + "{w}" + quote), rng, word)
+    return replace(
+        ex,
+        question=question,
+        answer=shown[::-1],
+        key=ex.key or ex.question,
+        template=template.text,
+    )
+
+
+def off_topic(rng: random.Random, split: str, words: tuple[str, ...]) -> Example:
+    from dllm_serve_train.tasks import Example
+
+    text, family = off_topic_question(rng, split, words)
+    question, _ = noisy(text, rng)
+    return Example("off_topic", question, CAPABILITY_REPLY, key=text, template=family)
+
+
+def with_context(
+    ex: Example, rng: random.Random, split: str, earlier: Callable[[], Example]
+) -> Example:
+    """``ex`` after a system prompt, earlier turns, or both: the answer stays the last
+    question's. An earlier turn is another example with its own answer (now and then
+    another reply, as a chat with some other model would hold)."""
+    turns: list[tuple[str, str]] = []
+    u = rng.random()
+    if u < 0.7:
+        turns.append(("system", rng.choice([t.text for t in SYSTEM_PROMPTS if t.split == split])))
+    if u >= 0.45:
+        for _ in range(1 if rng.random() < 0.75 else 2):
+            before = earlier()
+            reply = before.answer if rng.random() < 0.9 else earlier().answer
+            turns += [("user", before.question), ("assistant", reply)]
+    return replace(ex, context=tuple(turns))
