@@ -26,10 +26,27 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from dllm_serve_train.tasks import Example
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """One chat turn to answer: ``question`` is the last user message, ``context`` the
+    (role, content) messages before it (a system prompt, earlier turns), ``key`` the
+    canonical question whose hash decided the split ("" when it is ``question`` itself) and
+    ``template`` the phrasing it was asked in (below; "" for the canonical one)."""
+
+    task: str
+    question: str
+    answer: str
+    context: tuple[tuple[str, str], ...] = ()
+    key: str = ""
+    template: str = ""
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation as chat messages, the question last."""
+        turns = [*self.context, ("user", self.question)]
+        return [{"role": role, "content": content} for role, content in turns]
+
 
 # What the demos answer to anything but an addition or a word reversal: exactly what they do.
 CAPABILITY_REPLY = "I add 0-999 and reverse words."
@@ -488,8 +505,6 @@ def rephrase(ex: Example, rng: random.Random, split: str) -> Example:
 
 
 def off_topic(rng: random.Random, split: str, words: tuple[str, ...]) -> Example:
-    from dllm_serve_train.tasks import Example
-
     text, family = off_topic_question(rng, split, words)
     question, _ = noisy(text, rng)
     return Example("off_topic", question, CAPABILITY_REPLY, key=text, template=family)

@@ -10,10 +10,10 @@ import functools
 import hashlib
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from dllm_serve_train import phrasings
+from dllm_serve_train.phrasings import Example
 
 HELD_OUT_PERCENT = 10
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -33,26 +33,6 @@ SHOWCASE = frozenset(
 # Addition strata by operand digit counts: what the model cards report separately. Operands
 # uniform in 0-999 are three-digit 90% of the time, so a uniform test says little about 2 + 2.
 STRATA = ("1+1", "2+2", "mixed", "3+3")
-
-
-@dataclass(frozen=True, slots=True)
-class Example:
-    """One chat turn to answer: ``question`` is the last user message, ``context`` the
-    (role, content) messages before it (a system prompt, earlier turns), ``key`` the
-    canonical question whose hash decided the split ("" when it is ``question`` itself) and
-    ``template`` the phrasing it was asked in (``phrasings.py``; "" for the canonical one)."""
-
-    task: str
-    question: str
-    answer: str
-    context: tuple[tuple[str, str], ...] = ()
-    key: str = ""
-    template: str = ""
-
-    def messages(self) -> list[dict[str, str]]:
-        """The conversation as chat messages, the question last."""
-        turns = [*self.context, ("user", self.question)]
-        return [{"role": role, "content": content} for role, content in turns]
 
 
 def is_held_out(question: str) -> bool:

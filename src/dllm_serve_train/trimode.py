@@ -19,9 +19,9 @@ import torch
 
 from dllm_serve.models.loader import load_model
 from dllm_serve_train.draft_lora import TrainableDraftLoRA
+from dllm_serve_train.model_card import write_trimode_card
 from dllm_serve_train.objectives import loss
 from dllm_serve_train.tasks import examples
-from dllm_serve_train.trimode_card import write_trimode_card
 from dllm_serve_train.trimode_eval import evaluate_modes, evaluate_phrasings_by_mode
 from dllm_serve_train.trimode_objective import block_positions, trimode_batch
 

@@ -81,7 +81,7 @@ def test_demo_trimode_checkpoint_adapter_card_and_exactness() -> None:
     """The tri-mode demo: Nemotron format, its PEFT draft LoRA loads by name, the card shows
     every mode's measured row, and LinearSpec answered every held-out question as ar did."""
     from dllm_serve.models.lora import attach_draft_lora
-    from dllm_serve_train.trimode_card import mode_table
+    from dllm_serve_train.model_card import mode_table
 
     path = Path(EMBEDDED_MODELS["demo-trimode"])
     assert (path / "model.safetensors").stat().st_size <= 20_000_000

@@ -150,7 +150,7 @@ def test_trimode_card_states_the_run_without_a_lora_and_a_slower_linear_spec(
     """Found by QA: with --lora-steps 0 the card praised "the draft LoRA" and also said "No
     draft LoRA", a ratio below 1 read "0.52× fewer", and spelled stratified operands were
     claimed whatever the run used."""
-    from dllm_serve_train.trimode_card import write_trimode_card
+    from dllm_serve_train.model_card import write_trimode_card
 
     out = write_tiny("nemotron", tmp_path / "t")
     mode = {"accuracy": {"addition_1+1": 0.5}, "forwards_per_token": 1.0, "tokens_per_forward": 1.0,

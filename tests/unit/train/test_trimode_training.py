@@ -16,10 +16,10 @@ from dllm_serve.models.loader import LoadedModel, load_model
 from dllm_serve.models.lora import attach_draft_lora
 from dllm_serve_train.__main__ import main
 from dllm_serve_train.draft_lora import TrainableDraftLoRA
+from dllm_serve_train.model_card import mode_table
 from dllm_serve_train.objectives import encode, loss
 from dllm_serve_train.tasks import held_out_set
 from dllm_serve_train.tiny_checkpoints import write_tiny
-from dllm_serve_train.trimode_card import mode_table
 from dllm_serve_train.trimode_objective import block_positions, trimode_batch
 
 BLOCK = 8
