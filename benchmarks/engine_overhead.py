@@ -7,8 +7,13 @@
 
 ``--random-8b`` serves random bf16 weights of LLaDA-8B's shape (no checkpoint needed; the
 tiny-llada tokenizer and special ids, which the 8B vocabulary contains; random logits never pick
-EOS, so every answer is the whole canvas). With ``--tiny`` it is the same architecture at toy
-size, for a CPU smoke run.
+EOS, so every answer is the whole canvas). ``--random-llada2-mini`` does the same for
+LLaDA2.0-mini's shape (block-diffusion MoE: 20 layers, 256 experts, top-8; about 16B
+parameters, 32 GB in bf16), with a tiny LLaDA2 checkpoint's tokenizer and special ids; its
+experts are stacked on the device for the grouped GEMMs, as the loader does. With random
+weights the schedule alone decides how many tokens a forward commits (``--steps`` per
+``--block-length``). With ``--tiny`` either is the same architecture at toy size, for a CPU
+smoke run.
 
 One run = ``--requests`` chats (templated and tokenised beforehand) submitted at once through
 the offline :class:`LLM` (the same ``AsyncEngine`` the server uses: scheduler, ModelRunner,
@@ -60,7 +65,7 @@ from _common import (
     plot_if_available,
     write_json,
 )
-from gpu_llada8b import DEFAULT_CONFIG, build_model, tiny_config
+from gpu_llada8b import DEFAULT_CONFIG, build_model, materialise_random, tiny_config
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
@@ -70,7 +75,13 @@ from dllm_serve.engine.scheduler import Scheduler
 from dllm_serve.llm import LLM
 from dllm_serve.models.attention import FlatBatch
 from dllm_serve.models.families.llada import LLADA
-from dllm_serve.models.loader import load_model
+from dllm_serve.models.families.llada2 import LLADA2
+from dllm_serve.models.loader import LoadedModel, load_model
+from dllm_serve.models.moe import MoE
+from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
+from dllm_serve_train.tiny_checkpoints import write_tiny
+
+LLADA2_MINI = DEFAULT_CONFIG.parents[1] / "llada2-mini" / "config.json"
 
 
 def sync(device: torch.device) -> None:
@@ -254,7 +265,10 @@ def _rounded(value: Any) -> Any:
 
 
 def open_llm(args: argparse.Namespace, config: EngineConfig) -> LLM:
-    """The LLM to measure: a loaded checkpoint, or LLaDA-8B-shaped random weights."""
+    """The LLM to measure: a loaded checkpoint, or random weights of LLaDA-8B's or
+    LLaDA2.0-mini's shape."""
+    if args.random_llada2_mini:
+        return LLM.from_loaded(random_llada2_mini(args), config)
     if not args.random_8b:
         return LLM(args.model, device=args.device, dtype=args.dtype, engine_config=config)
     base = load_model("tiny-llada", device=args.device, dtype="float32")
@@ -268,6 +282,44 @@ def open_llm(args: argparse.Namespace, config: EngineConfig) -> LLM:
         base, name=args.model, model=model, dtype=dtype, max_length=shape.max_sequence_length
     )
     return LLM.from_loaded(loaded, config)
+
+
+def random_llada2_mini(args: argparse.Namespace) -> LoadedModel:
+    """A tiny LLaDA2 checkpoint (its tokenizer, special ids and block size) carrying random
+    weights of LLaDA2.0-mini's shape (toy size with ``--tiny``)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        base = load_model(str(write_tiny("llada2", Path(root) / "llada2")), device=args.device,
+                          dtype="float32")  # fmt: skip
+    shape = LLADA2.transformer_config(json.loads(LLADA2_MINI.read_text()))
+    if args.tiny:
+        assert shape.moe is not None
+        moe = dataclasses.replace(shape.moe, num_experts=16, n_group=4, topk_group=2, top_k=4,
+                                  expert_hidden_size=32, shared_hidden_size=32)  # fmt: skip
+        shape = dataclasses.replace(tiny_config(shape), moe=moe,
+                                    vocab_size=base.model.config.vocab_size)  # fmt: skip
+    dtype = torch.bfloat16 if base.device.type == "cuda" else torch.float32
+    model = build_moe_model(shape, base.device, dtype)
+    args.model = "random-llada2-mini" + ("-tiny" if args.tiny else "")
+    return dataclasses.replace(
+        base, name=args.model, model=model, dtype=dtype, max_length=shape.max_sequence_length
+    )
+
+
+def build_moe_model(
+    cfg: TransformerConfig, device: torch.device, dtype: torch.dtype
+) -> DecoderTransformer:
+    """Meta → random ``dtype`` weights on ``device`` → fused, experts stacked there (the
+    grouped GEMMs are checked on the device and dtype they run in, so this fuses after
+    materialising, unlike ``build_model``); routers in fp32, as the loader keeps them."""
+    with torch.device("meta"):
+        model = DecoderTransformer(cfg)
+    model = materialise_random(model, device, dtype)
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.router.float()
+    return model.fuse_projections()
 
 
 def draw(report: dict[str, Any]) -> Any:
@@ -299,15 +351,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--random-8b", action="store_true", help="random bf16 weights of LLaDA-8B's shape"
     )
-    parser.add_argument("--tiny", action="store_true", help="with --random-8b: toy size")
+    parser.add_argument(
+        "--random-llada2-mini",
+        action="store_true",
+        help="random bf16 weights of LLaDA2.0-mini's shape (MoE block diffusion)",
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="with --random-8b or --random-llada2-mini: toy size"
+    )
     parser.add_argument(
         "--repeat", type=at_least(1), default=3, help="engine/bare pairs; median reported"
     )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "engine_overhead.json")
     add_threads_option(parser)
     args = parser.parse_args(argv)
-    if args.tiny and not args.random_8b:
-        parser.error("--tiny shrinks the --random-8b model: pass both")
+    if args.tiny and not (args.random_8b or args.random_llada2_mini):
+        parser.error("--tiny shrinks a --random-* model: pass one")
+    if args.random_8b and args.random_llada2_mini:
+        parser.error("--random-8b and --random-llada2-mini: pick one")
     apply_threads(args.threads)
 
     config = EngineConfig(

@@ -74,7 +74,7 @@ def test_demo_answer_at_defaults(app: FastAPI) -> None:
 
 
 # ---- /v1/completions -------------------------------------------------------------------------
-def test_completion_raw_prompt(app: FastAPI) -> None:
+def test_completion_raw_prompt(app: FastAPI, loaded: LoadedModel) -> None:
     response = call(
         app,
         "POST",
@@ -90,7 +90,8 @@ def test_completion_raw_prompt(app: FastAPI) -> None:
     assert body["choices"] == [
         {"index": 0, "text": ANSWER, "logprobs": None, "finish_reason": "stop"}
     ]
-    assert body["usage"]["prompt_tokens"] == 39  # no chat template added around the prompt
+    # The raw prompt is the chat template written out: no template added around it.
+    assert body["usage"]["prompt_tokens"] == len(loaded.chat_prompt_ids(QUESTION))
     assert body["usage"]["completion_tokens"] == 14
     assert body["usage"]["diffusion"]["canvas_length"] == 32
 
@@ -213,15 +214,16 @@ def test_retrieve_unknown_model_is_404(app: FastAPI) -> None:
 
 
 # ---- honoured vLLM extensions -----------------------------------------------------------------
-def test_continuous_usage_stats(app: FastAPI) -> None:
+def test_continuous_usage_stats(app: FastAPI, loaded: LoadedModel) -> None:
+    prompt = len(loaded.chat_prompt_ids(QUESTION))
     options = {"include_usage": True, "continuous_usage_stats": True}
     chunks = events(chat(app, stream=True, stream_options=options))[:-1]
     assert all(c["usage"] is not None for c in chunks)
     # The role chunk comes before any step: zero counts, but the same shape as the others.
     assert chunks[0]["usage"] == {
-        "prompt_tokens": 39,
+        "prompt_tokens": prompt,
         "completion_tokens": 0,
-        "total_tokens": 39,
+        "total_tokens": prompt,
         "diffusion": {
             "nfe": 0, "canvas_length": 32, "committed_tokens": 0, "tokens_per_forward": 0.0,
         },
@@ -232,7 +234,7 @@ def test_continuous_usage_stats(app: FastAPI) -> None:
     assert nfes == sorted(nfes) and nfes[0] == 0 and nfes[-1] == 32
     assert all(c["usage"]["diffusion"]["canvas_length"] == 32 for c in chunks)
     for c in chunks:
-        assert c["usage"]["total_tokens"] == 39 + c["usage"]["completion_tokens"]
+        assert c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"]
     assert chunks[-1]["choices"] == []  # include_usage: the final usage-only chunk
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == ANSWER

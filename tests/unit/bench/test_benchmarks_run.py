@@ -110,6 +110,22 @@ def test_engine_overhead_random_8b_shape_tiny(tmp_path: Path) -> None:
     assert report["forwards"] > 0 and report["engine"]["answer_tokens_per_s"] > 0
 
 
+def test_engine_overhead_random_llada2_mini_shape_tiny(tmp_path: Path) -> None:
+    """LLaDA2.0-mini's architecture at toy size: MoE layers with their experts stacked for
+    the grouped GEMMs, served by the block-diffusion decoder."""
+    out = tmp_path / "engine_overhead_mini.json"
+    load("engine_overhead").main(
+        ["--random-llada2-mini", "--tiny", "--requests", "2", "--gen-length", "32", "--steps",
+         "8", "--repeat", "1", "--threads", "1", "--out", str(out)]
+    )  # fmt: skip
+    report = read(out)
+    assert report["model"] == "random-llada2-mini-tiny" and report["random_weights"]
+    assert report["engine"]["answer_tokens_per_s"] > 0
+    assert report["forwards"] > 0
+    with pytest.raises(SystemExit):
+        load("engine_overhead").main(["--random-8b", "--random-llada2-mini", "--tiny"])
+
+
 def test_block_diffusion(tmp_path: Path) -> None:
     out = tmp_path / "block_diffusion.json"
     load("block_diffusion").main(
@@ -316,7 +332,7 @@ def test_decoding_modes_times_a_model_that_stops_early() -> None:
     [
         ("engine_overhead", ["--requests", "0"], "argument --requests: must be >= 1, got 0"),
         ("engine_overhead", ["--repeat", "0"], "argument --repeat: must be >= 1, got 0"),
-        ("engine_overhead", ["--tiny"], "--tiny shrinks the --random-8b model"),
+        ("engine_overhead", ["--tiny"], "--tiny shrinks a --random-* model"),
         ("gpu_llada8b", ["--iters", "0"], "argument --iters: must be >= 1, got 0"),
         ("gpu_llada8b", ["--prefix", "-16"], "argument --prefix: must be >= 0, got -16"),
         ("gpu_profile_step", ["--calls", "0"], "argument --calls: must be >= 1, got 0"),

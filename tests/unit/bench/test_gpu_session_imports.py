@@ -66,7 +66,7 @@ def test_gpu_tests_collect_without_the_api_dependencies(tmp_path: Path) -> None:
 def test_the_gpu_benchmarks_import_without_the_api_dependencies(tmp_path: Path) -> None:
     code = (
         "import sys; sys.path.insert(0, 'benchmarks'); "
-        "import engine_overhead, gpu_llada8b, gpu_moe_layer, gpu_profile_step; "
+        "import engine_overhead, gpu_llada8b, gpu_moe_layer, gpu_profile_step, graph_coverage; "
         "import dllm_serve.llm, dllm_serve.engine.engine; print('ok')"
     )
     done = run_without_api(tmp_path, "-c", code)
