@@ -128,3 +128,27 @@ def plot_if_available(path: Path, draw: Callable[[Any], None]) -> Path | None:
     plt.close("all")
     print(f"wrote {path}")
     return path
+
+
+def add_demo_options(parser: argparse.ArgumentParser, families: Sequence[str]) -> None:
+    """``--only FAMILY``, ``--model-path`` and ``--out`` of the scripts that measure the demos."""
+    parser.add_argument("--only", choices=list(families))
+    parser.add_argument(
+        "--model-path",
+        type=Path,
+        help="measure this checkpoint (e.g. a training run's output) instead of the shipped "
+        "demo; needs --only and --out",
+    )
+    parser.add_argument("--out", type=Path, help="results file (default: benchmarks/results/...)")
+
+
+def demo_families(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, families: Sequence[str]
+) -> list[str]:
+    """The families to measure; one results file (``--out``) holds one family's results."""
+    if args.out and not args.only:
+        choices = ", ".join(families[:-1]) + " or " + families[-1]
+        parser.error(f"--out names one results file: add --only {choices}")
+    if args.model_path and not (args.only and args.out):
+        parser.error("--model-path needs --only (which family) and --out")
+    return [args.only] if args.only else list(families)

@@ -27,7 +27,14 @@ from typing import Any
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, at_least, machine_info, write_json
+from _common import (
+    RESULTS_DIR,
+    add_demo_options,
+    at_least,
+    demo_families,
+    machine_info,
+    write_json,
+)
 
 from dllm_serve.local_server import LocalServer
 from dllm_serve.models.hub import EMBEDDED_MODELS
@@ -113,25 +120,15 @@ def run_model(model: str, canvases: list[int | None], n: int, n_other: int, work
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--only", choices=["llada", "idlm"])
     p.add_argument("--n", type=at_least(1), default=250, help="questions per addition stratum")
     p.add_argument("--n-other", type=at_least(1), default=100, help="questions per other task")
     p.add_argument("--canvases", default="default,32,256,1024")
     p.add_argument("--workers", type=at_least(1), default=32, help="concurrent requests")
-    p.add_argument(
-        "--model-path",
-        type=Path,
-        help="measure this checkpoint (e.g. a training run's output) instead of the shipped "
-        "demo; needs --only and --out",
-    )
-    p.add_argument("--out", type=Path, help="results file (default: benchmarks/results/...)")
+    add_demo_options(p, ("llada", "idlm"))
     args = p.parse_args()
-    if args.out and not args.only:
-        p.error("--out names one results file: add --only llada or --only idlm")
-    if args.model_path and not (args.only and args.out):
-        p.error("--model-path needs --only (which family) and --out")
+    families = demo_families(p, args, ("llada", "idlm"))
     canvases = [None if c == "default" else int(c) for c in args.canvases.split(",")]
-    for family in [args.only] if args.only else ["llada", "idlm"]:
+    for family in families:
         model = str(args.model_path) if args.model_path else f"demo-{family}"
         result = run_model(model, canvases, args.n, args.n_other, args.workers)
         result["machine"] = machine_info()

@@ -35,7 +35,14 @@ from typing import Any
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, at_least, machine_info, write_json
+from _common import (
+    RESULTS_DIR,
+    add_demo_options,
+    at_least,
+    demo_families,
+    machine_info,
+    write_json,
+)
 
 from dllm_serve.local_server import LocalServer
 from dllm_serve_train.evaluation import phrasing_sets, score_phrasings
@@ -147,22 +154,12 @@ def run_model(family: str, model: str, n: int, workers: int) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--only", choices=["llada", "idlm", "trimode"])
     p.add_argument("--n", type=at_least(1), default=200, help="questions per held-out set")
     p.add_argument("--workers", type=at_least(1), default=32, help="concurrent requests")
-    p.add_argument(
-        "--model-path",
-        type=Path,
-        help="measure this checkpoint (e.g. a training run's output) instead of the shipped "
-        "demo; needs --only and --out",
-    )
-    p.add_argument("--out", type=Path, help="results file (default: benchmarks/results/...)")
+    add_demo_options(p, ("llada", "idlm", "trimode"))
     args = p.parse_args()
-    if args.out and not args.only:
-        p.error("--out names one results file: add --only llada, idlm or trimode")
-    if args.model_path and not (args.only and args.out):
-        p.error("--model-path needs --only (which family) and --out")
-    for family in [args.only] if args.only else ["llada", "idlm", "trimode"]:
+    families = demo_families(p, args, ("llada", "idlm", "trimode"))
+    for family in families:
         model = str(args.model_path) if args.model_path else f"demo-{family}"
         result = run_model(family, model, args.n, args.workers)
         result["machine"] = machine_info()

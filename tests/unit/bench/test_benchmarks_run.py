@@ -362,7 +362,7 @@ def test_demo_accuracy_refuses_one_file_for_two_demos(
     with pytest.raises(SystemExit) as exit_info:
         load("demo_accuracy").main()
     assert exit_info.value.code == 2
-    assert "add --only llada or --only idlm" in capsys.readouterr().err
+    assert "add --only llada or idlm" in capsys.readouterr().err
 
 
 def test_demo_phrasings_scores_sets_context_and_typed_prompts(
