@@ -349,6 +349,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--no-cuda-graph", action="store_true", help="on CUDA: every step eager (no graphs)"
     )
     parser.add_argument(
+        "--cuda-graph-max-tokens",
+        type=at_least(16),
+        default=EngineConfig().cuda_graph_max_tokens,
+        help="on CUDA: the largest graphed forward (fewer graphs to capture at start-up)",
+    )
+    parser.add_argument(
         "--random-8b", action="store_true", help="random bf16 weights of LLaDA-8B's shape"
     )
     parser.add_argument(
@@ -376,6 +382,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_waiting_requests=1 << 30,
         kv_cache=args.kv_cache,
         cuda_graph=not args.no_cuda_graph,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
     )
     params = DecodingParams(
         gen_length=args.gen_length, steps=args.steps, block_length=args.block_length
@@ -459,6 +466,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "block_length": args.block_length,
         "kv_cache": args.kv_cache,
         "cuda_graph": config.cuda_graph and str(device).startswith("cuda"),
+        "cuda_graph_max_tokens": config.cuda_graph_max_tokens,
         "repeat": args.repeat,
         "forwards": mid["forwards"],
         "graph_replays": mid["graph_replays"],

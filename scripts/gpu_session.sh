@@ -43,19 +43,20 @@ gpu_files=$(grep -rlE "mark\.gpu\b" tests | sort)
 timeout 90 python3 -m pytest $gpu_files -m gpu -q -rs -p no:cacheprovider 2>&1 \
   | tee "$RES/gpu_tests.log"
 pack
+# 16 rows of at most 32 tokens: graphs up to 512 tokens (fewer captures at start-up).
 timeout 60 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
-  --out "$RES/engine_overhead_8b.json" 2>&1 | tee "$RES/engine_overhead_8b.log"
+  --cuda-graph-max-tokens 512 --out "$RES/engine_overhead_8b.json" 2>&1 | tee "$RES/engine_overhead_8b.log"
 pack
 # The prefix cache's cached steps replay CUDA graphs (gpu_llada8b.py above times the eager
 # forward beside the replay).
 timeout 50 python3 benchmarks/engine_overhead.py --random-8b --device cuda --repeat 3 \
-  --kv-cache prefix --gen-length 64 --steps 64 --block-length 32 \
+  --cuda-graph-max-tokens 512 --kv-cache prefix --gen-length 64 --steps 64 --block-length 32 \
   --out "$RES/engine_overhead_8b_prefix.json" 2>&1 | tee "$RES/engine_overhead_8b_prefix.log"
 pack
 # LLaDA2.0-mini-shaped MoE block diffusion at batch 1 (target >= 250 answer tokens/s): random
 # weights commit what the schedule says, 8 steps per 32-token block = 4 tokens a forward.
 timeout 70 python3 benchmarks/engine_overhead.py --random-llada2-mini --device cuda --repeat 2 \
-  --requests 1 --gen-length 64 --steps 8 --out "$RES/llada2_mini_decode.json" 2>&1 \
+  --cuda-graph-max-tokens 128 --requests 1 --gen-length 64 --steps 8 --out "$RES/llada2_mini_decode.json" 2>&1 \
   | tee "$RES/llada2_mini_decode.log"
 pack
 timeout 30 python3 benchmarks/gpu_profile_step.py --out "$RES/gpu_profile_step.json" 2>&1 \
