@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from remote_server import RemoteServer
 
 from dllm_serve.models.families.llada import LLADA
@@ -55,7 +54,7 @@ def test_no_arguments_serves_the_trained_llada_demo(tmp_path: Path) -> None:
                 assert long.choices[0].message.content == f"{question} = {expected}"
                 assert long.usage.model_extra["diffusion"]["nfe"] <= 32
         # How people ask (issue 39): no period, a greeting, after a system prompt or an earlier
-        # turn; the answer is the last question's. (`what is 2 + 2` after context: below.)
+        # turn; the answer is the last question's (`what is 2 + 2` after a context: below).
         system = {"role": "system", "content": "You are a helpful assistant."}
         earlier = [{"role": "user", "content": "Reverse the word cat."},
                    {"role": "assistant", "content": "tac"}]  # fmt: skip
@@ -69,11 +68,6 @@ def test_no_arguments_serves_the_trained_llada_demo(tmp_path: Path) -> None:
         server.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 39: the retrained demo-llada answers `what is 2 + 2` with `2 + 2 = 5` after "
-    "an earlier turn (docs/training.md)",
-)
 def test_the_llada_demo_adds_after_a_system_prompt_or_an_earlier_turn(tmp_path: Path) -> None:
     server = RemoteServer.start(["--log-level", "warning"], tmp_path / "log", pin_model=False)
     try:

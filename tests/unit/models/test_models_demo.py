@@ -110,10 +110,10 @@ TYPED = [
 ]
 
 
-# Issue 39's bar, not met yet (docs/training.md): demo-llada (retrained) gets 9 of 12 held-out
-# phrased additions and answers `what is 2 + 2` with `2 + 2 = 5` after a system prompt or an
-# earlier turn; demo-idlm and demo-trimode were not retrained for how people ask. Strict: the
-# day a retrained demo passes, this marker must go.
+# Issue 39's bar, not met yet (docs/training.md): demo-llada answers the typed prompts, also
+# after a system prompt or an earlier turn, but 9 of these 12 held-out phrased additions (84%
+# of 200 through the server); demo-idlm and demo-trimode were not retrained for how people
+# ask. Strict: the day a retrained demo passes, this marker must go.
 NOT_YET = pytest.mark.xfail(strict=True, reason="issue 39: the demos do not meet this bar yet")
 
 
