@@ -39,6 +39,7 @@ loops round their canvas up to whole blocks the same way).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -198,7 +199,7 @@ class DenoiseState:
         return self.tokens[self.prompt_len : self.prompt_len + end]
 
 
-class BlockDecoder:
+class BlockDecoder(ABC):
     """The base of every masked-diffusion decoder: batched proposals and commits at each row's
     masked positions (:meth:`sample`), and the host side of a step that the specialisations
     share (commit a row's tokens, finish, schedule a new block).
@@ -318,8 +319,9 @@ class BlockDecoder:
         """Apply one step's results (host lists, row ``r`` aligned with what ``prepare`` asked)."""
         return [self._commit_row(s, row) for s, row in zip(states, committed, strict=True)]
 
+    @abstractmethod
     def _commit_row(self, state: Any, row: Sequence[int]) -> StepResult:
-        raise NotImplementedError
+        """One row's commit (each specialisation's own rule for what a step's tokens do)."""
 
     # ---- host helpers of a step ----------------------------------------------------------------
     def _commit_masked(self, state: DenoiseState, row: Sequence[int]) -> int:
