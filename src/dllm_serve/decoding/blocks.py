@@ -51,6 +51,10 @@ import torch
 from dllm_serve.decoding.commit_rules import (
     argmax_onehot,
     block_schedule,
+    entropy_bound_commit_rows,
+    entropy_of_score,
+    entropy_threshold_commit_rows,
+    joint_threshold_commit_rows,
     local_leap_commit_rows,
     threshold_commit_rows,
     topk_commit_rows,
@@ -70,6 +74,7 @@ from dllm_serve.decoding.sampler import (
     propose,
     sample_inverse_cdf,
     seed_tokens,
+    select_rows,
     target_probs,
 )
 from dllm_serve.models.attention import host_to_device, to_device
@@ -263,7 +268,7 @@ class BlockDecoder(ABC):
         ragged = any(c != width for c in counts)
         valid = torch.arange(width, device=device)[None, :] < count[:, None] if ragged else None
 
-        metrics = [s.params.confidence_metric for s in states]
+        metrics = [_metric(s.params) for s in states]
         # A zero-commit step draws no noise, so the generator stays in step.
         draws = {
             r: (s.params.temperature, s.generator)
@@ -361,6 +366,15 @@ class BlockDecoder(ABC):
         state.schedule = block_schedule(state.params.block_schedule, len(state.masked), steps)
 
 
+ENTROPY_RULES = ("entropy_bound", "entropy_threshold")
+
+
+def _metric(params: DecodingParams) -> str:
+    """The confidence a row is scored by: the entropy rules read entropies (from
+    ``entropy_inverse`` = exp(−H)), every other rule the request's metric."""
+    return "entropy_inverse" if params.mode in ENTROPY_RULES else params.confidence_metric
+
+
 def _finish(state: DenoiseState, committed: int, reason: str, new: int) -> StepResult:
     state.finished = True
     state.finish_reason = reason
@@ -390,13 +404,21 @@ def _commit_by_row_rule(
         return commit
     params = [s.params for s in states]
     floats = to_device(
-        [p.confidence_threshold or p.local_leap_anchor_threshold for p in params]
-        + [p.local_leap_neighbor_threshold for p in params],
+        [_first_threshold(p) for p in params] + [p.local_leap_neighbor_threshold for p in params],
         device,
         score.dtype,
     )
     kappa, tau = floats[: len(params)], floats[len(params) :]
     rule = threshold_commit_rows(score, kappa) if "threshold" in modes else None
+    for name, entropy_rule in (
+        ("entropy_bound", entropy_bound_commit_rows),
+        ("entropy_threshold", entropy_threshold_commit_rows),
+    ):
+        if name in modes:
+            # kappa holds each such row's γ or threshold (nats), see _first_threshold.
+            chosen = entropy_rule(entropy_of_score(score), kappa)
+            is_rule = to_device([m == name for m in modes], device)
+            rule = chosen if rule is None else torch.where(is_rule[:, None], chosen, rule)
     if "local_leap" in modes:
         # The widest active block: a block model's block is its trained one, whatever its
         # params' canvas, so a max_tokens below the block still keeps offsets inside the span.
@@ -410,6 +432,17 @@ def _commit_by_row_rule(
         return rule
     is_topk = to_device([m == "topk" for m in modes], device)
     return torch.where(is_topk[:, None], commit, rule)
+
+
+def _first_threshold(params: DecodingParams) -> float:
+    """A row's first rule parameter: its confidence threshold (κ for LocalLeap), or its
+    entropy bound / entropy threshold in the entropy rules."""
+    mode = params.mode
+    if mode == "entropy_bound":
+        return float(params.entropy_bound)  # type: ignore[arg-type]
+    if mode == "entropy_threshold":
+        return float(params.entropy_threshold)  # type: ignore[arg-type]
+    return params.confidence_threshold or params.local_leap_anchor_threshold
 
 
 def _offsets(
@@ -446,6 +479,16 @@ class BlockState(DenoiseState):
     block_size: int = 0
     phase: str = DECODE
     write_pending: bool = False
+    # Token editing (params.mode == "joint_threshold"): the active block's positions past the
+    # prompt (every one may be rewritten until the block closes), the block's mask-free steps
+    # so far, and the edits made (token → another token) over the whole request.
+    editable: list[int] = field(default_factory=list)
+    post_edit_steps: int = 0
+    edits: int = 0
+
+    @property
+    def editing(self) -> bool:
+        return self.params.mode == "joint_threshold"
 
     @property
     def active_block(self) -> tuple[int, int]:
@@ -469,16 +512,35 @@ class BlockDiffusionDecoder(BlockDecoder):
 
     ``block_size`` is the checkpoint's trained block; requests cannot change it (the API
     rejects another ``block_length``).
+
+    **Token editing** (``editing``: LLaDA2.1 checkpoints; a request with ``edit_threshold``).
+    JointThreshold asks for logits at every position of the active block past the prompt and
+    writes masks above τ_mask (or the most confident one) and edits of committed tokens above
+    τ_edit (``commit_rules.joint_threshold_commit_rows``). A step without masks counts one
+    post-edit step; the block closes, changing nothing, on a step that writes nothing or once
+    the post-edit steps exceed ``max_post_edit_steps``. Either way the forward that produced
+    that step saw the block's final tokens and wrote their K/V, so the block's cache is exact
+    with no write forward, and a block takes at most ``masks + max_post_edit_steps + 1``
+    forwards. Tokens of the open block may still change, so the answer (streamed, and
+    searched for stop ids) grows only when a block closes. The mask id is never proposed
+    (as in every other rule here; SGLang's argmax may propose it and write it back).
     """
 
     def __init__(
-        self, mask_id: int, stop_ids: Sequence[int], block_size: int, *, fuse_write: bool = True
+        self,
+        mask_id: int,
+        stop_ids: Sequence[int],
+        block_size: int,
+        *,
+        fuse_write: bool = True,
+        editing: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError("the block size must be >= 1")
         super().__init__(mask_id, stop_ids)
         self.fuse_write = fuse_write
         self.block_size = block_size
+        self.editing = editing
 
     def _canvas_length(self, prompt_len: int, params: DecodingParams) -> int:
         """Prompt + answer budget, rounded up to whole blocks from position 0."""
@@ -525,7 +587,80 @@ class BlockDiffusionDecoder(BlockDecoder):
                 tokens=state.tokens[start:hi], start=start, logits_at=offsets,
                 attention=AttentionKind.BLOCK_CAUSAL, kv=state.kv, block=self.block_size,
             )  # fmt: skip
+        if state.editing:
+            offsets = [p - lo for p in state.editable]
         return RowSpec(tokens=state.tokens[lo:hi], start=lo, logits_at=offsets, kv=state.kv)
+
+    def sample(
+        self, states: Sequence[DenoiseState], logits: torch.Tensor | ShardedLogits | StepLogits
+    ) -> torch.Tensor:
+        """:meth:`BlockDecoder.sample`, with editing rows (JointThreshold) by their own rule;
+        a mixed batch runs each part on its own rows and returns them side by side, ``[R, W]``
+        (narrower parts padded with ``mask_id``, which no commit reads)."""
+        editing = [isinstance(s, BlockState) and s.editing for s in states]
+        if not any(editing):
+            return BlockDecoder.sample(self, states, logits)
+        if all(editing):
+            return self._sample_edits(states, logits)  # type: ignore[arg-type]
+        logits = as_step_logits(logits)
+        parts = []
+        for edit in (False, True):
+            rows = [r for r, e in enumerate(editing) if e is edit]
+            sub_states = [states[r] for r in rows]
+            sub_logits = select_rows(logits, rows)
+            sub = (
+                self._sample_edits(sub_states, sub_logits)  # type: ignore[arg-type]
+                if edit
+                else BlockDecoder.sample(self, sub_states, sub_logits)
+            )
+            parts.append((to_device(rows, logits.device), sub))
+        width = max(sub.shape[1] for _, sub in parts)
+        out = torch.full((len(states), width), self.mask_id, dtype=torch.long, device=logits.device)
+        for index, sub in parts:
+            out[index, : sub.shape[1]] = sub.to(torch.long)
+        return out
+
+    def _sample_edits(
+        self, states: Sequence[BlockState], logits: torch.Tensor | ShardedLogits | StepLogits
+    ) -> torch.Tensor:
+        """JointThreshold for rows whose logits are at their editable positions: ``[R, M]``
+        tokens to write (``mask_id``: leave the position as it is), plus the confidences in
+        millionths when a row reports them (as :meth:`BlockDecoder.sample`)."""
+        logits = as_step_logits(logits)
+        rows, width, device = logits.rows, logits.width, logits.device
+        counts = [len(s.editable) if s.phase == DECODE else 0 for s in states]
+        draws = {
+            r: (s.params.temperature, s.generator)
+            for r, s in enumerate(states)
+            if s.params.temperature > 0 and counts[r]
+        }
+        metrics = [s.params.confidence_metric for s in states]
+        x0, score = propose(logits, self.mask_id, counts, draws, metrics)
+        # One host→device copy: counts, then per row its masked flags and current tokens.
+        host: list[int] = list(counts)
+        for s, n in zip(states, counts, strict=True):
+            here = [s.tokens[p] for p in s.editable[:n]] + [self.mask_id] * (width - n)
+            host.extend(int(t == self.mask_id) for t in here)
+            host.extend(here)
+        ints = host_to_device(torch.frombuffer(array("q", host), dtype=torch.long), device)
+        count = ints[:rows]
+        per_row = ints[rows:].view(rows, 2, width)
+        masked, current = per_row[:, 0].bool(), per_row[:, 1]
+        taus = to_device(
+            [s.params.mask_threshold for s in states]
+            + [float(s.params.edit_threshold or 0.0) for s in states],
+            device,
+            score.dtype,
+        )
+        valid = torch.arange(width, device=device)[None, :] < count[:, None]
+        commit = joint_threshold_commit_rows(
+            score, x0, current, masked, valid, taus[:rows], taus[rows:]
+        )
+        out = torch.where(commit, x0, self.mask_id)
+        if any(s.report_confidence for s in states):
+            millionths = (score.clamp(0.0, 1.0) * CONFIDENCE_SCALE).round().long()
+            out = torch.cat([out, millionths.masked_fill(~valid, 0)], dim=1)
+        return out
 
     def _commit_row(self, state: BlockState, row: Sequence[int]) -> StepResult:
         if state.finished or state.kv is None:
@@ -542,6 +677,8 @@ class BlockDiffusionDecoder(BlockDecoder):
             state.block += 1
             self._start_block(state)
             return StepResult(committed=0, finished=False)
+        if state.editing:
+            return self._commit_edits(state, row)
         if state.write_pending:  # the previous block's final K/V came with this forward
             state.kv.length = lo
             state.write_pending = False
@@ -558,11 +695,47 @@ class BlockDiffusionDecoder(BlockDecoder):
             state.schedule, state.step = [0], 0  # the write forward commits nothing
         return result
 
+    def _commit_edits(self, state: BlockState, row: Sequence[int]) -> StepResult:
+        """One JointThreshold step of an editing row (see the class docstring)."""
+        mask_id, tokens = self.mask_id, state.tokens
+        if not state.masked:
+            state.post_edit_steps += 1
+            if state.post_edit_steps > state.params.max_post_edit_steps:
+                return self._close_edited_block(state)  # budget spent: this step writes nothing
+        writes = [(p, t) for p, t in zip(state.editable, row, strict=False) if t != mask_id]
+        if not writes:
+            return self._close_edited_block(state)
+        committed = 0
+        for pos, token in writes:
+            if tokens[pos] == mask_id:
+                committed += 1
+            else:
+                state.edits += 1
+            tokens[pos] = token
+        state.masked = [p for p in state.masked if tokens[p] == mask_id]
+        state.committed += committed
+        state.step += 1
+        return StepResult(committed, False)
+
+    def _close_edited_block(self, state: BlockState) -> StepResult:
+        """The open block is final: the forward just run saw its final tokens and wrote
+        their K/V, so keep them and move on (or finish)."""
+        assert state.kv is not None
+        state.kv.length = state.active_block[1]
+        result = self._finish_or_continue(state, 0)
+        if not result.finished:
+            state.block += 1
+            self._start_block(state)
+        return result
+
     def _start_block(self, state: BlockState) -> None:
         """The active block's masks and, for top-k, its schedule over ``min(steps, masks)``
-        steps (no step that commits nothing)."""
+        steps (no step that commits nothing); an editing row's editable positions."""
         lo, hi = state.active_block
         state.phase = DECODE
         state.step = 0
         state.masked = [p for p in range(lo, hi) if state.tokens[p] == self.mask_id]
+        if state.editing:
+            state.editable = list(range(max(lo, state.prompt_len), hi))
+            state.post_edit_steps = 0
         self._schedule(state, state.params.steps)

@@ -14,6 +14,11 @@ deterministically (``torch.topk`` and an unstable sort promise no order among eq
   The rule follows the authors' ``get_transfer_index``, not a schedule-bound adaptation of it
   (a fixed number of commits per step): there is no per-step budget, so the number of forwards
   per block is data-dependent.
+- **entropy bound** (the EB-sampler) commits the lowest-entropy positions while the entropies
+  already taken sum to at most γ; **entropy threshold** every position below an entropy (nats)
+  and always the lowest. Both read entropies from ``entropy_inverse`` scores.
+- **JointThreshold** (LLaDA2.1 token editing) also rewrites unmasked positions of the open
+  block; its inputs are every editable position, not only the masked ones.
 
 **Schedules.**
 A schedule turns ``num_masked`` (the masks of a block when it starts) and ``steps`` (the steps
@@ -217,3 +222,72 @@ def local_leap_commit_rows(
     near = near_anchor_rows(offsets, anchors, radius, span)
     relaxed = near & (confidence >= neighbor_threshold[:, None])
     return threshold_commit_rows(confidence, anchor_threshold) | relaxed
+
+
+# ---- entropy rules -----------------------------------------------------------------------------
+
+
+def entropy_of_score(score: torch.Tensor) -> torch.Tensor:
+    """Entropies ``H`` in nats from ``entropy_inverse`` scores ``exp(−H)`` (``[R, M]``).
+
+    Padding and anything else that must never be committed (score ``−inf`` or 0) maps to
+    ``+inf``, which sorts last and passes no entropy test."""
+    return torch.where(score > 0, -torch.log(score.clamp_min(1e-38)), float("inf"))
+
+
+def entropy_bound_commit_rows(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """The EB-sampler (arXiv:2505.24857): reveal the lowest-entropy positions while the
+    entropies already revealed this step sum to at most ``bound[r]`` (γ, nats).
+
+    With a row's entropies sorted ascending ``H_(1) ≤ H_(2) ≤ …`` the ``k``-th is committed
+    when ``Σ_{j<k} H_(j) ≤ γ``; the first always is (so every step makes progress). The error of
+    drawing the chosen positions independently instead of jointly is their total correlation
+    ``Σ H(x_i) − H(x_S) ≤ Σ H(x_i)``, so the bound caps it and γ trades forwards for that
+    error: γ = 0 commits one position per step unless several are certain.
+    Ties are taken lowest position first (a stable sort over ascending positions).
+    """
+    order = torch.sort(entropy, dim=-1, stable=True).indices
+    ranked = entropy.gather(-1, order)
+    finite = torch.where(torch.isfinite(ranked), ranked, 0.0)
+    before = torch.nn.functional.pad(finite.cumsum(-1)[:, :-1], (1, 0))
+    take = before <= bound[:, None]
+    take[:, 0] = True
+    return torch.zeros_like(take).scatter_(-1, order, take)
+
+
+def entropy_threshold_commit_rows(entropy: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """d3LLM's entropy threshold: every position whose entropy is below ``threshold[r]`` (nats),
+    and always the lowest-entropy one (the first among ties)."""
+    return (entropy < threshold[:, None]) | argmax_onehot(-entropy)
+
+
+# ---- LLaDA2.1 token editing --------------------------------------------------------------------
+
+
+def joint_threshold_commit_rows(
+    confidence: torch.Tensor,
+    proposals: torch.Tensor,
+    current: torch.Tensor,
+    masked: torch.Tensor,
+    valid: torch.Tensor,
+    mask_threshold: torch.Tensor,
+    edit_threshold: torch.Tensor,
+) -> torch.Tensor:
+    """LLaDA2.1's JointThreshold step (SGLang's ``JointThreshold``): which positions of the
+    active block receive their proposal, ``[R, M]`` bool over each row's editable positions
+    (the block's positions past the prompt, ascending).
+
+    Mask to token (M2T): the masked positions whose confidence is strictly above τ
+    (``mask_threshold``), else the single most confident masked position. Token to token
+    (T2T), from the first step on: the unmasked positions whose confidence is strictly above
+    τ_edit (``edit_threshold``) and whose proposal differs from the token there. An editing
+    model is trained to put a useful distribution on unmasked positions too, so a committed
+    token it no longer believes in can be rewritten while the block is still open.
+    """
+    open_masks = masked & valid
+    m2t = open_masks & (confidence > mask_threshold[:, None])
+    fallback = open_masks.any(-1) & ~m2t.any(-1)
+    best = argmax_onehot(confidence.masked_fill(~open_masks, float("-inf")))
+    m2t |= best & fallback[:, None]
+    t2t = ~masked & valid & (confidence > edit_threshold[:, None]) & (proposals != current)
+    return m2t | t2t

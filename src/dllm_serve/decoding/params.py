@@ -68,6 +68,10 @@ BLOCK_SCHEDULES = ("uniform", "front_loaded", "cosine")
 CONFIDENCE_METRICS = ("top1_prob", "entropy_inverse")
 DEFAULT_GEN_LENGTH = 128  # canvas of a request without max_tokens, unless the model sets one
 DEFAULT_STEPS = 128  # docs/api-contract.md; capped at the canvas
+DEFAULT_POST_EDIT_STEPS = 16  # JointThreshold's mask-free edit steps per block (SGLang's default)
+EDIT_MASK_THRESHOLD = 0.5  # JointThreshold's τ_mask when confidence_threshold is not set
+COMMIT_RULES = ("topk", "threshold", "local_leap", "entropy_bound", "entropy_threshold",
+                "joint_threshold")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +93,20 @@ class DecodingParams:
     - ``"local_leap"`` (``use_local_leap``; arXiv:2510.07081): the threshold rule at
       ``local_leap_anchor_threshold`` (κ), plus positions with confidence ≥
       ``local_leap_neighbor_threshold`` (τ ≤ κ) within ``local_leap_radius`` (W) of a κ-anchor.
+    - ``"entropy_bound"`` (``entropy_bound`` γ; the EB-sampler): the lowest-entropy masks
+      while the entropies taken before each sum to at most γ.
+    - ``"entropy_threshold"`` (``entropy_threshold``; d3LLM): every mask whose entropy is
+      below it (nats), and always the lowest.
+    - ``"joint_threshold"`` (``edit_threshold`` set; LLaDA2.1 token editing, block-diffusion
+      models whose family allows it): masks above τ_mask (``confidence_threshold``, else
+      0.5; strictly) or the most confident one, plus edits of unmasked positions of the open
+      block above τ_edit; up to ``max_post_edit_steps`` mask-free edit steps per block.
 
-    In the two data-dependent modes a block ends when it has no masks left (at most
-    ``block_length`` forwards); ``steps`` only has to be a multiple of the block count (as
-    upstream) and ``block_schedule`` must stay ``"uniform"`` (it would have no effect).
+    In the data-dependent modes a block ends when it has no masks left (at most
+    ``block_length`` forwards; editing adds its post-edit steps); ``steps`` only has to be a
+    multiple of the block count (as upstream) and ``block_schedule`` must stay ``"uniform"``
+    (it would have no effect). The entropy modes rank by entropy whatever
+    ``confidence_metric`` says.
     """
 
     gen_length: int = DEFAULT_GEN_LENGTH
@@ -108,6 +122,14 @@ class DecodingParams:
     local_leap_anchor_threshold: float = 0.9  # κ
     local_leap_neighbor_threshold: float = 0.75  # τ
     local_leap_radius: int = 4  # W
+    # The EB-sampler's bound γ on the entropies committed per step (nats), and d3LLM's
+    # entropy threshold (nats); None: off.
+    entropy_bound: float | None = None
+    entropy_threshold: float | None = None
+    # LLaDA2.1 token editing (JointThreshold): τ_edit, and the mask-free steps a block may
+    # spend on edits. None: off. τ_mask is confidence_threshold (else EDIT_MASK_THRESHOLD).
+    edit_threshold: float | None = None
+    max_post_edit_steps: int = DEFAULT_POST_EDIT_STEPS
     # Per-request stop set: ignore_eos drops the model's stop ids (EOS/EOT), so the whole
     # canvas is decoded unless one of stop_token_ids (stop ids the client adds) ends it.
     ignore_eos: bool = False
@@ -171,18 +193,58 @@ class DecodingParams:
                 "use_local_leap and confidence_threshold are mutually exclusive: LocalLeap's "
                 "anchor threshold is its confidence threshold"
             )
+        self._check_entropy_and_edit_rules()
         if self.mode != "topk" and self.block_schedule != "uniform":
             raise ValueError(
                 "block_schedule applies to fixed-step decoding only; threshold and LocalLeap "
                 "decoding commit a data-dependent number of tokens per step"
             )
 
+    def _check_entropy_and_edit_rules(self) -> None:
+        if self.entropy_bound is not None and not 0.0 <= self.entropy_bound <= 1000.0:
+            raise ValueError("entropy_bound must be in [0, 1000] (nats)")
+        if self.entropy_threshold is not None and not 0.0 < self.entropy_threshold <= 1000.0:
+            raise ValueError("entropy_threshold must be in (0, 1000] (nats)")
+        if self.edit_threshold is not None and not 0.0 <= self.edit_threshold <= 1.0:
+            raise ValueError("edit_threshold must be in [0, 1]")
+        steps = self.max_post_edit_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= 1024:
+            raise ValueError("max_post_edit_steps must be an integer in [0, 1024]")
+        rules = [
+            name
+            for name, on in (
+                ("use_local_leap", self.use_local_leap),
+                ("entropy_bound", self.entropy_bound is not None),
+                ("entropy_threshold", self.entropy_threshold is not None),
+                # JointThreshold reads confidence_threshold as its τ_mask.
+                ("confidence_threshold", self.confidence_threshold is not None
+                 and self.edit_threshold is None),
+                ("edit_threshold", self.edit_threshold is not None),
+            )
+            if on
+        ]  # fmt: skip
+        if len(rules) > 1:
+            raise ValueError(f"{' and '.join(rules)} choose different commit rules; set one")
+
     @property
     def mode(self) -> str:
-        """The commit rule: ``"topk"``, ``"threshold"`` or ``"local_leap"``."""
+        """The commit rule, one of :data:`COMMIT_RULES`."""
         if self.use_local_leap:
             return "local_leap"
+        if self.edit_threshold is not None:
+            return "joint_threshold"
+        if self.entropy_bound is not None:
+            return "entropy_bound"
+        if self.entropy_threshold is not None:
+            return "entropy_threshold"
         return "topk" if self.confidence_threshold is None else "threshold"
+
+    @property
+    def mask_threshold(self) -> float:
+        """JointThreshold's τ_mask: ``confidence_threshold``, else 0.5 (SGLang's default)."""
+        if self.confidence_threshold is None:
+            return EDIT_MASK_THRESHOLD
+        return self.confidence_threshold
 
     @property
     def num_blocks(self) -> int:

@@ -172,7 +172,12 @@ def _one_mode(
                 loaded.block_size,
                 sub_block=loaded.family.sub_block_size,
             )
-        return BlockDiffusionDecoder(loaded.mask_id, loaded.stop_ids, loaded.block_size)
+        return BlockDiffusionDecoder(
+            loaded.mask_id,
+            loaded.stop_ids,
+            loaded.block_size,
+            editing=loaded.family.token_editing,
+        )
     if loaded.family.name in ISD_FAMILIES:
         tiers = BlockSizeTiers(config.isd_stride, tuple(config.block_size_tiers))
         return ISDecoder(
@@ -211,8 +216,18 @@ def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingPara
             f"decoding_mode {params.decoding_mode!r}: model {model!r} decodes only by "
             + " or ".join(map(repr, modes))
         )
+    if params.mode == "joint_threshold" and not supports_editing(algorithm):
+        raise ValueError(
+            f"edit_threshold (token editing) applies to LLaDA2.x checkpoints; model {model!r} "
+            "was not trained to edit tokens"
+        )
     if params.answer_limit is not None and algorithm.decoding_mode != "diffusion":
         raise ValueError(f"answer_limit applies to canvas denoising, not {algorithm.decoding_mode}")
+
+
+def supports_editing(algorithm: DecodingAlgorithm) -> bool:
+    """Whether requests may ask ``algorithm`` for token editing (JointThreshold)."""
+    return bool(getattr(algorithm, "editing", False))
 
 
 # ---- tri-mode ----------------------------------------------------------------------------------

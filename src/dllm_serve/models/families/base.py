@@ -53,6 +53,10 @@ class Family(ABC):
     # Tri-mode (Nemotron-Labs-Diffusion): one set of weights decoded causally (AR), by block
     # diffusion over a causal prefix, or by LinearSpec self-speculation, chosen per request.
     tri_mode: bool = False
+    # LLaDA2.1 token editing: the checkpoints were trained to rewrite unmasked tokens of the
+    # open block, so requests may ask for JointThreshold (edit_threshold). Other families' T2T
+    # would rewrite tokens by a distribution never trained for it.
+    token_editing: bool = False
 
     @property
     def attention(self) -> str:

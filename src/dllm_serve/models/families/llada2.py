@@ -188,4 +188,5 @@ LLADA2 = LLaDA2Family(
     description="LLaDA2.0/2.1 mini and flash (MoE block diffusion)",
     extra_stop_tokens=("<|endoftext|>",),
     block_diffusion=True,
+    token_editing=True,  # LLaDA2.1 (same format as 2.0): JointThreshold per request
 )
