@@ -23,7 +23,7 @@ from dllm_serve.config import (
     ModelConfig,
     ServerConfig,
 )
-from dllm_serve.decoding.params import REQUEST_MODES, parse_tiers
+from dllm_serve.decoding.params import DECODING_ALGORITHMS, REQUEST_MODES, parse_tiers
 from dllm_serve.version import __version__
 
 _DEFAULT = ServerConfig()
@@ -138,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="the decoding mode of requests that name none (their 'decoding_mode' field). "
         "Tri-mode models (Nemotron-Labs-Diffusion): ar, diffusion or linear_spec (default: "
         "linear_spec); any other model accepts only its own mode (diffusion, or isd for I-DLM)",
+    )
+    parser.add_argument(
+        "--decoding-algorithm",
+        default="low_confidence",
+        choices=list(DECODING_ALGORITHMS),
+        help="the commit rule of requests that choose none (no confidence_threshold, "
+        "use_local_leap, entropy_bound, entropy_threshold or edit_threshold): low_confidence "
+        "(their own fields: top-k by default), s_mode / q_mode (LLaDA2.x token editing, "
+        "LLaDA2.1's S and Q presets: confidence_threshold 0.5 / 0.7 with edit_threshold 0.0 / "
+        "0.5), eb_sampler (entropy_bound 0.15) or entropy_threshold (0.95) "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--draft-lora",
@@ -256,6 +267,7 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
             kv_cache=args.kv_cache,
             kv_cache_memory=args.kv_cache_memory,
             decoding_mode=args.decoding_mode,
+            decoding_algorithm=args.decoding_algorithm,
             cuda_graph=args.cuda_graph,
             cuda_graph_max_tokens=args.cuda_graph_max_tokens,
             attention_backend=args.attention_backend,

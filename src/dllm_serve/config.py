@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dllm_serve.decoding.params import DEFAULT_ISD_STRIDE, REQUEST_MODES
+from dllm_serve.decoding.params import DECODING_ALGORITHMS, DEFAULT_ISD_STRIDE, REQUEST_MODES
 
 KV_CACHE_MODES = ("none", "prefix")
 # auto: FlexAttention on CUDA, SDPA on CPU (where the compiled flex kernel is the slower one).
@@ -43,6 +43,8 @@ class EngineConfig:
     # The decoding mode of requests that name none (decoding/params.py): a tri-mode model's
     # default (None: linear_spec); any other model accepts only its own mode here.
     decoding_mode: str | None = None
+    # The commit rule of requests that choose none (DECODING_ALGORITHMS in decoding/params.py).
+    decoding_algorithm: str = "low_confidence"
     # CUDA graphs (engine/graphs.py; CUDA and the flex attention backend only): every forward
     # of up to cuda_graph_max_tokens tokens replays a graph captured at start-up.
     cuda_graph: bool = True
@@ -69,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}")
         if self.decoding_mode is not None and self.decoding_mode not in REQUEST_MODES:
             raise ValueError(f"decoding_mode must be one of {REQUEST_MODES}")
+        if self.decoding_algorithm not in DECODING_ALGORITHMS:
+            raise ValueError(f"decoding_algorithm must be one of {tuple(DECODING_ALGORITHMS)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,8 @@ DEVIATIONS_TABLE = """\
 | `attention_backend` | Extension: `sdpa`; `fa2` is a 400 (not available yet). |
 | `force_single_batch` | Extension: forwards of the request's own (reproducible whatever the traffic). |
 | `use_local_leap`, `local_leap_anchor_threshold`, `local_leap_neighbor_threshold`, `local_leap_radius` | Extension: LocalLeap, several commits per step near confident anchors; off by default. |
-| `confidence_threshold` | Extension: Fast-dLLM threshold decoding, every position above it per step; off by default. |
+| `confidence_threshold`, `entropy_bound`, `entropy_threshold` | Extension, one per request: commit by confidence (Fast-dLLM), by an entropy sum (EB-sampler) or entropy; off by default. |
+| `edit_threshold`, `max_post_edit_steps` | Extension, LLaDA2.x only: token editing (LLaDA2.1's JointThreshold); off by default. |
 | `decoding_mode` | Extension: `ar`, `diffusion`, `linear_spec` (tri-mode models, per request) or `isd` (I-DLM). |
 | `usage.diffusion` | Extension in responses: `nfe`, `canvas_length`, `committed_tokens`, `tokens_per_forward`, draft counts. |
 """

@@ -29,9 +29,11 @@ from dllm_serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from dllm_serve.api.rules import (
     CANVAS,
     DIFFUSION_ONLY,
+    NO_CANVAS,
     ModelDecoding,
     check_commit_rule,
     check_decoding_mode,
+    check_editing,
     decoding_params,
     messages_of,
     reject_autoregressive_fields,
@@ -229,6 +231,9 @@ def _spec(
         # before any canvas arithmetic (which would not apply either).
         check_decoding_mode(req.decoding_mode, req.block_length, diffusion_fields, model)
         rules = model.canvas_rules(req.decoding_mode)
+        if rules != NO_CANVAS:
+            req = model.with_default_rule(req)
+        check_editing(req, model)
     # After the mode rules: a local_leap_* field on a model without diffusion decoding is
     # not_applicable, not a hint to set use_local_leap.
     check_commit_rule(req)
@@ -433,7 +438,13 @@ class ModelFacts:
         self.block_size: int | None = loaded.block_size
         # The decoding_mode of requests that name none (tri-mode models: --decoding-mode).
         self.default_mode: str | None = engine.default_decoding_mode
-        self.decoding = ModelDecoding(engine.decoding_mode, self.block_size, self.default_mode)
+        self.decoding = ModelDecoding(
+            engine.decoding_mode,
+            self.block_size,
+            self.default_mode,
+            engine.token_editing,
+            tuple(engine.default_commit_rule.items()),
+        )
         # Canvas denoising drops canvas positions past max_tokens, so a long canvas may be
         # rounded up to whole blocks (rules.py); no other decoding has a canvas.
         self.round_canvas = self.decoding.kind == "diffusion"

@@ -99,6 +99,12 @@ def install_playground(
             else facts.block_size,
             "block_size": facts.block_size,
             "max_model_len": engine.max_length,
+            # What a denoising request may choose (a tri-mode model's diffusion mode).
+            "commit_rules": facts.decoding.commit_rules(),
+            "diffusion_fields": facts.decoding.diffusion_fields(),
+            # --decoding-algorithm: the rule of requests that choose none, as request fields.
+            "decoding_algorithm": engine.decoding_algorithm,
+            "default_commit_rule": engine.default_commit_rule,
         }
 
     @app.post(

@@ -106,6 +106,33 @@ class _GenerationRequest(BaseModel):
     confidence_threshold: float | None = Field(
         None, gt=0, le=1, description="Threshold (Fast-dLLM) parallel decoding; off by default."
     )
+    entropy_bound: float | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="EB-sampler: commit the lowest-entropy positions while "
+        "the entropies taken before each sum to at most this (nats); off by default.",
+    )
+    entropy_threshold: float | None = Field(
+        None,
+        gt=0,
+        le=1000,
+        description="Commit every position whose entropy (nats) is below "
+        "this, and always the lowest; off by default.",
+    )
+    edit_threshold: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="LLaDA2.x token editing (JointThreshold): rewrite a "
+        "token of the open block whose new argmax has probability above this.",
+    )
+    max_post_edit_steps: int | None = Field(
+        None,
+        ge=0,
+        le=1024,
+        description="Token editing: mask-free edit steps per block (default 16).",
+    )
     decoding_mode: Literal["ar", "diffusion", "linear_spec", "isd"] | None = Field(
         None,
         description="Tri-mode models: 'ar', 'diffusion' or 'linear_spec' (default: the "

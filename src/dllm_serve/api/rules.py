@@ -27,6 +27,7 @@ from dllm_serve.decoding.params import (
     DEFAULT_STEPS,
     DESCRIPTIONS,
     DIFFUSION,
+    RULE_FIELDS,
     TRI_MODE,
     TRI_MODES,
     DecodingParams,
@@ -54,7 +55,13 @@ DIFFUSION_ONLY = (
     "confidence_threshold",
     "use_local_leap",
     *LOCAL_LEAP_PARAMS,
+    "entropy_bound",
+    "entropy_threshold",
+    "edit_threshold",
+    "max_post_edit_steps",
 )
+# The commit rules a request picks by setting their field (at most one; edit_threshold reads
+# confidence_threshold as its mask threshold).
 
 
 def _ar_only(param: str, what: str, accepted: str) -> APIError:
@@ -183,14 +190,62 @@ def check_commit_rule(req: Request) -> None:
                 "committed at a relaxed (lower or equal) threshold.",
                 "local_leap_neighbor_threshold",
             )
-    data_dependent = req.use_local_leap or req.confidence_threshold is not None
-    if data_dependent and req.block_schedule not in (None, "uniform"):
-        mode = "use_local_leap" if req.use_local_leap else "confidence_threshold"
+    _check_entropy_and_edit_rules(req)
+    chosen = [name for name in RULE_FIELDS if getattr(req, name)
+              not in (None, False)]  # fmt: skip
+    if chosen and req.block_schedule not in (None, "uniform"):
+        mode = chosen[0]
         raise invalid(
             f"block_schedule '{req.block_schedule}' has no effect with '{mode}': that mode "
             "commits a data-dependent number of tokens per step instead of following a "
             "schedule. Omit 'block_schedule' (or use 'uniform').",
             "block_schedule",
+        )
+
+
+def _check_entropy_and_edit_rules(req: Request) -> None:
+    """The entropy rules and token editing: one commit rule per request, and no field that
+    would configure a rule the request does not use."""
+    for name in ("entropy_bound", "entropy_threshold"):
+        if getattr(req, name) is None:
+            continue
+        for other in RULE_FIELDS:
+            if other != name and getattr(req, other) not in (None, False):
+                raise invalid(
+                    f"'{name}' and '{other}' choose different commit rules; set one of them.",
+                    other,
+                )
+        if req.confidence_metric is not None:
+            raise invalid(
+                f"'confidence_metric' does not apply with '{name}': that rule ranks positions "
+                "by the entropy of their predicted distribution. Omit 'confidence_metric'.",
+                "confidence_metric",
+            )
+    if req.edit_threshold is None:
+        if req.max_post_edit_steps is not None:
+            raise invalid(
+                "'max_post_edit_steps' configures token editing; set 'edit_threshold' to use it.",
+                "max_post_edit_steps",
+            )
+        return
+    if req.use_local_leap:
+        raise invalid(
+            "'edit_threshold' and 'use_local_leap' choose different commit rules: token "
+            "editing commits masks above 'confidence_threshold' (its mask threshold). Omit "
+            "'use_local_leap'.",
+            "use_local_leap",
+        )
+
+
+def check_editing(req: Request, model: ModelDecoding) -> None:
+    """Token editing (``edit_threshold``) only on a model trained to edit (LLaDA2.x)."""
+    if req.edit_threshold is not None and not model.token_editing:
+        raise invalid(
+            "'edit_threshold' (token editing) applies to LLaDA2.x models, which were trained to "
+            "rewrite the tokens of the open block; this model was not, and its answers would "
+            "only get worse. Omit it.",
+            "edit_threshold",
+            code="not_applicable",
         )
 
 
@@ -222,6 +277,16 @@ class ModelDecoding:
     kind: str
     block_size: int | None = None
     default_mode: str | None = None
+    token_editing: bool = False  # requests may ask for JointThreshold (LLaDA2.x)
+    # --decoding-algorithm: the rule fields of requests that set none of RULE_FIELDS.
+    default_rule: tuple[tuple[str, float], ...] = ()
+
+    def with_default_rule(self, req: Request) -> Request:
+        """``req`` with the server's default commit rule when it chose none (a denoising
+        request only: the caller checked the mode)."""
+        if not self.default_rule or any(getattr(req, f) not in (None, False) for f in RULE_FIELDS):
+            return req
+        return req.model_copy(update=dict(self.default_rule))
 
     def canvas_rules(self, requested: str | None) -> str:
         """:data:`CANVAS`, :data:`BLOCK` or :data:`NO_CANVAS` for a request naming
@@ -240,6 +305,21 @@ class ModelDecoding:
         if self.kind == "self_speculation":
             return True
         return self.kind == TRI_MODE and (requested or self.default_mode) != DIFFUSION
+
+    def commit_rules(self) -> list[str]:
+        """The commit rules a denoising request may pick (none for self-speculation; a
+        tri-mode model's apply to its ``diffusion`` mode), as ``/v1/dllm/info`` lists them."""
+        if self.kind == "self_speculation":
+            return []
+        rules = ["topk", "threshold", "local_leap", "entropy_bound", "entropy_threshold"]
+        return [*rules, "joint_threshold"] if self.token_editing else rules
+
+    def diffusion_fields(self) -> list[str]:
+        """The denoising extension fields a request may set (see :meth:`commit_rules`)."""
+        if self.kind == "self_speculation":
+            return []
+        editing = ("edit_threshold", "max_post_edit_steps")
+        return [f for f in DIFFUSION_ONLY if self.token_editing or f not in editing]
 
 
 def check_decoding_mode(
@@ -473,6 +553,14 @@ def _build_params(
         force_single_batch=bool(req.force_single_batch),
         confidence_threshold=req.confidence_threshold,
         use_local_leap=bool(req.use_local_leap),
+        entropy_bound=req.entropy_bound,
+        entropy_threshold=req.entropy_threshold,
+        edit_threshold=req.edit_threshold,
+        **(
+            {}
+            if req.max_post_edit_steps is None
+            else {"max_post_edit_steps": req.max_post_edit_steps}
+        ),
         ignore_eos=bool(req.ignore_eos),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         decoding_mode=req.decoding_mode,

@@ -70,6 +70,19 @@ DEFAULT_GEN_LENGTH = 128  # canvas of a request without max_tokens, unless the m
 DEFAULT_STEPS = 128  # docs/api-contract.md; capped at the canvas
 DEFAULT_POST_EDIT_STEPS = 16  # JointThreshold's mask-free edit steps per block (SGLang's default)
 EDIT_MASK_THRESHOLD = 0.5  # JointThreshold's τ_mask when confidence_threshold is not set
+# --decoding-algorithm: the commit rule of requests that choose none (they set none of
+# RULE_FIELDS), as request fields. The editing presets are LLaDA2.1's published S and Q modes;
+# the entropy ones SGLang's EBSampling and EntropyThreshold defaults.
+DECODING_ALGORITHMS: dict[str, dict[str, float]] = {
+    "low_confidence": {},  # the request's own fields (top-k by default)
+    "s_mode": {"confidence_threshold": 0.5, "edit_threshold": 0.0},
+    "q_mode": {"confidence_threshold": 0.7, "edit_threshold": 0.5},
+    "eb_sampler": {"entropy_bound": 0.15},
+    "entropy_threshold": {"entropy_threshold": 0.95},
+}
+EDITING_ALGORITHMS = ("s_mode", "q_mode")
+RULE_FIELDS = ("confidence_threshold", "use_local_leap", "entropy_bound", "entropy_threshold",
+               "edit_threshold")  # fmt: skip
 COMMIT_RULES = ("topk", "threshold", "local_leap", "entropy_bound", "entropy_threshold",
                 "joint_threshold")  # fmt: skip
 

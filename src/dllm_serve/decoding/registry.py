@@ -41,6 +41,7 @@ from dllm_serve.decoding.params import (
     DEFAULT_ISD_STRIDE,
     DEFAULT_TRI_MODE,
     DIFFUSION,
+    EDITING_ALGORITHMS,
     LINEAR_SPEC,
     TRI_MODE,
     TRI_MODES,
@@ -70,6 +71,7 @@ class DecodingFlags(Protocol):
     """The server's decoding flags the registry reads (the engine's ``EngineConfig``)."""
 
     decoding_mode: str | None
+    decoding_algorithm: str
     isd_stride: int
     block_size_tiers: tuple[tuple[int, int], ...]
     kv_cache: str
@@ -101,7 +103,24 @@ def algorithm_for(
                 f"'{own}'; omit the flag or set it to '{own}'"
             )
     _check_flags_apply(loaded.name, algorithm.decoding_mode, config)
+    _check_decoding_algorithm(loaded.name, algorithm, config.decoding_algorithm)
     return algorithm
+
+
+def _check_decoding_algorithm(name: str, algorithm: DecodingAlgorithm, preset: str) -> None:
+    """A ``--decoding-algorithm`` the model cannot decode by is a ValueError at start-up."""
+    if preset == "low_confidence":
+        return
+    if algorithm.decoding_mode == "self_speculation":
+        raise ValueError(
+            f"--decoding-algorithm {preset}: model {name!r} (I-DLM) decodes by exact "
+            "self-speculation and has no commit rule; omit the flag"
+        )
+    if preset in EDITING_ALGORITHMS and not supports_editing(algorithm):
+        raise ValueError(
+            f"--decoding-algorithm {preset}: token editing applies to LLaDA2.x checkpoints; "
+            f"model {name!r} was not trained to edit tokens"
+        )
 
 
 # The algorithm kinds, as the start-up errors name them.

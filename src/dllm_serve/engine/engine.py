@@ -32,9 +32,14 @@ import torch
 import uuid6
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
+from dllm_serve.decoding.params import DECODING_ALGORITHMS, DEFAULT_GEN_LENGTH, DecodingParams
 from dllm_serve.decoding.protocol import RowSpec, as_step_logits
-from dllm_serve.decoding.registry import algorithm_for, check_request, default_mode
+from dllm_serve.decoding.registry import (
+    algorithm_for,
+    check_request,
+    default_mode,
+    supports_editing,
+)
 from dllm_serve.engine.graphs import graph_memory
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.outputs import (
@@ -106,6 +111,11 @@ class AsyncEngine:
         # model's mode, and a request's decoding_mode the model does not have.
         self.decoding_mode = self.algorithm.decoding_mode
         self.default_decoding_mode = default_mode(self.algorithm)
+        # Whether requests may ask for LLaDA2.1 token editing (edit_threshold).
+        self.token_editing = supports_editing(self.algorithm)
+        # --decoding-algorithm: the commit rule (request fields) of requests that choose none.
+        self.decoding_algorithm = self.config.decoding_algorithm
+        self.default_commit_rule = dict(DECODING_ALGORITHMS[self.decoding_algorithm])
         attention = attention_backend(self.config.attention_backend, loaded.device)
         graphs = self.config.cuda_graph and loaded.device.type == "cuda" and attention == "flex"
         # The graphs' memory is set aside before the KV pool takes its share of what is free.

@@ -347,6 +347,44 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
         "block_schedule",
         "has no effect with 'confidence_threshold'",
     ),
+    ("entropy-bound-negative", body(entropy_bound=-1), JSON, "entropy_bound", "greater than or"),
+    ("entropy-threshold-zero", body(entropy_threshold=0), JSON, "entropy_threshold", "greater"),
+    (
+        "entropy-bound-with-threshold",
+        body(entropy_bound=0.1, confidence_threshold=0.9),
+        JSON,
+        "confidence_threshold",
+        "'entropy_bound' and 'confidence_threshold' choose different commit rules",
+    ),
+    (
+        "entropy-with-metric",
+        body(entropy_threshold=1.0, confidence_metric="entropy_inverse"),
+        JSON,
+        "confidence_metric",
+        "ranks positions by the entropy",
+    ),
+    (
+        "entropy-with-cosine",
+        body(entropy_bound=0.1, block_schedule="cosine"),
+        JSON,
+        "block_schedule",
+        "has no effect with 'entropy_bound'",
+    ),
+    ("edit-over-one", body(edit_threshold=1.5), JSON, "edit_threshold", "less than or equal to 1"),
+    (
+        "edit-with-leap",
+        body(edit_threshold=0.5, use_local_leap=True),
+        JSON,
+        "use_local_leap",
+        "choose different commit rules",
+    ),
+    (
+        "post-edit-steps-alone",
+        body(max_post_edit_steps=3),
+        JSON,
+        "max_post_edit_steps",
+        "set 'edit_threshold' to use it",
+    ),
     ("model-int", body(model=5), JSON, "model", "valid string"),
     # Still rejected: what diffusion decoding cannot honour (issue 15 keeps these 400s).
     ("store-true", body(store=True), JSON, "store", "stores nothing"),
@@ -658,6 +696,18 @@ DECODING: list[tuple[str, bytes, dict[str, Any]]] = [
         body(confidence_threshold=None, use_local_leap=None),
         {"confidence_threshold": None, "mode": "topk"},
     ),
+    ("entropy-bound", body(entropy_bound=0.15), {"entropy_bound": 0.15, "mode": "entropy_bound"}),
+    ("entropy-threshold", body(entropy_threshold=0.95), {"mode": "entropy_threshold"}),
+    (
+        "edit",
+        body(edit_threshold=0.0, confidence_threshold=0.7, max_post_edit_steps=4),
+        {"mode": "joint_threshold", "mask_threshold": 0.7, "max_post_edit_steps": 4},
+    ),
+    (
+        "edit-defaults",
+        body(edit_threshold=0.5),
+        {"edit_threshold": 0.5, "mask_threshold": 0.5, "max_post_edit_steps": 16},
+    ),
 ]
 
 
@@ -957,3 +1007,50 @@ def test_client_steps_must_divide_into_the_rounded_canvas_blocks() -> None:
     # which any step count fits, so it is not refused on the blocks it will not use.
     fitted = spec.fitted(2048 - 257, 2048).params
     assert (fitted.gen_length, fitted.block_length, fitted.steps) == (257, 257, 10)
+
+
+def test_token_editing_only_where_the_model_was_trained_to_edit() -> None:
+    edit = body(edit_threshold=0.5, max_tokens=16)
+    editing = ModelDecoding("block_diffusion", 4, token_editing=True)
+    assert parse_chat_request(edit, JSON, model=editing).params.mode == "joint_threshold"
+    for model, code in (
+        (ModelDecoding("block_diffusion", 4), "not_applicable"),  # SDAR
+        (ModelDecoding("diffusion"), "not_applicable"),  # LLaDA, Dream
+        (ModelDecoding("self_speculation"), "not_applicable"),  # I-DLM: no denoising at all
+    ):
+        with pytest.raises(APIError) as info:
+            parse_chat_request(edit, JSON, model=model)
+        assert (info.value.status, info.value.param, info.value.code) == (
+            400, "edit_threshold", code,
+        )  # fmt: skip
+
+
+def test_info_lists_each_models_commit_rules() -> None:
+    block = ModelDecoding("block_diffusion", 4)
+    editing = ModelDecoding("block_diffusion", 32, token_editing=True)
+    assert block.commit_rules() == [
+        "topk", "threshold", "local_leap", "entropy_bound", "entropy_threshold",
+    ]  # fmt: skip
+    assert editing.commit_rules() == [*block.commit_rules(), "joint_threshold"]
+    assert "edit_threshold" not in block.diffusion_fields()
+    assert {"edit_threshold", "max_post_edit_steps", "entropy_bound"} <= set(
+        editing.diffusion_fields()
+    )
+    assert ModelDecoding("self_speculation").commit_rules() == []
+
+
+def test_the_servers_default_rule_fills_requests_that_choose_none() -> None:
+    s_mode = ModelDecoding(
+        "block_diffusion", 4, token_editing=True,
+        default_rule=(("confidence_threshold", 0.5), ("edit_threshold", 0.0)),
+    )  # fmt: skip
+    plain = parse_chat_request(body(max_tokens=16), JSON, model=s_mode).params
+    assert (plain.mode, plain.mask_threshold, plain.edit_threshold) == ("joint_threshold", 0.5, 0.0)
+    # The budget alone is not a rule: the preset still applies and keeps it.
+    steps = parse_chat_request(body(max_tokens=16, max_post_edit_steps=3), JSON, model=s_mode)
+    assert (steps.params.mode, steps.params.max_post_edit_steps) == ("joint_threshold", 3)
+    # A request that chooses a rule keeps its own.
+    own = parse_chat_request(body(max_tokens=16, confidence_threshold=0.9), JSON, model=s_mode)
+    assert (own.params.mode, own.params.edit_threshold) == ("threshold", None)
+    eb = parse_chat_request(body(max_tokens=16, entropy_bound=1.0), JSON, model=s_mode)
+    assert eb.params.mode == "entropy_bound"

@@ -318,3 +318,17 @@ def test_a_model_not_trained_to_edit_refuses_edit_threshold(tmp_path: Path) -> N
 def test_params_refuse_contradictions(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DecodingParams(gen_length=8, steps=8, **fields)  # type: ignore[arg-type]
+
+
+def test_decoding_algorithm_presets_start_only_where_they_apply(tmp_path: Path) -> None:
+    from dllm_serve.config import EngineConfig
+
+    sdar = write_tiny_sdar(tmp_path / "sdar")
+    with pytest.raises(ValueError, match=r"s_mode: token editing applies to LLaDA2\.x"):
+        LLM(str(sdar), device="cpu", dtype="float32",
+            engine_config=EngineConfig(decoding_algorithm="s_mode"))  # fmt: skip
+    with LLM(str(sdar), device="cpu", dtype="float32",
+             engine_config=EngineConfig(decoding_algorithm="eb_sampler")) as llm:  # fmt: skip
+        assert llm.engine.default_commit_rule == {"entropy_bound": 0.15}
+    with pytest.raises(ValueError, match="decoding_algorithm must be one of"):
+        EngineConfig(decoding_algorithm="JointThreshold")

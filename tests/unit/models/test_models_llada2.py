@@ -137,6 +137,22 @@ def test_malformed_configs_refused_naming_the_key(tiny: Path, change: dict, matc
         family_for(config).transformer_config(config)
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"delete_token_id": 156930, "split_token_id": 156931, "expert_capacity": 48},
+        {"expert_capacity": 48},
+    ],
+)
+def test_a_llada22_checkpoint_is_refused_naming_what_is_missing(tiny: Path, change: dict) -> None:
+    config = {**config_of(tiny), **change}
+    with pytest.raises(UnsupportedModelError) as info:
+        family_for(config).transformer_config(config)
+    message = str(info.value)
+    assert "LLaDA2.2 checkpoint" in message and ", ".join(change) in message
+    assert "insert/delete decoding" in message and "expert_capacity" in message
+
+
 def test_malformed_config_is_a_clear_load_error(tiny: Path, tmp_path: Path) -> None:
     path = copy_with(tiny, tmp_path / "bad", num_experts_per_tok=None)
     with pytest.raises(UnsupportedModelError, match="lacks required key 'num_experts_per_tok'"):

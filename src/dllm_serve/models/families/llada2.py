@@ -57,6 +57,10 @@ REQUIRED = (
 )
 
 
+# config.json keys that only LLaDA2.2 (insert/delete editing, block routing) declares.
+LLADA22_KEYS = ("delete_token_id", "split_token_id", "expert_capacity")
+
+
 def _positive_int(config: Mapping[str, Any], key: str, *, zero_ok: bool = False) -> int:
     return positive_int("LLaDA2", config, key, zero_ok=zero_ok)
 
@@ -67,6 +71,18 @@ class LLaDA2Family(Family):
 
     def check(self, config: Mapping[str, Any]) -> None:
         check_values(self.name, config, EXPECTED)
+        levenshtein = [key for key in LLADA22_KEYS if config.get(key) is not None]
+        if levenshtein:
+            # LLaDA2.2 answers by inserting and deleting tokens (edit tokens in its vocabulary)
+            # and routes its experts per block: served with 2.0/2.1 rules it would emit its
+            # edit tokens as text and route each token alone, a different model.
+            raise UnsupportedModelError(
+                f"LLaDA2 config.json declares {', '.join(levenshtein)}: a LLaDA2.2 checkpoint. "
+                "This server does not implement LLaDA2.2's insert/delete decoding (DELETE and "
+                "SPLIT edit tokens, the fixed-length block rebuild, original-mask provenance, "
+                "the final cleanup round and the anti-loop rule) nor its per-block expert "
+                "admission (expert_capacity); LLaDA2.0 and 2.1 checkpoints are served"
+            )
         for key in REQUIRED:
             require(config, key)
         size = config.get("block_size")
