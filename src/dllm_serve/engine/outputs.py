@@ -7,8 +7,10 @@ submitted with ``trace=True`` gets one event per forward in :attr:`RequestOutput
 which ``POST /v1/dllm/trace`` streams as server-sent events (docs/playground.md):
 
 - denoising (LLaDA, Dream, block diffusion) — ``{"type": "step", "commits": [[position,
-  token_id, text], ...], "masked": n, ...}``: the answer-canvas positions this step
-  committed (position 0 is the first answer position) and how many are still masked;
+  token_id, text], ...], "replaced": [...], "masked": n, ...}``: the answer-canvas positions
+  this step wrote (position 0 is the first answer position), what each held before when the
+  step edited a written token (token editing; None where it filled a mask) and how many are
+  still masked;
 - self-speculation (I-DLM ISD, LinearSpec) — ``{"type": "round", "drafts": [...], "accepted": j,
   "emitted": [...], ...}``: the drafts this round verified, how many were accepted and the
   tokens it emitted (accepted drafts plus the verifier's own token, except a stop token,
@@ -261,11 +263,11 @@ def snapshot(state: Any, row: Sequence[int] = (), width: int = 0) -> Snapshot:
     if hasattr(state, "emitted"):  # self-speculation
         return ("round", list(state.specs), state.accepted_drafts, len(state.emitted))
     confidence = {}
-    if getattr(state, "report_confidence", False) and len(row) >= width + len(state.masked):
+    # An editing row scores every editable position of its block, the others the masked ones.
+    scored = state.editable if getattr(state, "editing", False) else state.masked
+    if getattr(state, "report_confidence", False) and len(row) >= width + len(scored):
         base = state.prompt_len
-        confidence = {
-            pos - base: row[width + j] / CONFIDENCE_SCALE for j, pos in enumerate(state.masked)
-        }
+        confidence = {pos - base: row[width + j] / CONFIDENCE_SCALE for j, pos in enumerate(scored)}
     return ("step", state.tokens[state.prompt_len :], confidence)
 
 
@@ -300,6 +302,8 @@ def step_event(state: Any, before: Snapshot, piece: Callable[[int], str]) -> dic
         # The confidence each commit was made with (its rule's metric), beside ``commits``;
         # None for a token no masked position's rule committed (a block's seed).
         "confidences": [_rounded(confidence.get(i)) for i in changed],
+        # Token editing: what an edited position held before (None: it was masked).
+        "replaced": [None if old[i] == mask_id else piece(old[i]) for i in changed],
         "masked": sum(t == mask_id for t in new),
     }
     return event

@@ -182,3 +182,34 @@ def test_static_dirs_exist() -> None:
     assert (DOCS_STATIC / "swagger-ui-bundle.js").is_file()
     assert (DOCS_STATIC / "redoc.standalone.js").is_file()
     assert Path(STATIC, "playground.html").is_file()
+
+
+def test_an_editing_trace_shows_what_each_edit_replaced(tmp_path: Path) -> None:
+    """LLaDA2.1 token editing: a step may rewrite a written token; its event says what the
+    position held (``replaced``), every commit carries the confidence it was made with, and
+    replaying the events rebuilds the answer."""
+    from dllm_serve_train.tiny_checkpoints import write_tiny_llada2
+
+    model = str(write_tiny_llada2(tmp_path / "llada2", block_size=4, seed=3))
+    body = {**QUESTION, "max_tokens": 10, "confidence_threshold": 0.002, "edit_threshold": 0.0}
+    with _client(model) as client:
+        info = client.get("/v1/dllm/info").json()
+        events = _events(client.post("/v1/dllm/trace", json=body).text)
+        chat = client.post("/v1/chat/completions", json=body).json()
+    assert "joint_threshold" in info["commit_rules"]
+    steps = [data for name, data in events if name == "step"]
+    canvas: dict[int, str] = {}
+    edits = 0
+    for step in steps:
+        assert len(step["replaced"]) == len(step["commits"]) == len(step["confidences"])
+        for (pos, _, text), was, confidence in zip(
+            step["commits"], step["replaced"], step["confidences"], strict=True
+        ):
+            assert was == canvas.get(pos)  # None: the position was masked
+            assert isinstance(confidence, float) and 0 < confidence <= 1
+            edits += was is not None
+            canvas[pos] = text
+    assert edits > 0
+    done = events[-1][1]
+    assert done["content"] == chat["choices"][0]["message"]["content"]
+    assert done["usage"]["diffusion"]["nfe"] == len(steps)

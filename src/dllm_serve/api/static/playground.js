@@ -4,11 +4,12 @@
 
 const $ = (id) => document.getElementById(id);
 const NUMBER_FIELDS = ["max_tokens", "temperature", "seed"];
-const DIFFUSION_NUMBER_FIELDS = ["num_denoising_steps", "block_length", "confidence_threshold"];
+const DIFFUSION_NUMBER_FIELDS = ["num_denoising_steps", "block_length", "confidence_threshold",
+                                 "entropy_bound", "edit_threshold"];
 // What a test (or a curious user in the console) can read about the last run.
 const FRESH = () => ({ status: "idle", steps: 0, maxMasked: 0, finalMasked: null,
                       maskedAfterFirstStep: null, rounds: 0, roundEvents: 0, content: "",
-                      events: [], blocks: 0, neverNeeded: 0 });
+                      events: [], blocks: 0, neverNeeded: 0, edits: 0 });
 const run = (window.playground = FRESH());
 // "diffusion" or "self_speculation" once /v1/dllm/info answered; null before (or when it
 // failed, e.g. a server with --api-key before the key is typed): no mode-specific settings
@@ -45,6 +46,8 @@ async function loadInfo() {
     }
     $("model-info").textContent =
       `${info.model} · ${shown} · default max_tokens ${info.default_max_tokens}`;
+    // Token editing only where the model was trained for it (LLaDA2.x).
+    $("edit-setting").hidden = !(info.commit_rules || []).includes("joint_threshold");
     showModeSettings();
   } catch (err) { $("model-info").textContent = `model info: ${err}`; }
 }
@@ -79,6 +82,7 @@ function requestBody() {
   const body = { messages: [{ role: "user", content: $("prompt").value || $("prompt").placeholder }] };
   const fields = mode === "diffusion" ? [...NUMBER_FIELDS, ...DIFFUSION_NUMBER_FIELDS] : NUMBER_FIELDS;
   for (const name of fields) {
+    if (name === "edit_threshold" && $("edit-setting").hidden) continue;
     const value = $(name).value.trim();
     if (value !== "") body[name] = Number(value);
   }
@@ -175,6 +179,7 @@ function markActiveBlock(block) {
 function applyStep(event) {
   for (const old of document.querySelectorAll("#canvas .cell.new")) old.classList.remove("new");
   const confidences = event.confidences || [];
+  const replaced = event.replaced || [];
   event.commits.forEach(([pos, , text], i) => {
     const cell = cells[pos];
     if (!cell) return;
@@ -191,6 +196,11 @@ function applyStep(event) {
       cell.title = `${JSON.stringify(text)} · seed (no confidence) · step ${event.step}`;
     } else {
       cell.title = `${JSON.stringify(text)} · step ${event.step}`;
+    }
+    if (typeof replaced[i] === "string") { // token editing rewrote a written token
+      cell.classList.add("edited");
+      cell.title += ` · edited (was ${JSON.stringify(replaced[i])})`;
+      run.edits += 1;
     }
   });
   run.steps += 1;
