@@ -161,6 +161,11 @@ class LLM:
             raise ValueError(f"pass the {field} as the first argument, not as {field}=")
         if "stream" in fields:
             raise ValueError("stream is HTTP only: the offline API returns whole completions")
+        if fields.get("n") not in (None, 1):
+            raise ValueError(
+                "n > 1 is HTTP only: the offline API returns one completion per item; repeat "
+                "the item n times (with seed + i for the same answers as the server's choices)"
+            )
         # A bare string would be one completion per character, and chat(messages) without the
         # outer list would blame the first message for not being a list.
         if isinstance(items, str | bytes) or not isinstance(items, Sequence):

@@ -104,6 +104,45 @@ def test_same_seed_same_answer_and_greedy_ignores_seed(server: RemoteServer) -> 
     assert answer(temperature=0, seed=1) == answer(temperature=0, seed=2) == answer()
 
 
+def test_n_choices_are_the_seeded_answers_streamed_or_not(server: RemoteServer) -> None:
+    """n = 3 at T > 0: choice i is the answer of seed + i, alone; stream == non-stream; the
+    usage counts the prompt once and the answers' tokens summed."""
+    client = server.client()
+    kw = {"max_tokens": 16, "temperature": 1.0}
+    alone = [
+        client.chat.completions.create(model="x", messages=MESSAGES, seed=7 + i, **kw)
+        for i in range(3)
+    ]
+    together = client.chat.completions.create(model="x", messages=MESSAGES, seed=7, n=3, **kw)
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    texts = [c.choices[0].message.content for c in alone]
+    assert [c.message.content for c in together.choices] == texts
+    assert len(set(texts)) > 1  # sampled: the choices differ
+    usage = together.usage
+    assert usage is not None and usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert usage.completion_tokens == sum(c.usage.completion_tokens for c in alone)
+    nfe = sum(c.usage.model_extra["diffusion"]["nfe"] for c in alone)
+    assert usage.model_extra["diffusion"]["nfe"] == nfe
+    chunks = list(
+        client.chat.completions.create(
+            model="x", messages=MESSAGES, seed=7, n=3, stream=True,
+            stream_options={"include_usage": True}, **kw,
+        )
+    )  # fmt: skip
+    streamed = ["", "", ""]
+    finished = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.append(choice.index)
+    assert streamed == texts and sorted(finished) == [0, 1, 2]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == usage.completion_tokens
+    text = client.completions.create(model="x", prompt="2 + 3 =", n=2, max_tokens=8, seed=1)
+    assert [c.index for c in text.choices] == [0, 1]
+
+
 def test_rejected_field_is_400_via_sdk(server: RemoteServer) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         server.client().chat.completions.create(model="x", messages=MESSAGES, top_p=0.5)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,7 +26,14 @@ from dllm_serve.api.middleware import Lifecycle
 from dllm_serve.api.openapi_docs import GENERATION_ERRORS, error_responses, request_body
 from dllm_serve.api.pipeline import ModelFacts, RequestSpec, chat_request, completion_request
 from dllm_serve.api.protocol import ChatCompletionResponse, CompletionResponse
-from dllm_serve.api.streaming import chat_chunks, failure, text_chunks, usage_dict
+from dllm_serve.api.streaming import (
+    Choices,
+    chat_chunks,
+    choices_usage,
+    failure,
+    merged,
+    text_chunks,
+)
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
@@ -93,17 +101,10 @@ def install_completion_routes(
         created = int(time.time())
         # A JSON answer is read whole: the engine decodes it once, at the end (unless it
         # matches stop strings, which it does step by step).
-        outputs = submit(
-            request_id,
-            spec,
-            prompt_ids,
-            spec.stop,
-            final_only=not spec.stream,
-            include_stop=spec.include_stop_str,
-        )
+        streams = submit_choices(request_id, spec, prompt_ids, final_only=not spec.stream)
         if spec.stream:
             chunks = (chat_chunks if kind == "chat" else text_chunks)(
-                outputs,
+                merged(streams),
                 response_id=response_id,
                 created=created,
                 model=engine.model_name,
@@ -112,31 +113,58 @@ def install_completion_routes(
                 continuous_usage=spec.continuous_usage,
                 prompt_tokens=len(prompt_ids),
                 speculative=facts.decoding.self_speculative(spec.params.decoding_mode),
+                n=spec.n,
             )
             return EventSourceResponse(chunks, headers={REQUEST_ID_HEADER: request_id})
-        text, last = await _collect_unless_disconnected(request, outputs)
-        if last is None:  # the client went away; its request was aborted
+        answers = await _collect_unless_disconnected(request, merged(streams), spec.n)
+        if answers is None:  # the client went away; its requests were aborted
             return Response(status_code=499)
-        if last.finish_reason not in ("stop", "length"):
-            status, message, err_type, code = failure(last)
-            raise APIError(message, status=status, type=err_type, code=code)
-        if kind == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-            }
-        else:
-            choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": last.finish_reason}
+        choices = []
+        for index, (text, last) in enumerate(answers):
+            if kind == "chat":
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                }
+            else:
+                choice = {"index": index, "text": text}
+            choices.append(choice | {"logprobs": None, "finish_reason": last.finish_reason})
         return {
             "id": response_id,
             "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": created,
             "model": engine.model_name,
-            "choices": [choice],
-            "usage": usage_dict(last, spec.params.gen_length),
+            "choices": choices,
+            "usage": choices_usage([last for _, last in answers], spec.params.gen_length),
             "system_fingerprint": None,
         }
+
+    def submit_choices(
+        request_id: str, spec: RequestSpec, prompt_ids: list[int], *, final_only: bool
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
+        """Submit every choice of ``spec`` together (one step admits them all); all or none:
+        a full queue part-way aborts those already submitted and is a 429."""
+        if spec.n == 1:
+            return [
+                submit(request_id, spec, prompt_ids, spec.stop, final_only=final_only,
+                       include_stop=spec.include_stop_str)
+            ]  # fmt: skip
+        streams: list[AsyncGenerator[RequestOutput, None]] = []
+        ids: list[str] = []
+        try:
+            with engine.submitting_together():
+                for params in spec.choice_params():
+                    ids.append(lifecycle.engine_request_id(request_id))
+                    streams.append(
+                        submit(request_id, replace(spec, params=params, n=1), prompt_ids,
+                               spec.stop, final_only=final_only,
+                               include_stop=spec.include_stop_str, engine_id=ids[-1])
+                    )  # fmt: skip
+        except APIError:
+            for engine_id in ids[: len(streams)]:
+                engine.abort(engine_id)
+            raise
+        return streams
 
     def submit(
         request_id: str,
@@ -146,6 +174,7 @@ def install_completion_routes(
         trace: bool = False,
         final_only: bool = False,
         include_stop: bool = False,
+        engine_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Hand a request to the engine; a full queue is a 429 before any response starts.
 
@@ -165,7 +194,7 @@ def install_completion_routes(
             outputs = engine.generate(
                 prompt_ids,
                 spec.params,
-                request_id=lifecycle.engine_request_id(request_id),
+                request_id=engine_id or lifecycle.engine_request_id(request_id),
                 stop=stop,
                 timeout=config.request_timeout,
                 trace=trace,
@@ -207,16 +236,22 @@ async def _logging_answer(
 
 
 async def _collect_unless_disconnected(
-    request: Request, outputs: AsyncGenerator[RequestOutput, None]
-) -> tuple[str, RequestOutput | None]:
-    """Collect the answer; if the client disconnects first, abort the request."""
+    request: Request, outputs: Choices, n: int
+) -> list[tuple[str, RequestOutput]] | None:
+    """Every choice's answer and last output, or None if the client disconnected first (its
+    requests are then aborted). A choice that failed raises its error (the others abort)."""
 
-    async def collect() -> tuple[str, RequestOutput | None]:
-        parts, last = [], None
-        async for output in outputs:
-            parts.append(output.delta_text)
-            last = output
-        return "".join(parts), last
+    async def collect() -> list[tuple[str, RequestOutput]]:
+        parts: list[list[str]] = [[] for _ in range(n)]
+        last: dict[int, RequestOutput] = {}
+        async with contextlib.aclosing(outputs):
+            async for index, output in outputs:
+                parts[index].append(output.delta_text)
+                last[index] = output
+                if output.finished and output.finish_reason not in ("stop", "length"):
+                    status, message, err_type, code = failure(output)
+                    raise APIError(message, status=status, type=err_type, code=code)
+        return [("".join(parts[i]), last[i]) for i in range(n)]
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -231,7 +266,7 @@ async def _collect_unless_disconnected(
         if not work.done():
             work.cancel()  # raises inside engine.generate(), whose finally aborts the request
             await asyncio.gather(work, return_exceptions=True)
-    return work.result() if not work.cancelled() else ("", None)
+    return work.result() if not work.cancelled() else None
 
 
 def _info(spec: RequestSpec) -> str:

@@ -14,9 +14,9 @@ DEVIATIONS_TABLE = """\
 | `max_tokens` / `max_completion_tokens` | The **canvas length** (default: the model's `max_new_tokens`, 32 for the demos, else 128); a long canvas is decoded in blocks. |
 | `finish_reason` | `stop` (EOS/EOT, a `stop` string or a `stop_token_ids` id) or `length` (the canvas filled up). |
 | `temperature` | 0–2, **default 0** (greedy); above 0, Gumbel-max sampling from a per-request generator. |
-| `seed` | Same seed and parameters ⇒ same answer; ignored at temperature 0. |
+| `seed`, `n` | Same seed and parameters ⇒ same answer; `n` choices draw from `seed`, `seed + 1`, …; greedy at temperature 0. |
 | `model` | Accepted and ignored: one server serves one model. |
-| `top_p`, `top_k`, `n`, `best_of`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `logprobs`, `top_logprobs`, `tools`, `tool_choice`, `functions`, `function_call`, `reasoning_effort`, `audio`, `prediction`, `min_tokens`, `echo` | **400**, except their no-op values (`top_p: 1`, `n: 1`, `tools: []`, …). |
+| `top_p`, `top_k`, `best_of`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `logprobs`, `top_logprobs`, `tools`, `tool_choice`, `functions`, `function_call`, `reasoning_effort`, `audio`, `prediction`, `min_tokens`, `echo` | **400**, except their no-op values (`top_p: 1`, `best_of: 1`, `tools: []`, …). |
 | `stop` | Up to 4 strings; the answer ends before the first occurrence. |
 | `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` | vLLM extensions, honoured (`ignore_eos`: the whole canvas is returned). |
 | `stream_options.continuous_usage_stats` | vLLM extension, honoured: the cumulative `usage` on every chunk. |

@@ -78,6 +78,15 @@ class RequestSpec:
     # (error, rounded canvas length): the client's step count does not fit the rounded canvas's
     # blocks; ``fitted`` raises it when that canvas fits the context, else keeps one block.
     refused_if_rounded: tuple[APIError, int] | None = None
+    n: int = 1  # choices: rows of the same prompt, each with its own generator
+
+    def choice_params(self) -> list[DecodingParams]:
+        """Each choice's parameters: with a ``seed``, choice ``i`` draws from ``seed + i``
+        (same seed ⇒ same n answers; at temperature 0 they are all the greedy answer)."""
+        seed = self.params.seed
+        if self.n == 1 or seed is None:
+            return [self.params] * self.n
+        return [replace(self.params, seed=seed + i) for i in range(self.n)]
 
     def fitted(self, prompt_tokens: int, max_length: int) -> RequestSpec:
         """This spec for a prompt of ``prompt_tokens``: a canvas rounded up to whole blocks
@@ -161,6 +170,8 @@ def _check_trace_fields(req: ChatCompletionRequest) -> None:
             "'include_stop_str_in_output' is not supported by the trace endpoint.",
             "include_stop_str_in_output",
         )
+    if req.n not in (None, 1):
+        raise invalid("The trace endpoint traces one answer: 'n' must be 1.", "n")
 
 
 def parse_completion_request(
@@ -268,6 +279,7 @@ def _spec(
         unrounded=unrounded,
         canvas_param=_canvas_param(req),
         refused_if_rounded=refused,
+        n=req.n or 1,
     )
 
 

@@ -62,9 +62,11 @@ class _GenerationRequest(BaseModel):
     # (docs/api-contract.md).
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1)
+    n: int | None = Field(
+        None, ge=1, le=128, description="Choices: rows of the same prompt (seed i: seed + i)."
+    )
     # No upper bounds on fields refused past their no-op value: any other value gets the
     # unsupported_parameter 400 (api/rules.py), not a range that suggests it would work.
-    n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None

@@ -78,8 +78,6 @@ def reject_autoregressive_fields(req: Request) -> None:
         raise _ar_only("top_p", "nucleus sampling is autoregressive-only", "top_p=1")
     if req.top_k is not None and req.top_k > 1:
         raise _ar_only("top_k", "top-k sampling is out of scope for v0.1", "top_k<=1")
-    if req.n is not None and req.n > 1:
-        raise _ar_only("n", "multiple completions per request are deferred", "n=1")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0):
             raise _ar_only(name, "per-token penalties are autoregressive-only", f"{name}=0")

@@ -1,20 +1,25 @@
-"""Chat and text completion chunks over SSE, in the OpenAI order.
+"""Chat and text completion chunks over SSE, in the OpenAI order, and the usage of one or
+several choices.
 
 (chat: role chunk →) one chunk per denoising step that made text final → finish chunk →
-optional usage chunk (``stream_options.include_usage``) → ``[DONE]``. With
-``stream_options.continuous_usage_stats`` (vLLM) every chunk also carries the usage so far.
-A failure after the 200 has been sent becomes one ``{"error": ...}`` event followed by
-``[DONE]``, which the openai SDK raises as ``APIError``.
+optional usage chunk (``stream_options.include_usage``) → ``[DONE]``. With ``n > 1`` each
+choice's chunks carry its ``index`` and interleave as its steps finish; the usage chunk comes
+after every choice's finish chunk. With ``stream_options.continuous_usage_stats`` (vLLM) every
+chunk also carries the usage so far. A failure after the 200 has been sent becomes one
+``{"error": ...}`` event followed by ``[DONE]``, which the openai SDK raises as ``APIError``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from dllm_serve.engine.outputs import RequestOutput
+
+Choices = AsyncGenerator[tuple[int, RequestOutput], None]
 
 
 def usage_dict(output: RequestOutput, canvas_length: int) -> dict[str, Any]:
@@ -26,6 +31,67 @@ def usage_dict(output: RequestOutput, canvas_length: int) -> dict[str, Any]:
         output.committed,
         _speculation(output),
     )
+
+
+def choices_usage(outputs: Sequence[RequestOutput], canvas_length: int) -> dict[str, Any]:
+    """The usage of a request's choices (their latest outputs): the prompt once, as OpenAI
+    counts it, and everything generated summed over the choices."""
+    if len(outputs) == 1:
+        return usage_dict(outputs[0], canvas_length)
+    drafted = [o.drafted for o in outputs if o.drafted is not None]
+    speculation = None
+    if drafted:
+        accepted = sum(o.accepted_drafts or 0 for o in outputs)
+        speculation = {
+            "drafted_tokens": sum(drafted),
+            "accepted_drafts": accepted,
+            "acceptance_rate": round(accepted / sum(drafted), 4) if sum(drafted) else 0.0,
+        }
+    return _usage(
+        outputs[0].prompt_tokens,
+        sum(o.completion_tokens for o in outputs),
+        canvas_length,
+        sum(o.nfe for o in outputs),
+        sum(o.committed for o in outputs),
+        speculation,
+    )
+
+
+async def merged(streams: Sequence[AsyncGenerator[RequestOutput, None]]) -> Choices:
+    """Every choice's outputs as ``(index, output)``, in the order they arrive. Closing this
+    generator closes every stream (aborting the choices still running)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for output in only:
+                yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    queue.put_nowait((index, output))
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    running = len(tasks)
+    try:
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _usage(
@@ -87,7 +153,7 @@ def failure(output: RequestOutput) -> tuple[int, str, str, str | None]:
 
 
 def chat_chunks(
-    outputs: AsyncGenerator[RequestOutput, None],
+    outputs: Choices,
     *,
     response_id: str,
     created: int,
@@ -97,6 +163,7 @@ def chat_chunks(
     continuous_usage: bool = False,
     prompt_tokens: int = 0,
     speculative: bool = False,
+    n: int = 1,
 ) -> AsyncGenerator[str, None]:
     """``chat.completion.chunk`` events: the text is in ``choices[0].delta.content``."""
     return _chunks(
@@ -108,18 +175,24 @@ def chat_chunks(
         continuous_usage=continuous_usage,
         prompt_tokens=prompt_tokens,
         speculative=speculative,
-        choice=lambda text, finish: {
-            "index": 0,
+        n=n,
+        choice=lambda text, finish, index: {
+            "index": index,
             "delta": {} if finish else {"content": text},
             "logprobs": None,
             "finish_reason": finish,
         },
-        first={"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None},
+        first=lambda index: {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        },
     )
 
 
 def text_chunks(
-    outputs: AsyncGenerator[RequestOutput, None],
+    outputs: Choices,
     *,
     response_id: str,
     created: int,
@@ -129,6 +202,7 @@ def text_chunks(
     continuous_usage: bool = False,
     prompt_tokens: int = 0,
     speculative: bool = False,
+    n: int = 1,
 ) -> AsyncGenerator[str, None]:
     """``text_completion`` events (/v1/completions): the text is in ``choices[0].text``."""
     return _chunks(
@@ -140,8 +214,9 @@ def text_chunks(
         continuous_usage=continuous_usage,
         prompt_tokens=prompt_tokens,
         speculative=speculative,
-        choice=lambda text, finish: {
-            "index": 0,
+        n=n,
+        choice=lambda text, finish, index: {
+            "index": index,
             "text": text,
             "logprobs": None,
             "finish_reason": finish,
@@ -151,7 +226,7 @@ def text_chunks(
 
 
 async def _chunks(
-    outputs: AsyncGenerator[RequestOutput, None],
+    outputs: Choices,
     *,
     head: dict[str, Any],
     model: str,
@@ -159,9 +234,10 @@ async def _chunks(
     include_usage: bool,
     continuous_usage: bool,
     prompt_tokens: int,
-    choice: Callable[[str, str | None], dict[str, Any]],
-    first: dict[str, Any] | None,
+    choice: Callable[[str, str | None, int], dict[str, Any]],
+    first: Callable[[int], dict[str, Any]] | None,
     speculative: bool = False,
+    n: int = 1,
 ) -> AsyncGenerator[str, None]:
     # Before the first step (the role chunk): nothing generated yet, but the same shape as
     # every later chunk's usage, so a client can read ``usage.diffusion`` on any chunk (a
@@ -177,26 +253,29 @@ async def _chunks(
             body["usage"] = None
         return json.dumps(body, ensure_ascii=False)
 
-    # Closed with this generator: a client that went away aborts its request now, not
-    # when the garbage collector finalises the engine's iterator.
+    latest: dict[int, RequestOutput] = {}  # each choice's last output: the usage so far
+    finished = 0
+    # Closed with this generator: a client that went away aborts its requests now, not
+    # when the garbage collector finalises the engine's iterators.
     async with contextlib.aclosing(outputs):
         if first is not None:
-            if first.get("finish_reason", None) is None:
-                first = {**first, "finish_reason": None}
-            yield chunk(first)
-        async for output in outputs:
-            usage = usage_dict(output, canvas_length)  # cumulative: everything so far
+            for index in range(n):
+                yield chunk(first(index))
+        async for index, output in outputs:
+            latest[index] = output
+            usage = choices_usage(list(latest.values()), canvas_length)  # cumulative
             if output.delta_text:
-                yield chunk(choice(output.delta_text, None))
+                yield chunk(choice(output.delta_text, None, index))
             if not output.finished:
                 continue
-            if output.finish_reason in ("stop", "length"):
-                yield chunk(choice("", output.finish_reason))
-                if include_usage:
-                    final = {**head, "model": model, "choices": [], "usage": usage}
-                    yield json.dumps(final, ensure_ascii=False)
-            else:
+            if output.finish_reason not in ("stop", "length"):
                 _, message, kind, code = failure(output)
                 error = {"message": message, "type": kind, "param": None, "code": code}
                 yield json.dumps({"error": error}, ensure_ascii=False)
+                break  # the other choices are aborted as the stream closes
+            yield chunk(choice("", output.finish_reason, index))
+            finished += 1
+            if finished == n and include_usage:
+                final = {**head, "model": model, "choices": [], "usage": usage}
+                yield json.dumps(final, ensure_ascii=False)
     yield "[DONE]"

@@ -95,6 +95,8 @@ def test_misplaced_arguments_get_a_message_about_their_own_mistake(llm: LLM) -> 
     with pytest.raises(ValueError) as streamed:
         llm.chat([QUESTION], stream=True)
     assert str(streamed.value) == "stream is HTTP only: the offline API returns whole completions"
+    with pytest.raises(ValueError, match=r"n > 1 is HTTP only"):
+        llm.complete(["2 + 2 ="], n=2)
     with pytest.raises(ValueError) as keyword:
         llm.chat([QUESTION], messages=QUESTION)
     assert str(keyword.value) == "pass the messages as the first argument, not as messages="
