@@ -143,6 +143,21 @@ def test_n_choices_are_the_seeded_answers_streamed_or_not(server: RemoteServer) 
     assert [c.index for c in text.choices] == [0, 1]
 
 
+def test_suffix_infills_between_prompt_and_suffix(server: RemoteServer) -> None:
+    from dllm_serve.llm import LLM
+
+    fields = {"max_tokens": 8, "num_denoising_steps": 8}
+    reply = server.client().completions.create(
+        model="x", prompt="The answer", suffix=" is final.", max_tokens=8,
+        extra_body={"num_denoising_steps": 8},
+    )  # fmt: skip
+    with LLM("tiny-llada", device="cpu", dtype="float32") as llm:
+        (want,) = llm.complete(["The answer"], suffix=" is final.", **fields)
+        (plain,) = llm.complete(["The answer"], **fields)
+    assert reply.choices[0].text == want.text != plain.text
+    assert reply.usage is not None and reply.usage.completion_tokens == want.completion_tokens
+
+
 def test_rejected_field_is_400_via_sdk(server: RemoteServer) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         server.client().chat.completions.create(model="x", messages=MESSAGES, top_p=0.5)

@@ -79,6 +79,7 @@ class RequestSpec:
     # blocks; ``fitted`` raises it when that canvas fits the context, else keeps one block.
     refused_if_rounded: tuple[APIError, int] | None = None
     n: int = 1  # choices: rows of the same prompt, each with its own generator
+    suffix: str | None = None  # /v1/completions infilling: the text after the canvas
 
     def choice_params(self) -> list[DecodingParams]:
         """Each choice's parameters: with a ``seed``, choice ``i`` draws from ``seed + i``
@@ -185,12 +186,14 @@ def parse_completion_request(
     """Validate a /v1/completions body: the same rules, with a raw ``prompt``."""
     req = _load(CompletionRequest, raw, content_type)
     prompt, prompt_param = _prompt(req.prompt)
-    if req.suffix:
+    if req.suffix and model is not None and not model.infilling:
         raise invalid(
-            "'suffix' (infilling) is not available yet in this server version: the canvas is "
-            "appended after the prompt only.",
+            "'suffix' (infilling) needs a model whose canvas attends to the text after it "
+            "(LLaDA, Dream: bidirectional canvas denoising). This model reads left to right "
+            "(causal, or block-causal across blocks), so its answer could not depend on a "
+            "suffix. Omit it.",
             "suffix",
-            code="not_available_yet",
+            code="not_applicable",
         )
     if req.logprobs is not None:
         raise invalid(
@@ -200,7 +203,12 @@ def parse_completion_request(
             code="unsupported_parameter",
         )
     spec = _spec(req, default_gen_length, default_block_length, round_canvas, model, prompt=prompt)
-    return dataclasses.replace(spec, prompt_param=prompt_param)
+    if req.suffix:
+        # The canvas must end where the suffix begins: never rounded up to whole blocks with
+        # the answer cut short (that would leave dropped positions between them).
+        params = spec.unrounded or spec.params
+        spec = dataclasses.replace(spec, params=params, unrounded=None, refused_if_rounded=None)
+    return dataclasses.replace(spec, prompt_param=prompt_param, suffix=req.suffix or None)
 
 
 def _load(model: type[_R], raw: bytes, content_type: str | None) -> _R:
@@ -454,8 +462,9 @@ class ModelFacts:
             engine.decoding_mode,
             self.block_size,
             self.default_mode,
-            engine.token_editing,
-            tuple(engine.default_commit_rule.items()),
+            token_editing=engine.token_editing,
+            infilling=engine.infilling,
+            default_rule=tuple(engine.default_commit_rule.items()),
         )
         # Canvas denoising drops canvas positions past max_tokens, so a long canvas may be
         # rounded up to whole blocks (rules.py); no other decoding has a canvas.
@@ -520,6 +529,12 @@ def completion_request(
     if not prompt_ids:
         where = spec.prompt_param
         raise invalid(f"'{where}' is empty: it must hold at least one token.", where)
+    if spec.suffix:
+        suffix_ids = engine.suffix_ids(spec.suffix)
+        check_no_mask_token(suffix_ids, facts.mask_id, "suffix")
+        spec = dataclasses.replace(
+            spec, params=dataclasses.replace(spec.params, suffix_ids=tuple(suffix_ids))
+        )
     return _fitted(spec, prompt_ids, engine, "prompt")
 
 
@@ -528,9 +543,11 @@ def _fitted(
 ) -> tuple[RequestSpec, list[int]]:
     """The spec fitted to the prompt's length (``RequestSpec.fitted``), which must then leave
     room for the canvas in the model's context, and whose K/V must fit the whole KV pool."""
-    spec = spec.fitted(len(prompt_ids), engine.max_length)
+    # An infilling suffix sits after the canvas: it takes context like the prompt.
+    context = len(prompt_ids) + len(spec.params.suffix_ids)
+    spec = spec.fitted(context, engine.max_length)
     check_context_length(
-        len(prompt_ids), spec.params.gen_length, engine.max_length, prompt_param, spec.canvas_param
+        context, spec.params.gen_length, engine.max_length, prompt_param, spec.canvas_param
     )
     try:
         engine.kv.check(len(prompt_ids), spec.params)

@@ -171,7 +171,11 @@ class CompletionRequest(_GenerationRequest):
         description="A string, a list of token ids, or a list holding one string or one list "
         "of token ids; checked in pipeline.py."
     )
-    suffix: str | None = Field(None, description="Only empty: infilling is not available.")
+    suffix: str | None = Field(
+        None,
+        description="Infilling: text after the canvas, which is decoded between the "
+        "prompt and it (bidirectional canvas models: LLaDA, Dream).",
+    )
     logprobs: int | None = Field(None, ge=0, description="Only null.")
 
 

@@ -276,6 +276,7 @@ class ModelDecoding:
     block_size: int | None = None
     default_mode: str | None = None
     token_editing: bool = False  # requests may ask for JointThreshold (LLaDA2.x)
+    infilling: bool = False  # /v1/completions suffix (bidirectional canvas denoising)
     # --decoding-algorithm: the rule fields of requests that set none of RULE_FIELDS.
     default_rule: tuple[tuple[str, float], ...] = ()
 

@@ -100,6 +100,7 @@ class LLaDADenoiser(BlockDecoder):
     ) -> None:
         super().__init__(mask_id, stop_ids)
         self.logit_shift = logit_shift
+        self.bidirectional = bidirectional
         self.attention = AttentionKind.BIDIRECTIONAL if bidirectional else AttentionKind.CAUSAL
         self.prefix_cache = prefix_cache
         if mask_lookahead is not None and mask_lookahead < 0:
@@ -111,21 +112,31 @@ class LLaDADenoiser(BlockDecoder):
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
     ) -> DenoiseState:
-        """The canvas ``[prompt ; mask × gen_length]`` and the request's generator."""
+        """The canvas ``[prompt ; mask × gen_length ; suffix]`` and the request's generator.
+
+        Infilling (``params.suffix_ids``): the suffix follows the canvas at the next positions
+        and every forward includes it (no mask lookahead: the canvas must see it), so with
+        bidirectional attention the canvas is denoised between the prompt and the suffix."""
         prompt = [int(t) for t in prompt_ids]
         if self.logit_shift and not prompt:
             # The first answer position is predicted from the last prompt position.
             raise ValueError("a model with shifted logits needs a non-empty prompt")
+        if params.suffix_ids and not self.bidirectional:
+            raise ValueError("a suffix needs bidirectional attention (the canvas must see it)")
         state: DenoiseState = self._new_state(
             DenoiseState, prompt, len(prompt) + params.gen_length, params, device,
-            mask_lookahead=self.mask_lookahead,
+            mask_lookahead=None if params.suffix_ids else self.mask_lookahead,
         )  # fmt: skip
+        state.tokens.extend(params.suffix_ids)
         self._start_block(state)
         return state
 
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
-        """KV-pool slots a request needs: its whole canvas with the prefix cache, else none."""
-        return prompt_len + params.gen_length if self.prefix_cache else 0
+        """KV-pool slots a request needs: its whole canvas (suffix included) with the prefix
+        cache, else none."""
+        if not self.prefix_cache:
+            return 0
+        return prompt_len + params.gen_length + len(params.suffix_ids)
 
     # ---- one step ------------------------------------------------------------------------------
     def prepare(self, state: DenoiseState) -> RowSpec:

@@ -154,6 +154,9 @@ class DecodingParams:
     # when it rounds a canvas up to whole blocks (api/rules.py): the canvas is then
     # decoded as usual and its positions past the limit are dropped. Canvas denoising only.
     answer_limit: int | None = None
+    # Infilling (/v1/completions suffix; canvas denoising of bidirectional models): token ids
+    # after the canvas, which the canvas attends to and is decoded between the prompt and.
+    suffix_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Whole numbers only: 16.0 would pass every range check and fail deep in a decoder.

@@ -240,8 +240,20 @@ def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingPara
             f"edit_threshold (token editing) applies to LLaDA2.x checkpoints; model {model!r} "
             "was not trained to edit tokens"
         )
+    if params.suffix_ids and not supports_infilling(algorithm):
+        raise ValueError(
+            f"a suffix (infilling) needs a model whose canvas attends to the text after it; "
+            f"model {model!r} reads its prompt causally"
+        )
     if params.answer_limit is not None and algorithm.decoding_mode != "diffusion":
         raise ValueError(f"answer_limit applies to canvas denoising, not {algorithm.decoding_mode}")
+
+
+def supports_infilling(algorithm: DecodingAlgorithm) -> bool:
+    """Whether ``algorithm`` can decode a canvas between a prompt and a suffix: canvas
+    denoising with bidirectional attention (LLaDA, Dream, LLaDA-MoE), where every canvas
+    position sees the suffix. Causal and block-causal models read left to right only."""
+    return isinstance(algorithm, LLaDADenoiser) and algorithm.bidirectional
 
 
 def supports_editing(algorithm: DecodingAlgorithm) -> bool:

@@ -39,6 +39,7 @@ from dllm_serve.decoding.registry import (
     check_request,
     default_mode,
     supports_editing,
+    supports_infilling,
 )
 from dllm_serve.engine.graphs import graph_memory
 from dllm_serve.engine.model_runner import ModelRunner
@@ -113,6 +114,8 @@ class AsyncEngine:
         self.default_decoding_mode = default_mode(self.algorithm)
         # Whether requests may ask for LLaDA2.1 token editing (edit_threshold).
         self.token_editing = supports_editing(self.algorithm)
+        # Whether a canvas may sit between the prompt and a suffix (/v1/completions suffix).
+        self.infilling = supports_infilling(self.algorithm)
         # --decoding-algorithm: the commit rule (request fields) of requests that choose none.
         self.decoding_algorithm = self.config.decoding_algorithm
         self.default_commit_rule = dict(DECODING_ALGORITHMS[self.decoding_algorithm])
@@ -193,6 +196,11 @@ class AsyncEngine:
         """A raw prompt's token ids (no chat template; /v1/completions)."""
         with self._tokenizers.borrow() as model:
             return model.prompt_ids(text)
+
+    def suffix_ids(self, text: str) -> list[int]:
+        """An infilling suffix's token ids (no special tokens; /v1/completions ``suffix``)."""
+        with self._tokenizers.borrow() as model:
+            return model.suffix_ids(text)
 
     def _decode(self, ids: Sequence[int]) -> str:
         """Engine thread only (its own tokenizer copy; see ``__init__``)."""

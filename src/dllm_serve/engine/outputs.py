@@ -320,7 +320,7 @@ def start_event(state: Any) -> dict[str, Any]:
     return {
         "type": "start",
         "mode": "diffusion",
-        "canvas": len(state.tokens) - state.prompt_len,
+        "canvas": len(state.tokens) - state.prompt_len - len(state.params.suffix_ids),
         "max_tokens": state.params.answer_budget,
         "block_length": getattr(state, "block_size", 0) or state.params.block_length,
         "steps": state.params.steps,

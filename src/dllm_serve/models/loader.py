@@ -95,6 +95,11 @@ class LoadedModel:
         """Token ids of a raw prompt (no chat template), with the tokenizer's own specials."""
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
+    def suffix_ids(self, text: str) -> list[int]:
+        """Token ids of an infilling suffix: the text as is, no special tokens (it continues
+        the sequence, it does not start one)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the rendered chat prompt, ending with the assistant header."""
         if not getattr(self.tokenizer, "chat_template", None):

@@ -128,7 +128,7 @@ def test_completion_stream(app: FastAPI) -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "code"),
     [
-        ({"prompt": RAW_PROMPT, "suffix": "!"}, "suffix", "not_available_yet"),
+        ({"prompt": RAW_PROMPT, "suffix": 5}, "suffix", None),  # text only (infilling)
         ({"prompt": RAW_PROMPT, "logprobs": 1}, "logprobs", "unsupported_parameter"),
         ({"prompt": RAW_PROMPT, "logprobs": 0}, "logprobs", "unsupported_parameter"),
         ({"prompt": RAW_PROMPT, "logprobs": 10}, "logprobs", "unsupported_parameter"),
