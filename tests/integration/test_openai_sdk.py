@@ -158,6 +158,20 @@ def test_suffix_infills_between_prompt_and_suffix(server: RemoteServer) -> None:
     assert reply.usage is not None and reply.usage.completion_tokens == want.completion_tokens
 
 
+def test_logprobs_parse_in_the_sdk(server: RemoteServer) -> None:
+    client = server.client()
+    reply = client.chat.completions.create(
+        model="x", messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=2
+    )
+    content = reply.choices[0].logprobs.content
+    assert reply.usage is not None and len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob >= max(a.logprob for a in entry.top_logprobs) - 1e-6  # greedy
+    text = client.completions.create(model="x", prompt="1 + 1 =", max_tokens=8, logprobs=1)
+    assert len(text.choices[0].logprobs.tokens) == text.usage.completion_tokens
+
+
 def test_rejected_field_is_400_via_sdk(server: RemoteServer) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         server.client().chat.completions.create(model="x", messages=MESSAGES, top_p=0.5)

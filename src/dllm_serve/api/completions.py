@@ -29,10 +29,12 @@ from dllm_serve.api.protocol import ChatCompletionResponse, CompletionResponse
 from dllm_serve.api.streaming import (
     Choices,
     chat_chunks,
+    chat_logprobs,
     choices_usage,
     failure,
     merged,
     text_chunks,
+    text_logprobs,
 )
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine, QueueFullError
@@ -120,22 +122,23 @@ def install_completion_routes(
         if answers is None:  # the client went away; its requests were aborted
             return Response(status_code=499)
         choices = []
-        for index, (text, last) in enumerate(answers):
+        for index, (text, last, entries) in enumerate(answers):
             if kind == "chat":
                 choice: dict[str, Any] = {
                     "index": index,
                     "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": chat_logprobs(entries),
                 }
             else:
-                choice = {"index": index, "text": text}
-            choices.append(choice | {"logprobs": None, "finish_reason": last.finish_reason})
+                choice = {"index": index, "text": text, "logprobs": text_logprobs(entries)}
+            choices.append(choice | {"finish_reason": last.finish_reason})
         return {
             "id": response_id,
             "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": created,
             "model": engine.model_name,
             "choices": choices,
-            "usage": choices_usage([last for _, last in answers], spec.params.gen_length),
+            "usage": choices_usage([last for _, last, _ in answers], spec.params.gen_length),
             "system_fingerprint": None,
         }
 
@@ -237,21 +240,25 @@ async def _logging_answer(
 
 async def _collect_unless_disconnected(
     request: Request, outputs: Choices, n: int
-) -> list[tuple[str, RequestOutput]] | None:
-    """Every choice's answer and last output, or None if the client disconnected first (its
-    requests are then aborted). A choice that failed raises its error (the others abort)."""
+) -> list[tuple[str, RequestOutput, list | None]] | None:
+    """Every choice's answer, last output and logprob entries (None when not asked for), or
+    None if the client disconnected first (its requests are then aborted). A choice that
+    failed raises its error (the others abort)."""
 
-    async def collect() -> list[tuple[str, RequestOutput]]:
+    async def collect() -> list[tuple[str, RequestOutput, list | None]]:
         parts: list[list[str]] = [[] for _ in range(n)]
+        entries: list[list | None] = [None] * n
         last: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(outputs):
             async for index, output in outputs:
                 parts[index].append(output.delta_text)
+                if output.logprobs is not None:
+                    entries[index] = [*(entries[index] or []), *output.logprobs]
                 last[index] = output
                 if output.finished and output.finish_reason not in ("stop", "length"):
                     status, message, err_type, code = failure(output)
                     raise APIError(message, status=status, type=err_type, code=code)
-        return [("".join(parts[i]), last[i]) for i in range(n)]
+        return [("".join(parts[i]), last[i], entries[i]) for i in range(n)]
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from dllm_serve.api.errors import CONTRACT_REF, APIError, invalid, unavailable
+from dllm_serve.api.errors import APIError, invalid, unavailable
 from dllm_serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from dllm_serve.api.rules import (
     CANVAS,
@@ -195,13 +195,6 @@ def parse_completion_request(
             "suffix",
             code="not_applicable",
         )
-    if req.logprobs is not None:
-        raise invalid(
-            "'logprobs' is not supported by diffusion decoding: log probabilities are "
-            f"deferred. Omit it; {CONTRACT_REF}.",
-            "logprobs",
-            code="unsupported_parameter",
-        )
     spec = _spec(req, default_gen_length, default_block_length, round_canvas, model, prompt=prompt)
     if req.suffix:
         # The canvas must end where the suffix begins: never rounded up to whole blocks with
@@ -253,6 +246,7 @@ def _spec(
         if rules != NO_CANVAS:
             req = model.with_default_rule(req)
         check_editing(req, model)
+        model.check_logprobs(req)
     # After the mode rules: a local_leap_* field on a model without diffusion decoding is
     # not_applicable, not a hint to set use_local_leap.
     check_commit_rule(req)
@@ -465,6 +459,7 @@ class ModelFacts:
             token_editing=engine.token_editing,
             infilling=engine.infilling,
             default_rule=tuple(engine.default_commit_rule.items()),
+            logprobs=engine.logprobs,
         )
         # Canvas denoising drops canvas positions past max_tokens, so a long canvas may be
         # rounded up to whole blocks (rules.py); no other decoding has a canvas.

@@ -149,8 +149,14 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
     response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0)
+    logprobs: bool | None = Field(
+        None,
+        description="Each answer token's log-probability from the forward that committed "
+        "it (canvas and block-diffusion models).",
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="Alternatives per token (needs logprobs: true)."
+    )
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = Field(None, description="Accepted (no tools are sent).")
@@ -176,7 +182,13 @@ class CompletionRequest(_GenerationRequest):
         description="Infilling: text after the canvas, which is decoded between the "
         "prompt and it (bidirectional canvas models: LLaDA, Dream).",
     )
-    logprobs: int | None = Field(None, ge=0, description="Only null.")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=5,
+        description="Log-probabilities of the answer tokens, with this many "
+        "alternatives each (canvas and block-diffusion models).",
+    )
 
 
 class DiffusionUsage(BaseModel):
@@ -206,10 +218,25 @@ class ResponseMessage(BaseModel):
     refusal: None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -231,10 +258,17 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 

@@ -84,10 +84,12 @@ def reject_autoregressive_fields(req: Request) -> None:
     if req.logit_bias:
         raise _ar_only("logit_bias", "logit bias is deferred", "an empty logit_bias")
     if isinstance(req, ChatCompletionRequest):  # /v1/completions: logprobs is an int, see there
-        if req.logprobs:
-            raise _ar_only("logprobs", "log probabilities are deferred", "logprobs=false")
-        if req.top_logprobs:
-            raise _ar_only("top_logprobs", "log probabilities are deferred", "top_logprobs=0")
+        if req.top_logprobs and not req.logprobs:
+            raise invalid(
+                "'top_logprobs' needs 'logprobs': true (the alternatives come with each token's "
+                "log-probability).",
+                "top_logprobs",
+            )
         if req.tools:
             raise _ar_only("tools", "function calling is out of scope", "an empty tools list")
         if req.functions:
@@ -247,6 +249,14 @@ def check_editing(req: Request, model: ModelDecoding) -> None:
         )
 
 
+def logprob_count(req: Request) -> int | None:
+    """The alternatives per token a request asks for: chat ``logprobs: true`` with
+    ``top_logprobs`` (default 0), a completion's ``logprobs`` integer; None: no logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
 def local_leap_settings(req: Request) -> dict[str, Any]:
     """The LocalLeap fields the client set (the rest keep DecodingParams' defaults)."""
     return {
@@ -277,8 +287,21 @@ class ModelDecoding:
     default_mode: str | None = None
     token_editing: bool = False  # requests may ask for JointThreshold (LLaDA2.x)
     infilling: bool = False  # /v1/completions suffix (bidirectional canvas denoising)
+    logprobs: bool = True  # the engine records logprobs for this model (engine/logprobs.py)
     # --decoding-algorithm: the rule fields of requests that set none of RULE_FIELDS.
     default_rule: tuple[tuple[str, float], ...] = ()
+
+    def check_logprobs(self, req: Request) -> None:
+        """Logprobs only where the engine records them (canvas and block diffusion)."""
+        if logprob_count(req) is not None and not self.logprobs:
+            raise invalid(
+                "'logprobs' are recorded for canvas denoising and block diffusion (LLaDA, Dream, "
+                "LLaDA-MoE, SDAR, LLaDA2.x): there each answer token has the forward that "
+                "committed it. This model decodes otherwise (self-speculation, or a block "
+                "decoder that places seed tokens), which does not report them yet. Omit it.",
+                "logprobs",
+                code="not_applicable",
+            )
 
     def with_default_rule(self, req: Request) -> Request:
         """``req`` with the server's default commit rule when it chose none (a denoising
@@ -562,6 +585,7 @@ def _build_params(
         ),
         ignore_eos=bool(req.ignore_eos),
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        logprobs=logprob_count(req),
         decoding_mode=req.decoding_mode,
         **local_leap_settings(req),
     )

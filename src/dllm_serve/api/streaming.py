@@ -57,6 +57,41 @@ def choices_usage(outputs: Sequence[RequestOutput], canvas_length: int) -> dict[
     )
 
 
+def chat_logprobs(entries: Sequence[Any] | None) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs`` from the engine's entries (engine/logprobs.py)."""
+    if entries is None:
+        return None
+
+    def one(text: str, logprob: float) -> dict[str, Any]:
+        # JSON has no -inf: a token the model rules out reads -9999, as in vLLM.
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
+
+    content = [
+        one(text, lp) | {"top_logprobs": [one(t, alt) for t, alt in alternatives]}
+        for text, lp, alternatives in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(entries: Sequence[Any] | None, offset: int = 0) -> dict[str, Any] | None:
+    """A text completion choice's ``logprobs`` (the legacy shape); ``offset``: characters of
+    the answer before these tokens."""
+    if entries is None:
+        return None
+    offsets = []
+    for text, _, _ in entries:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": [text for text, _, _ in entries],
+        "token_logprobs": [max(lp, -9999.0) for _, lp, _ in entries],
+        "top_logprobs": [
+            {t: max(alt, -9999.0) for t, alt in alternatives} for _, _, alternatives in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
 async def merged(streams: Sequence[AsyncGenerator[RequestOutput, None]]) -> Choices:
     """Every choice's outputs as ``(index, output)``, in the order they arrive. Closing this
     generator closes every stream (aborting the choices still running)."""
@@ -176,10 +211,10 @@ def chat_chunks(
         prompt_tokens=prompt_tokens,
         speculative=speculative,
         n=n,
-        choice=lambda text, finish, index: {
+        choice=lambda text, finish, index, entries: {
             "index": index,
             "delta": {} if finish else {"content": text},
-            "logprobs": None,
+            "logprobs": chat_logprobs(entries),
             "finish_reason": finish,
         },
         first=lambda index: {
@@ -215,10 +250,10 @@ def text_chunks(
         prompt_tokens=prompt_tokens,
         speculative=speculative,
         n=n,
-        choice=lambda text, finish, index: {
+        choice=lambda text, finish, index, entries: {
             "index": index,
             "text": text,
-            "logprobs": None,
+            "logprobs": text_logprobs(entries),
             "finish_reason": finish,
         },
         first=None,
@@ -234,7 +269,7 @@ async def _chunks(
     include_usage: bool,
     continuous_usage: bool,
     prompt_tokens: int,
-    choice: Callable[[str, str | None, int], dict[str, Any]],
+    choice: Callable[[str, str | None, int, Sequence[Any] | None], dict[str, Any]],
     first: Callable[[int], dict[str, Any]] | None,
     speculative: bool = False,
     n: int = 1,
@@ -264,8 +299,8 @@ async def _chunks(
         async for index, output in outputs:
             latest[index] = output
             usage = choices_usage(list(latest.values()), canvas_length)  # cumulative
-            if output.delta_text:
-                yield chunk(choice(output.delta_text, None, index))
+            if output.delta_text or output.logprobs:
+                yield chunk(choice(output.delta_text, None, index, output.logprobs))
             if not output.finished:
                 continue
             if output.finish_reason not in ("stop", "length"):
@@ -273,7 +308,7 @@ async def _chunks(
                 error = {"message": message, "type": kind, "param": None, "code": code}
                 yield json.dumps({"error": error}, ensure_ascii=False)
                 break  # the other choices are aborted as the stream closes
-            yield chunk(choice("", output.finish_reason, index))
+            yield chunk(choice("", output.finish_reason, index, None))
             finished += 1
             if finished == n and include_usage:
                 final = {**head, "model": model, "choices": [], "usage": usage}

@@ -129,6 +129,9 @@ class DenoiseState:
     # A traced request (the playground): the step's result carries each masked position's
     # confidence after its tokens, for the trace event (see ``BlockDecoder.sample``).
     report_confidence: bool = False
+    # Requests with logprobs: per answer position, the committing forward's entry, on the
+    # device (engine/logprobs.py); None until the first commit.
+    logprob_buffer: torch.Tensor | None = None
 
     @property
     def canvas(self) -> torch.Tensor:

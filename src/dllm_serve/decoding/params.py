@@ -68,6 +68,7 @@ BLOCK_SCHEDULES = ("uniform", "front_loaded", "cosine")
 CONFIDENCE_METRICS = ("top1_prob", "entropy_inverse")
 DEFAULT_GEN_LENGTH = 128  # canvas of a request without max_tokens, unless the model sets one
 DEFAULT_STEPS = 128  # docs/api-contract.md; capped at the canvas
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
 DEFAULT_POST_EDIT_STEPS = 16  # JointThreshold's mask-free edit steps per block (SGLang's default)
 EDIT_MASK_THRESHOLD = 0.5  # JointThreshold's τ_mask when confidence_threshold is not set
 # --decoding-algorithm: the commit rule of requests that choose none (they set none of
@@ -157,6 +158,9 @@ class DecodingParams:
     # Infilling (/v1/completions suffix; canvas denoising of bidirectional models): token ids
     # after the canvas, which the canvas attends to and is decoded between the prompt and.
     suffix_ids: tuple[int, ...] = ()
+    # Log-probabilities of the answer tokens from their committing forwards, with this many
+    # alternatives each (0-20); None: off (engine/logprobs.py).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Whole numbers only: 16.0 would pass every range check and fail deep in a decoder.
@@ -186,6 +190,11 @@ class DecodingParams:
             raise ValueError(f"confidence_metric must be one of {CONFIDENCE_METRICS}")
         if self.decoding_mode is not None and self.decoding_mode not in REQUEST_MODES:
             raise ValueError(f"decoding_mode must be one of {REQUEST_MODES}")
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+            and 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):  # fmt: skip
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None")
         if self.answer_limit is not None and not 1 <= self.answer_limit <= self.gen_length:
             raise ValueError("answer_limit must be in [1, gen_length]")
         self._check_commit_rule()

@@ -240,6 +240,11 @@ def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingPara
             f"edit_threshold (token editing) applies to LLaDA2.x checkpoints; model {model!r} "
             "was not trained to edit tokens"
         )
+    if params.logprobs is not None and not supports_logprobs(algorithm):
+        raise ValueError(
+            f"logprobs are recorded for canvas denoising and block diffusion; model {model!r} "
+            f"decodes by {algorithm.decoding_mode}"
+        )
     if params.suffix_ids and not supports_infilling(algorithm):
         raise ValueError(
             f"a suffix (infilling) needs a model whose canvas attends to the text after it; "
@@ -247,6 +252,15 @@ def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingPara
         )
     if params.answer_limit is not None and algorithm.decoding_mode != "diffusion":
         raise ValueError(f"answer_limit applies to canvas denoising, not {algorithm.decoding_mode}")
+
+
+def supports_logprobs(algorithm: DecodingAlgorithm) -> bool:
+    """Whether ``algorithm``'s step result lists the token committed at each requested
+    position in order, which is what logprobs are recorded from (engine/logprobs.py):
+    canvas denoising and block diffusion. Self-speculation emits verified tokens, and the
+    seeded block decoders (Fast-dLLM v2, tri-mode diffusion) place seeds beside them; neither
+    is recorded yet."""
+    return type(algorithm) in (LLaDADenoiser, BlockDiffusionDecoder)
 
 
 def supports_infilling(algorithm: DecodingAlgorithm) -> bool:

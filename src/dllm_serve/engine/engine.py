@@ -40,8 +40,10 @@ from dllm_serve.decoding.registry import (
     default_mode,
     supports_editing,
     supports_infilling,
+    supports_logprobs,
 )
 from dllm_serve.engine.graphs import graph_memory
+from dllm_serve.engine.logprobs import after_sample, before_sample, read_entries
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.outputs import (
     EngineObserver,
@@ -116,6 +118,8 @@ class AsyncEngine:
         self.token_editing = supports_editing(self.algorithm)
         # Whether a canvas may sit between the prompt and a suffix (/v1/completions suffix).
         self.infilling = supports_infilling(self.algorithm)
+        # Whether answer-token logprobs are recorded for this model (engine/logprobs.py).
+        self.logprobs = supports_logprobs(self.algorithm)
         # --decoding-algorithm: the commit rule (request fields) of requests that choose none.
         self.decoding_algorithm = self.config.decoding_algorithm
         self.default_commit_rule = dict(DECODING_ALGORITHMS[self.decoding_algorithm])
@@ -407,8 +411,11 @@ class AsyncEngine:
         self.outbox.flush()
         try:
             logits = as_step_logits(self.runner.run(specs))
+            asking = before_sample(states, logits, self.loaded.mask_id)
+            sampled = self.algorithm.sample(states, logits)
+            after_sample(asking, sampled, self.loaded.mask_id)
             # The step's one device→host copy: every row's commits or verdicts.
-            host = self.algorithm.sample(states, logits).tolist()
+            host = sampled.tolist()
         except Exception as exc:
             if is_device_fault(exc):  # nothing can run on this device any more
                 raise DeviceFault(f"{type(exc).__name__}: {exc}") from exc
@@ -554,9 +561,26 @@ class AsyncEngine:
             count = detok.stop_tokens if detok.stop_tokens is not None else count
         if delta and request.first_content_time is None:
             self._first_content(request)
-        if delta or finished or events is not None:
-            output = request.output(delta, count, finish_reason if finished else None, None, events)
+        entries = None
+        if request.params.logprobs is not None:
+            entries = self._logprobs(request, count)
+        # Entries go out as soon as their tokens are final, even when the detokenizer holds
+        # their text back (an incomplete character): they are never dropped.
+        if delta or finished or events is not None or entries:
+            output = request.output(
+                delta, count, finish_reason if finished else None, None, events, entries
+            )
             self._send(request, output)
+
+    def _logprobs(self, request: Request, count: int) -> tuple:
+        """The logprob entries of the answer tokens that became final since the last output,
+        with each token's text (the API shapes them)."""
+        start, request.logprobs_sent = request.logprobs_sent, max(request.logprobs_sent, count)
+        piece = self._piece
+        return tuple(
+            (piece(token), lp, tuple((piece(t), alt) for t, alt in alternatives))
+            for token, lp, alternatives in read_entries(request.state, start, count)
+        )
 
     def _first_content(self, request: Request) -> None:
         request.first_content_time = time.monotonic()

@@ -60,6 +60,9 @@ class RequestOutput:
     error: str | None = None
     # Traced requests only (engine/outputs.py): this step's events, None otherwise.
     trace: tuple[dict, ...] | None = None
+    # Requests with logprobs: one (token text, logprob, ((text, logprob), ...)) per answer
+    # token that became final in this output (engine/logprobs.py), None otherwise.
+    logprobs: tuple | None = None
 
 
 class IncrementalDetokenizer:

@@ -38,6 +38,7 @@ class Request:
     # Nobody reads the deltas before the end (a non-streamed answer without stop strings):
     # the text is decoded once, when the request finishes, and nothing is sent before.
     final_only: bool = False
+    logprobs_sent: int = 0  # answer tokens whose logprobs went out (requests asking for them)
 
     @property
     def row_length(self) -> int:
@@ -62,6 +63,7 @@ class Request:
         finish_reason: str | None,
         error: str | None = None,
         trace: tuple[dict, ...] | None = None,
+        logprobs: tuple | None = None,
     ) -> RequestOutput:
         """This request's :class:`RequestOutput` for one step, with its current counters."""
         state = self.state
@@ -80,4 +82,5 @@ class Request:
             finish_reason=finish_reason,
             error=error,
             trace=trace,
+            logprobs=logprobs,
         )

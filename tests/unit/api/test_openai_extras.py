@@ -129,9 +129,8 @@ def test_completion_stream(app: FastAPI) -> None:
     ("fields", "param", "code"),
     [
         ({"prompt": RAW_PROMPT, "suffix": 5}, "suffix", None),  # text only (infilling)
-        ({"prompt": RAW_PROMPT, "logprobs": 1}, "logprobs", "unsupported_parameter"),
-        ({"prompt": RAW_PROMPT, "logprobs": 0}, "logprobs", "unsupported_parameter"),
-        ({"prompt": RAW_PROMPT, "logprobs": 10}, "logprobs", "unsupported_parameter"),
+        ({"prompt": RAW_PROMPT, "logprobs": 6}, "logprobs", None),  # OpenAI's bound: 5
+        ({"prompt": RAW_PROMPT, "logprobs": -1}, "logprobs", None),
         ({"prompt": RAW_PROMPT, "echo": True}, "echo", "unsupported_parameter"),
         ({"prompt": RAW_PROMPT, "best_of": 2}, "best_of", "unsupported_parameter"),
         ({"prompt": ["a", "b"]}, "prompt", "unsupported_parameter"),

@@ -119,13 +119,13 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
     ("top-p-range", body(top_p=1.5), JSON, "top_p", "less than or equal to 1"),
     ("top-k", body(top_k=40), JSON, "top_k", CONTRACT),
     ("n-200", body(n=200), JSON, "n", "less than or equal to 128"),  # OpenAI's bound
-    ("top-logprobs-25", body(top_logprobs=25), JSON, "top_logprobs", CONTRACT),
+    ("top-logprobs-25", body(logprobs=True, top_logprobs=25), JSON, "top_logprobs", "less than"),
     ("n-0", body(n=0), JSON, "n", "greater than or equal to 1"),
     ("presence-penalty", body(presence_penalty=0.5), JSON, "presence_penalty", CONTRACT),
     ("frequency-penalty", body(frequency_penalty=-1), JSON, "frequency_penalty", CONTRACT),
     ("logit-bias", body(logit_bias={"42": 5}), JSON, "logit_bias", CONTRACT),
-    ("logprobs", body(logprobs=True), JSON, "logprobs", CONTRACT),
-    ("top-logprobs", body(top_logprobs=3), JSON, "top_logprobs", CONTRACT),
+    ("logprobs-str", body(logprobs="yes"), JSON, "logprobs", "valid boolean"),
+    ("top-logprobs-alone", body(top_logprobs=3), JSON, "top_logprobs", "needs 'logprobs': true"),
     (
         "tools",
         body(tools=[{"type": "function", "function": {"name": "f"}}]),
