@@ -220,11 +220,21 @@ def _scaled(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return q if scale is None else q * scale.to(q.dtype)
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``; :meth:`fuse` merges gate and up."""
+def activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gate activation of a gated MLP: ``silu`` (SwiGLU) or ``gelu_tanh`` (Gemma's GeGLU,
+    transformers' ``gelu_pytorch_tanh``)."""
+    if activation == "silu":
+        return F.silu(gate)
+    return F.gelu(gate, approximate="tanh")
 
-    def __init__(self, d_model: int, hidden_size: int) -> None:
+
+class MLP(nn.Module):
+    """Gated MLP ``down(act(gate(x)) * up(x))``, SwiGLU by default (``activation="silu"``),
+    GeGLU for Gemma; :meth:`fuse` merges gate and up."""
+
+    def __init__(self, d_model: int, hidden_size: int, activation: str = "silu") -> None:
         super().__init__()
+        self.activation = activation
         self.gate_proj: nn.Linear | None = nn.Linear(d_model, hidden_size, bias=False)
         self.up_proj: nn.Linear | None = nn.Linear(d_model, hidden_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None
@@ -242,4 +252,4 @@ class MLP(nn.Module):
         else:
             assert self.gate_proj is not None and self.up_proj is not None
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(activate(gate, self.activation) * up)

@@ -29,10 +29,12 @@ from dllm_serve.models.checkpoint_files import (
     read_json,
     weight_files,
 )
+from dllm_serve.models.diffusion_gemma import DiffusionGemmaConfig
 from dllm_serve.models.errors import ChatTemplateError, InsufficientMemoryError, ModelLoadError
 from dllm_serve.models.families import Family, UnsupportedModelError, family_for
 from dllm_serve.models.hub import EMBEDDED_MODELS, resolve_model_path
 from dllm_serve.models.memory import check_memory
+from dllm_serve.models.network import build_network
 from dllm_serve.models.sharding import TPShard, load_slice, local_name, shard_config
 from dllm_serve.models.tokenization import load_tokenizer, special_ids
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
@@ -187,7 +189,7 @@ def _load_weights(
             f"missing {missing or 'none'}; unexpected {unexpected or 'none'}"
         )
     with torch.device("meta"):
-        model = DecoderTransformer(tcfg)
+        model = build_network(tcfg)
         # Under tensor parallelism: the checkpoint holds the full shapes, this rank a slice.
         local = (
             model
@@ -270,9 +272,11 @@ def load_model(
     dt = _resolve_dtype(dtype, dev, config)
     tokenizer = load_tokenizer(path, family)
     try:
-        ids = special_ids(config, gen, tokenizer, family, tcfg.vocab_size)
+        ids = special_ids(dict(family.id_config(config)), gen, tokenizer, family, tcfg.vocab_size)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from None
+    if shard is not None and isinstance(tcfg, DiffusionGemmaConfig):
+        raise ModelLoadError(f"{family.name} does not run under tensor parallelism; use one device")
     # A tensor-parallel rank needs memory for its shard only (and an unshardable model is
     # refused here, before any weight is read).
     local = tcfg if shard is None else shard_config(tcfg, shard.size, 0, shard.expert_parallel)
