@@ -43,7 +43,12 @@ REQUEST_MODES = (AR, DIFFUSION, LINEAR_SPEC, ISD)
 DEFAULT_TRI_MODE = LINEAR_SPEC  # exact like ar, fewer forwards per token on a trained model
 
 TRI_MODE = "tri_mode"  # the algorithm kind of a tri-mode model (several modes)
-_ONE_MODE = {"diffusion": DIFFUSION, "block_diffusion": DIFFUSION, "self_speculation": ISD}
+_ONE_MODE = {
+    "diffusion": DIFFUSION,
+    "block_diffusion": DIFFUSION,
+    "self_speculation": ISD,
+    "renoise": DIFFUSION,  # DiffusionGemma's uniform-state canvases (decoding/renoise.py)
+}
 
 DESCRIPTIONS = {
     AR: "autoregressive: causal decoding with a KV cache, one token per forward",
@@ -119,6 +124,10 @@ class DecodingParams:
     # when it rounds a canvas up to whole blocks (api/rules.py): the canvas is then
     # decoded as usual and its positions past the limit are dropped. Canvas denoising only.
     answer_limit: int | None = None
+    # DiffusionGemma's renoise sampler (decoding/renoise.py): the EB-sampler's entropy bound
+    # (None: the checkpoint's generation_config.json). ``steps`` is then the denoising steps
+    # per canvas and ``gen_length`` the answer limit across canvases.
+    entropy_bound: float | None = None
 
     def __post_init__(self) -> None:
         # Whole numbers only: 16.0 would pass every range check and fail deep in a decoder.
@@ -150,6 +159,12 @@ class DecodingParams:
             raise ValueError(f"decoding_mode must be one of {REQUEST_MODES}")
         if self.answer_limit is not None and not 1 <= self.answer_limit <= self.gen_length:
             raise ValueError("answer_limit must be in [1, gen_length]")
+        if self.entropy_bound is not None and not (
+            isinstance(self.entropy_bound, float | int)
+            and not isinstance(self.entropy_bound, bool)
+            and 0.0 < self.entropy_bound < float("inf")
+        ):
+            raise ValueError("entropy_bound must be a finite number > 0")
         self._check_commit_rule()
 
     def _check_commit_rule(self) -> None:

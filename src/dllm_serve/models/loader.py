@@ -89,6 +89,8 @@ class LoadedModel:
     vocab_size: int = 0  # rows of the embedding: valid token ids are 0 .. vocab_size - 1
     # Block-diffusion families: the trained block (config.json block_size), else None.
     block_size: int | None = None
+    # generation_config.json as read ({} when absent): DiffusionGemma's sampler settings.
+    generation: dict[str, Any] = field(default_factory=dict)
     # Tensor parallelism: rank 0's TensorParallelGroup (engine/parallel/group.py); None: one
     # process holds the whole model.
     parallel: Any = None
@@ -301,5 +303,6 @@ def load_model(
         mask_lookahead=non_negative_int(gen, "mask_lookahead", gen_path),
         vocab_size=tcfg.vocab_size,
         block_size=family.block_size(config, positive_int(gen, "block_length", gen_path)),
+        generation=gen,
         **ids,
     )

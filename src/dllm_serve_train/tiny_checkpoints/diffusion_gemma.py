@@ -167,7 +167,7 @@ def write_tiny_diffusion_gemma(
         "architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma",
         "canvas_length": canvas_length, "text_config": text,
         "vision_config": _vision_config(2 * VISION), "tie_word_embeddings": True,
-        "boi_token_id": None, "eoi_token_id": None, "image_token_id": None,
+        "boi_token_id": 255999, "eoi_token_id": 258882, "image_token_id": 258880,
         "eos_token_id": eos_set[:2], "dtype": "bfloat16",
     }  # fmt: skip
     _write_json(out / "config.json", config)
