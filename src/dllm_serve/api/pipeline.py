@@ -32,6 +32,7 @@ from dllm_serve.api.rules import (
     ModelDecoding,
     check_commit_rule,
     check_decoding_mode,
+    check_entropy_bound,
     decoding_params,
     messages_of,
     reject_autoregressive_fields,
@@ -229,6 +230,7 @@ def _spec(
         # before any canvas arithmetic (which would not apply either).
         check_decoding_mode(req.decoding_mode, req.block_length, diffusion_fields, model)
         rules = model.canvas_rules(req.decoding_mode)
+    check_entropy_bound(req, rules)
     # After the mode rules: a local_leap_* field on a model without diffusion decoding is
     # not_applicable, not a hint to set use_local_leap.
     check_commit_rule(req)
@@ -236,7 +238,7 @@ def _spec(
     refused = None  # a step count the rounded canvas refuses, decided once the prompt is known
     try:
         params = decoding_params(
-            req, default_gen_length, default_block_length, round_canvas, rules, block_size
+            req, default_gen_length, default_block_length, round_canvas, rules, block_size, model
         )
     except APIError as exc:
         if not (round_canvas and exc.param == "num_denoising_steps" and default_block_length):
@@ -433,7 +435,15 @@ class ModelFacts:
         self.block_size: int | None = loaded.block_size
         # The decoding_mode of requests that name none (tri-mode models: --decoding-mode).
         self.default_mode: str | None = engine.default_decoding_mode
-        self.decoding = ModelDecoding(engine.decoding_mode, self.block_size, self.default_mode)
+        # DiffusionGemma's renoise sampler: its canvas and the checkpoint's step limit.
+        settings = getattr(engine.algorithm, "settings", None)
+        self.decoding = ModelDecoding(
+            engine.decoding_mode,
+            self.block_size,
+            self.default_mode,
+            canvas_length=getattr(engine.algorithm, "canvas_length", None),
+            max_denoising_steps=getattr(settings, "max_denoising_steps", None),
+        )
         # Canvas denoising drops canvas positions past max_tokens, so a long canvas may be
         # rounded up to whole blocks (rules.py); no other decoding has a canvas.
         self.round_canvas = self.decoding.kind == "diffusion"

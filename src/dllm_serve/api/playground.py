@@ -37,6 +37,7 @@ from dllm_serve.api.completions import ChatSpec, Submit
 from dllm_serve.api.errors import REQUEST_ID_HEADER
 from dllm_serve.api.openapi_docs import GENERATION_ERRORS, error_responses, request_body
 from dllm_serve.api.pipeline import ModelFacts
+from dllm_serve.api.rules import renoise_info
 from dllm_serve.api.streaming import failure, usage_dict
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import RequestOutput
@@ -99,6 +100,7 @@ def install_playground(
             else facts.block_size,
             "block_size": facts.block_size,
             "max_model_len": engine.max_length,
+            **renoise_info(facts.decoding),
         }
 
     @app.post(

@@ -106,6 +106,13 @@ class _GenerationRequest(BaseModel):
     confidence_threshold: float | None = Field(
         None, gt=0, le=1, description="Threshold (Fast-dLLM) parallel decoding; off by default."
     )
+    entropy_bound: float | None = Field(
+        None,
+        gt=0,
+        description="DiffusionGemma: the entropy-bounded sampler's bound (default: the "
+        "checkpoint's generation_config.json, 0.1 released); a larger bound accepts more "
+        "positions per denoising step.",
+    )
     decoding_mode: Literal["ar", "diffusion", "linear_spec", "isd"] | None = Field(
         None,
         description="Tri-mode models: 'ar', 'diffusion' or 'linear_spec' (default: the "
