@@ -360,6 +360,8 @@ class DiffusionGemmaModel(nn.Module):
         self.embed_scale = math.sqrt(d)
         # fp32 frequencies per layer type, plain attributes (a buffer would be cast to bf16).
         self._inv_freq = {spec.sliding: spec.rope.inv_freq(spec.head_dim) for spec in config.layers}
+        # The frequencies on each device they were asked for (one copy, not one per forward).
+        self._inv_freq_on: dict[tuple[torch.device, bool], torch.Tensor] = {}
         self.tp = None  # tensor parallelism is not implemented for this family
 
     @staticmethod
@@ -401,7 +403,8 @@ class DiffusionGemmaModel(nn.Module):
             x = self._self_condition(rows, x, decoder)
         masks = {sliding: self._masks(batch, rows, sliding) for sliding in (False, True)}
         tables = {
-            sliding: self._rope(batch.positions, inv) for sliding, inv in self._inv_freq.items()
+            sliding: self._rope(batch.positions, self._frequencies(sliding, x.device))
+            for sliding in self._inv_freq
         }
         for i, layer in enumerate(self.layers):
             spec = layer.self_attn.spec
@@ -458,10 +461,16 @@ class DiffusionGemmaModel(nn.Module):
             return conditioned
         return torch.where(decoder, conditioned, x)
 
+    def _frequencies(self, sliding: bool, device: torch.device) -> torch.Tensor:
+        key = (device, sliding)
+        if key not in self._inv_freq_on:
+            self._inv_freq_on[key] = self._inv_freq[sliding].to(device)
+        return self._inv_freq_on[key]
+
     @staticmethod
     def _rope(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, head_dim]`` (fp32) at ``positions``."""
-        freqs = positions.float()[:, None] * inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos(), emb.sin()
 
