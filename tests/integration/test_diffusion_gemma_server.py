@@ -126,3 +126,10 @@ def test_info_lists_the_mode_and_fields(server: Any) -> None:
     assert info["decoding_mode"] == "renoise" and info["modes"] == ["diffusion"]
     assert info["canvas_length"] == CANVAS and info["max_denoising_steps"] == 48
     assert "entropy_bound" in info["fields"] and "block_length" in info["refused_fields"]
+
+
+def test_the_trace_route_says_it_has_no_view_yet(server: Any) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    reply = server.http().post("/v1/dllm/trace", json=body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "not_available_yet"
