@@ -50,7 +50,7 @@ from torch import nn
 
 from dllm_serve.models.attention import AttnGroup, FlatBatch, RowInput, to_device
 from dllm_serve.models.kv_pool import KVPool
-from dllm_serve.models.layers import MLP, Embedding
+from dllm_serve.models.layers import MLP, Embedding, activate
 from dllm_serve.models.moe import MoE
 from dllm_serve.models.transformer_config import MoEConfig, TransformerConfig
 
@@ -266,6 +266,14 @@ class GemmaExperts(MoE):
         self.gate_up = nn.Parameter(gate_up, requires_grad=False)
         self.down = nn.Parameter(down, requires_grad=False)
         self.grouped_refused = not self._grouped_mm_takes_the_weights()
+
+    def _expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``i`` on ``x``: from the checkpoint layout before :meth:`fuse`, else stacked."""
+        if self.gate_up is not None:
+            return super()._expert(i, x)
+        assert self.gate_up_proj is not None and self.down_proj is not None
+        gate, up = F.linear(x, self.gate_up_proj[i]).chunk(2, dim=-1)
+        return F.linear(activate(gate, self.cfg.activation) * up, self.down_proj[i])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not routed here
         raise TypeError("GemmaExperts are called through mix() with the layer's routing")

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dllm_serve.decoding.protocol import AttentionKind, RowSpec
-from dllm_serve.engine.model_runner import ModelRunner
+from dllm_serve.engine.model_runner import BatchPacker, ModelRunner
 from dllm_serve.models.diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaModel
 from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.families import DIFFUSION_GEMMA, UnsupportedModelError, family_for
@@ -106,6 +106,10 @@ def test_the_released_config_parses() -> None:
     assert (cfg.n_kv_heads, cfg.head_dim) == (1, 2048)
     assert cfg.sliding_window == 1024 and cfg.final_logit_softcapping == 30.0
     assert cfg.canvas_length == 256 and cfg.moe is not None and cfg.moe.top_k == 8
+    # The released text tensors: 661 under model.decoder.*, 30 encoder layer scalars.
+    names = DIFFUSION_GEMMA.weight_map(cfg)
+    assert len(names) == 691
+    assert sum(n.startswith("model.decoder.") for n in names) == 661
     full_rope = cfg.layers[5].rope.inv_freq(512)
     assert full_rope.shape == (256,) and int((full_rope > 0).sum()) == 64  # proportional
 
@@ -249,6 +253,21 @@ def test_encoder_and_decoder_logits_equal_transformers(sharp: Path) -> None:
     close(dec_sc, dec_sc_ref)
     close(committed, commit_ref)
     close(dec2, dec2_ref)
+
+
+def test_unfused_and_fused_experts_agree(sharp: Path) -> None:
+    """The experts before fuse() (checkpoint layout, one by one) and after it (stacked, the
+    grouped path) give the same logits."""
+    loaded = load_model(str(sharp), dtype="float32")
+    model = loaded.model
+    assert isinstance(model, DiffusionGemmaModel)
+    rows = [RowSpec(list(range(5, 30)), 0, list(range(25)), CAUSAL, None)]
+    batch, _ = BatchPacker(torch.device("cpu"), None, row_inputs=True).build(rows)
+    with torch.inference_mode():
+        before = model.lm_head(model.forward_flat(batch))
+        model.fuse_projections()
+        after = model.lm_head(model.forward_flat(batch))
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
 
 
 def test_a_decoder_pass_leaves_the_committed_cache_alone(sharp: Path) -> None:
