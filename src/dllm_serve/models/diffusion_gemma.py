@@ -50,7 +50,7 @@ from torch import nn
 
 from dllm_serve.models.attention import AttnGroup, FlatBatch, RowInput, to_device
 from dllm_serve.models.kv_pool import KVPool
-from dllm_serve.models.layers import MLP, Embedding, activate
+from dllm_serve.models.layers import MLP, Embedding, activate, fused_linear
 from dllm_serve.models.moe import MoE
 from dllm_serve.models.transformer_config import MoEConfig, TransformerConfig
 
@@ -151,13 +151,22 @@ class GemmaAttention(nn.Module):
         d, hd = config.d_model, spec.head_dim
         self.spec = spec
         self.n_heads = config.n_heads
-        self.q_proj = nn.Linear(d, config.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, spec.n_kv_heads * hd, bias=False)
+        self.q_proj: nn.Linear | None = nn.Linear(d, config.n_heads * hd, bias=False)
+        self.k_proj: nn.Linear | None = nn.Linear(d, spec.n_kv_heads * hd, bias=False)
         self.v_proj = None if spec.k_eq_v else nn.Linear(d, spec.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.n_heads * hd, d, bias=False)
         self.q_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self.eps = config.rms_norm_eps
+        self.qkv_proj: nn.Linear | None = None  # after fuse(): q, k (and v) in one matmul
+
+    def fuse(self) -> None:
+        """Replace the q/k(/v) projections by one (same outputs, one matmul)."""
+        if self.qkv_proj is None:
+            parts = [self.q_proj, self.k_proj] + ([] if self.v_proj is None else [self.v_proj])
+            self.qkv_proj = fused_linear([p for p in parts if p is not None])
+            self.q_proj = self.k_proj = None
+            self.v_proj = None
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -165,10 +174,19 @@ class GemmaAttention(nn.Module):
         """q ``[T, H, hd]``, k and v ``[T, Hkv, hd]`` (RoPE on q and k; v weight-less normed)."""
         hd, hkv = self.spec.head_dim, self.spec.n_kv_heads
         t = x.shape[0]
-        q = _rotate(self.q_norm(self.q_proj(x).view(t, self.n_heads, hd)), cos, sin)
-        raw_k = self.k_proj(x).view(t, hkv, hd)
+        if self.qkv_proj is not None:
+            sizes = [self.n_heads * hd, hkv * hd] + ([] if self.spec.k_eq_v else [hkv * hd])
+            parts = self.qkv_proj(x).split(sizes, dim=-1)
+            q_out, k_out = parts[0], parts[1]
+            v_out = None if self.spec.k_eq_v else parts[2]
+        else:
+            assert self.q_proj is not None and self.k_proj is not None
+            q_out, k_out = self.q_proj(x), self.k_proj(x)
+            v_out = None if self.v_proj is None else self.v_proj(x)
+        q = _rotate(self.q_norm(q_out.view(t, self.n_heads, hd)), cos, sin)
+        raw_k = k_out.view(t, hkv, hd)
         # K = V layers: V is the k_proj output *before* k_norm and RoPE.
-        raw_v = raw_k if self.v_proj is None else self.v_proj(x).view(t, hkv, hd)
+        raw_v = raw_k if v_out is None else v_out.view(t, hkv, hd)
         k = _rotate(self.k_norm(raw_k), cos, sin)
         v = F.rms_norm(raw_v.float(), (hd,), None, self.eps).to(raw_v.dtype)
         return q, k, v
@@ -383,6 +401,7 @@ class DiffusionGemmaModel(nn.Module):
     def fuse_projections(self) -> DiffusionGemmaModel:
         """Fuse the dense MLPs' gate/up and stack the experts for the grouped path."""
         for layer in self.layers:
+            layer.self_attn.fuse()
             layer.mlp.fuse()
             layer.experts.fuse()
         self.self_conditioning.mlp.fuse()

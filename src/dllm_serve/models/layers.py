@@ -47,7 +47,7 @@ class Embedding(nn.Embedding):
             super().reset_parameters()
 
 
-def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs."""
     weight = torch.cat([p.weight for p in parts])
     # Built on meta: a random init of the fused shape would be computed and thrown away.
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         """Replace q/k/v projections by one fused projection (same outputs)."""
         if self.qkv_proj is None:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
-            self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+            self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
             self.q_proj = self.k_proj = self.v_proj = None
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -243,7 +243,7 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         if self.gate_up_proj is None:
             assert self.gate_proj is not None and self.up_proj is not None
-            self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+            self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
             self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
