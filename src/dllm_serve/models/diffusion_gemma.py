@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm_serve.models.attention import AttnGroup, FlatBatch, RowInput, to_device
+from dllm_serve.models.attention import AttnGroup, FlatBatch, RowInput
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.layers import MLP, Embedding, activate, fused_linear
 from dllm_serve.models.moe import MoE
@@ -456,10 +456,12 @@ class DiffusionGemmaModel(nn.Module):
         kinds = {r.causal for r in rows}
         if len(kinds) == 1:
             return not kinds.pop()
-        flags: list[bool] = []
+        # Filled on the device row by row: no host→device copy inside the forward.
+        flags = torch.zeros(x.shape[0], 1, dtype=torch.bool, device=x.device)
         for r in rows:
-            flags.extend([not r.causal] * r.length)
-        return to_device(flags, x.device, torch.bool)[:, None]
+            if not r.causal:
+                flags[r.offset : r.offset + r.length] = True
+        return flags
 
     def _self_condition(
         self, rows: list[RowInput], x: torch.Tensor, decoder: torch.Tensor | bool
