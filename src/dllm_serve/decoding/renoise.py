@@ -164,6 +164,8 @@ class RenoiseState:
     canvas_length: int
     steps: int  # denoising steps per canvas (N)
     entropy_bound: float
+    # T for each count of remaining steps (index n), computed once on the host at admission.
+    temperatures: list[float] = field(default_factory=list)
     phase: str = PREFILL
     canvas: list[int] = field(default_factory=list)
     argmax: list[int] = field(default_factory=list)
@@ -269,6 +271,8 @@ class RenoiseDecoder:
             canvas_length=self.canvas_length,
             steps=steps,
             entropy_bound=self.settings.entropy_bound if bound is None else bound,
+            temperatures=[0.0]
+            + [schedule_temperature(self.settings, n, steps) for n in range(1, steps + 1)],
         )
 
     def prepare(self, state: RenoiseState) -> RowSpec:
@@ -304,9 +308,7 @@ class RenoiseDecoder:
             if state.phase != DENOISE:  # a fresh canvas of uniform ids
                 out[r, :c] = torch.randint(0, vocab, (c,), generator=gen, device=device)
                 continue
-            processed = step.row(r) / schedule_temperature(
-                self.settings, state.remaining, state.steps
-            )
+            processed = step.row(r) / state.temperatures[state.remaining]
             probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
             drawn = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
             argmax = processed.argmax(dim=-1)
