@@ -296,7 +296,13 @@ class RenoiseDecoder:
     ) -> torch.Tensor:
         """``[R, 2C + 1]`` on the device: each row's next canvas, its argmax canvas and its
         stop flag (encoder rows: the next canvas' initial noise, zeros after). Nothing is read
-        back; the rows' draws come from their own generators."""
+        back; the rows' draws come from their own generators.
+
+        The rows are processed one after another (a fixed ~20 kernels each), not stacked: a
+        row's full-vocabulary work is ``[C, V]`` fp32 (268 MB for the released 256 × 262144)
+        and the softmax, entropy and sort make a few such temporaries, so stacking rows would
+        multiply the step's transient memory by the batch for no fewer FLOPs (vLLM tiles its
+        DiffusionGemma sampler over requests for the same reason)."""
         step = as_step_logits(logits)
         if step.flat is None:
             raise ValueError("the renoise sampler needs dense logits (no tensor parallelism)")
