@@ -1,7 +1,8 @@
 """`dllm-serve`: the command line, flags → :class:`ServerConfig` (``serving.py`` serves it).
 
 dllm-serve [--model NAME_OR_DIR] [--host H] [--port P] [--device D] [--dtype T] ...
-dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm|nemotron] DIR
+dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm|nemotron|
+                      diffusion_gemma] DIR
     write a tiny random-weight checkpoint in that family's format (default llada)
 """
 
@@ -50,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dllm-serve",
         description="OpenAI-compatible server for diffusion LLMs. "
         "Subcommand: `dllm-serve make-tiny [--family llada|dream|idlm|sdar|llada2|lladamoe|"
-        "fastdllm|nemotron] DIR` writes a tiny random-weight checkpoint in that family's real "
-        "format.",
+        "fastdllm|nemotron|diffusion_gemma] DIR` writes a tiny random-weight checkpoint in that "
+        "family's real format.",
     )
     parser.add_argument(
         "--model",

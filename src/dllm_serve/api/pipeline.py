@@ -27,9 +27,9 @@ from pydantic import ValidationError
 from dllm_serve.api.errors import APIError, invalid, unavailable
 from dllm_serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from dllm_serve.api.rules import (
+    BLOCK,
     CANVAS,
     DIFFUSION_ONLY,
-    NO_CANVAS,
     ModelDecoding,
     check_commit_rule,
     check_decoding_mode,
@@ -243,7 +243,7 @@ def _spec(
         # before any canvas arithmetic (which would not apply either).
         check_decoding_mode(req.decoding_mode, req.block_length, diffusion_fields, model)
         rules = model.canvas_rules(req.decoding_mode)
-        if rules != NO_CANVAS:
+        if rules in (CANVAS, BLOCK):
             req = model.with_default_rule(req)
         check_editing(req, model)
         model.check_logprobs(req)
@@ -254,7 +254,7 @@ def _spec(
     refused = None  # a step count the rounded canvas refuses, decided once the prompt is known
     try:
         params = decoding_params(
-            req, default_gen_length, default_block_length, round_canvas, rules, block_size
+            req, default_gen_length, default_block_length, round_canvas, rules, block_size, model
         )
     except APIError as exc:
         if not (round_canvas and exc.param == "num_denoising_steps" and default_block_length):
@@ -452,6 +452,8 @@ class ModelFacts:
         self.block_size: int | None = loaded.block_size
         # The decoding_mode of requests that name none (tri-mode models: --decoding-mode).
         self.default_mode: str | None = engine.default_decoding_mode
+        # DiffusionGemma's renoise sampler: its canvas and the checkpoint's step limit.
+        settings = getattr(engine.algorithm, "settings", None)
         self.decoding = ModelDecoding(
             engine.decoding_mode,
             self.block_size,
@@ -460,6 +462,8 @@ class ModelFacts:
             infilling=engine.infilling,
             default_rule=tuple(engine.default_commit_rule.items()),
             logprobs=engine.logprobs,
+            canvas_length=getattr(engine.algorithm, "canvas_length", None),
+            max_denoising_steps=getattr(settings, "max_denoising_steps", None),
         )
         # Canvas denoising drops canvas positions past max_tokens, so a long canvas may be
         # rounded up to whole blocks (rules.py); no other decoding has a canvas.
@@ -499,6 +503,14 @@ def chat_request(
     endpoint's body, which refuses the streaming fields it has no use for)."""
     engine = facts.engine
     spec = facts.parse(parse_chat_request, raw, content_type, trace=trace)
+    if trace and facts.decoding.kind == "renoise":
+        # The trace events describe masked commits or speculative rounds; a renoise canvas
+        # (every position re-drawn each step) has no view yet, so refuse rather than fail.
+        raise invalid(
+            "The per-step trace is not available for this model (DiffusionGemma's renoise "
+            "canvases); use /v1/chat/completions, streamed one canvas at a time.",
+            code="not_available_yet",
+        )
     assert spec.messages is not None
     try:
         prompt_ids = engine.chat_prompt_ids(spec.messages)

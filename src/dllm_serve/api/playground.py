@@ -37,6 +37,7 @@ from dllm_serve.api.completions import ChatSpec, Submit
 from dllm_serve.api.errors import REQUEST_ID_HEADER
 from dllm_serve.api.openapi_docs import GENERATION_ERRORS, error_responses, request_body
 from dllm_serve.api.pipeline import ModelFacts
+from dllm_serve.api.rules import renoise_info
 from dllm_serve.api.streaming import failure, usage_dict
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import RequestOutput
@@ -105,6 +106,7 @@ def install_playground(
             # --decoding-algorithm: the rule of requests that choose none, as request fields.
             "decoding_algorithm": engine.decoding_algorithm,
             "default_commit_rule": engine.default_commit_rule,
+            **renoise_info(facts.decoding),
         }
 
     @app.post(

@@ -113,7 +113,8 @@ class _GenerationRequest(BaseModel):
         ge=0,
         le=1000,
         description="EB-sampler: commit the lowest-entropy positions while "
-        "the entropies taken before each sum to at most this (nats); off by default.",
+        "the entropies taken before each sum to at most this (nats); off by default. "
+        "DiffusionGemma: its renoise sampler's bound (default: the checkpoint's, 0.1 released).",
     )
     entropy_threshold: float | None = Field(
         None,

@@ -269,6 +269,9 @@ def local_leap_settings(req: Request) -> dict[str, Any]:
 
 # What a request's canvas fields (num_denoising_steps, block_length) mean, by how it decodes.
 CANVAS = "canvas"  # LLaDA, Dream: one canvas of max_tokens, in blocks the request may choose
+# DiffusionGemma: uniform-state canvases of the checkpoint's length, denoised by the entropy-
+# bounded renoise sampler; num_denoising_steps per canvas, max_tokens across canvases.
+RENOISE = "renoise"
 BLOCK = "block"  # block diffusion: the trained block, aligned to position 0; steps per block
 NO_CANVAS = "none"  # self-speculation, ar, linear_spec: no denoising steps or blocks
 
@@ -285,6 +288,9 @@ class ModelDecoding:
     kind: str
     block_size: int | None = None
     default_mode: str | None = None
+    # DiffusionGemma (kind "renoise"): its canvas and the checkpoint's max_denoising_steps.
+    canvas_length: int | None = None
+    max_denoising_steps: int | None = None
     token_editing: bool = False  # requests may ask for JointThreshold (LLaDA2.x)
     infilling: bool = False  # /v1/completions suffix (bidirectional canvas denoising)
     logprobs: bool = True  # the engine records logprobs for this model (engine/logprobs.py)
@@ -315,6 +321,8 @@ class ModelDecoding:
         ``requested`` as its ``decoding_mode`` (None: the model's default)."""
         if self.kind == "diffusion":
             return CANVAS
+        if self.kind == "renoise":
+            return RENOISE
         if self.kind == "block_diffusion":
             return BLOCK
         if self.kind == TRI_MODE and (requested or self.default_mode) == DIFFUSION:
@@ -329,9 +337,10 @@ class ModelDecoding:
         return self.kind == TRI_MODE and (requested or self.default_mode) != DIFFUSION
 
     def commit_rules(self) -> list[str]:
-        """The commit rules a denoising request may pick (none for self-speculation; a
-        tri-mode model's apply to its ``diffusion`` mode), as ``/v1/dllm/info`` lists them."""
-        if self.kind == "self_speculation":
+        """The commit rules a denoising request may pick (none for self-speculation or
+        DiffusionGemma's renoise sampler; a tri-mode model's apply to its ``diffusion``
+        mode), as ``/v1/dllm/info`` lists them."""
+        if self.kind in ("self_speculation", "renoise"):
             return []
         rules = ["topk", "threshold", "local_leap", "entropy_bound", "entropy_threshold"]
         return [*rules, "joint_threshold"] if self.token_editing else rules
@@ -340,6 +349,8 @@ class ModelDecoding:
         """The denoising extension fields a request may set (see :meth:`commit_rules`)."""
         if self.kind == "self_speculation":
             return []
+        if self.kind == "renoise":
+            return ["num_denoising_steps", "entropy_bound"]
         editing = ("edit_threshold", "max_post_edit_steps")
         return [f for f in DIFFUSION_ONLY if self.token_editing or f not in editing]
 
@@ -385,6 +396,8 @@ def check_decoding_mode(
         )
     if kind == "block_diffusion":
         _check_block(block_length, diffusion_fields, block_size, "it is a block-diffusion model")
+    if kind == "renoise":
+        _check_renoise(diffusion_fields, model)
     if kind == "self_speculation" and diffusion_fields:
         name = diffusion_fields[0]
         raise invalid(
@@ -394,6 +407,63 @@ def check_decoding_mode(
             name,
             code="not_applicable",
         )
+
+
+# Why each field that steers masked denoising does not apply to a renoise model.
+_RENOISE_NOT = {
+    "block_length": "its canvas is one block of the checkpoint's canvas_length",
+    "target_length": "its canvas is the checkpoint's canvas_length; max_tokens limits the answer",
+    "block_schedule": "it follows no commit schedule",
+    "confidence_metric": "its sampler ranks positions by entropy only",
+    "confidence_threshold": "it accepts positions by an entropy bound (use 'entropy_bound')",
+    "use_local_leap": "it has no masks to commit",
+    "entropy_threshold": "it accepts positions by an entropy bound (use 'entropy_bound')",
+    "edit_threshold": "token editing is LLaDA2.x's rule for masked blocks",
+    "max_post_edit_steps": "token editing is LLaDA2.x's rule for masked blocks",
+    **{name: "it has no masks to commit (LocalLeap)" for name in LOCAL_LEAP_PARAMS},
+}
+
+
+def _check_renoise(fields: Sequence[str], model: ModelDecoding) -> None:
+    """The mask-based fields are 400s for a uniform-state model, naming why."""
+    for name in fields:
+        if name in _RENOISE_NOT:
+            raise invalid(
+                f"'{name}' does not apply to this model: it is a uniform-state diffusion model "
+                "(DiffusionGemma) whose canvas starts as random tokens and is re-drawn each "
+                "step by an entropy-bounded sampler, with no mask token; "
+                f"{_RENOISE_NOT[name]}. Omit it; num_denoising_steps (at most "
+                f"{model.max_denoising_steps}), entropy_bound, seed and max_tokens apply.",
+                name,
+                code="not_applicable",
+            )
+
+
+RENOISE_FIELDS = (
+    "max_tokens",
+    "num_denoising_steps",
+    "entropy_bound",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "force_single_batch",
+)
+
+
+def renoise_info(model: ModelDecoding) -> dict[str, Any]:
+    """``/v1/dllm/info``'s DiffusionGemma part: its mode, canvas, step limit and which request
+    fields apply or are refused (empty for every other model)."""
+    if model.kind != "renoise":
+        return {}
+    return {
+        "modes": [model_mode(model.kind)],
+        "sampler": "entropy_bound_renoise",
+        "canvas_length": model.canvas_length,
+        "max_denoising_steps": model.max_denoising_steps,
+        "fields": list(RENOISE_FIELDS),
+        "refused_fields": ["temperature", *_RENOISE_NOT],
+    }
 
 
 def _check_block(
@@ -425,6 +495,7 @@ def decoding_params(
     round_canvas: bool = False,
     rules: str = CANVAS,
     block_size: int | None = None,
+    model: ModelDecoding | None = None,
 ) -> DecodingParams:
     """The request's decoding parameters (a 400 for any field or combination that cannot be).
 
@@ -454,6 +525,8 @@ def decoding_params(
             "target_length",
         )
     gen_length = req.target_length or max_tokens or default_gen_length
+    if rules == RENOISE:
+        return _renoise_params(req, gen_length, model)
     if rules != CANVAS:
         return _params_without_canvas(req, gen_length, rules, block_size)
     auto_block = answer_limit = None
@@ -526,6 +599,57 @@ def _params_without_canvas(
         steps = min(DEFAULT_STEPS, gen_length)  # unused: nothing is denoised
     try:
         return _build_params(req, gen_length, steps, None, _temperature(req))
+    except ValueError as exc:
+        raise invalid(f"Invalid decoding parameters: {exc}.") from None
+
+
+def _renoise_params(
+    req: GenerationRequest, answer_limit: int, model: ModelDecoding | None
+) -> DecodingParams:
+    """A DiffusionGemma request: ``max_tokens`` limits the answer across canvases, each canvas
+    gets ``num_denoising_steps`` (at most, and by default, the checkpoint's
+    ``max_denoising_steps``), ``entropy_bound`` overrides the checkpoint's bound. The sampler's
+    temperature is the checkpoint's per-step schedule, so a request temperature is a 400."""
+    assert model is not None and model.max_denoising_steps is not None
+    most = model.max_denoising_steps
+    if req.target_length is not None:
+        _check_renoise(["target_length"], model)
+    for name, set_ in (("temperature", req.temperature is not None), ("top_k", req.top_k == 1)):
+        if set_:
+            raise invalid(
+                f"'{name}' does not apply to this model: DiffusionGemma samples every "
+                "denoising step at the checkpoint's temperature schedule (t_max 0.8 on the "
+                "first step down to t_min 0.4 on the last, generation_config.json), and the "
+                "answer is the argmax of the last step. Omit it; set 'seed' for a "
+                "reproducible answer.",
+                name,
+                code="not_applicable",
+            )
+    if req.entropy_bound is not None and req.entropy_bound <= 0:
+        raise invalid(
+            "'entropy_bound' must be > 0 for this model's renoise sampler (as its checkpoint's "
+            "generation_config.json requires).",
+            "entropy_bound",
+        )
+    steps = req.num_denoising_steps or most
+    if steps > most:
+        raise invalid(
+            f"'num_denoising_steps' ({steps}) exceeds this model's max_denoising_steps "
+            f"({most}, generation_config.json): the temperature schedule and the training "
+            "cover at most that many steps per canvas.",
+            "num_denoising_steps",
+        )
+    try:
+        return DecodingParams(
+            gen_length=answer_limit,
+            steps=steps,
+            seed=req.seed,
+            force_single_batch=bool(req.force_single_batch),
+            ignore_eos=bool(req.ignore_eos),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            decoding_mode=req.decoding_mode,
+            entropy_bound=req.entropy_bound,
+        )
     except ValueError as exc:
         raise invalid(f"Invalid decoding parameters: {exc}.") from None
 

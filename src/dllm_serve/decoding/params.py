@@ -43,7 +43,12 @@ REQUEST_MODES = (AR, DIFFUSION, LINEAR_SPEC, ISD)
 DEFAULT_TRI_MODE = LINEAR_SPEC  # exact like ar, fewer forwards per token on a trained model
 
 TRI_MODE = "tri_mode"  # the algorithm kind of a tri-mode model (several modes)
-_ONE_MODE = {"diffusion": DIFFUSION, "block_diffusion": DIFFUSION, "self_speculation": ISD}
+_ONE_MODE = {
+    "diffusion": DIFFUSION,
+    "block_diffusion": DIFFUSION,
+    "self_speculation": ISD,
+    "renoise": DIFFUSION,  # DiffusionGemma's uniform-state canvases (decoding/renoise.py)
+}
 
 DESCRIPTIONS = {
     AR: "autoregressive: causal decoding with a KV cache, one token per forward",
@@ -137,7 +142,10 @@ class DecodingParams:
     local_leap_neighbor_threshold: float = 0.75  # τ
     local_leap_radius: int = 4  # W
     # The EB-sampler's bound γ on the entropies committed per step (nats), and d3LLM's
-    # entropy threshold (nats); None: off.
+    # entropy threshold (nats); None: off. DiffusionGemma's renoise sampler
+    # (decoding/renoise.py) reads entropy_bound as its acceptance bound (None: the
+    # checkpoint's generation_config.json); ``steps`` is then the denoising steps per canvas
+    # and ``gen_length`` the answer limit across canvases.
     entropy_bound: float | None = None
     entropy_threshold: float | None = None
     # LLaDA2.1 token editing (JointThreshold): τ_edit, and the mask-free steps a block may

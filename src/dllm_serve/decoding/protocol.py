@@ -66,6 +66,11 @@ class RowSpec:
     # The draft weight view (a tri-mode model's draft-only LoRA applies to this row's tokens);
     # False: base weights. A property of the phase, never of the request.
     draft: bool = False
+    # A per-row device input for a model that takes one (DiffusionGemma's self-conditioning
+    # signal, ``[len(tokens), d_model]``); opaque to the engine, which hands it to the model
+    # with the row's place in the flat batch (``FlatBatch.row_inputs``). None for every other
+    # family.
+    model_input: object | None = None
 
     @property
     def causal(self) -> bool:

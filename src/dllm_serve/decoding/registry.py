@@ -58,10 +58,12 @@ from dllm_serve.decoding.protocol import (
     StepResult,
     as_step_logits,
 )
+from dllm_serve.decoding.renoise import RenoiseDecoder, renoise_settings
 from dllm_serve.decoding.sampler import select_rows
 from dllm_serve.decoding.selfspec import ISDecoder
 from dllm_serve.models.attention import to_device
-from dllm_serve.models.families import FastDLLMFamily
+from dllm_serve.models.diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaModel
+from dllm_serve.models.families import DiffusionGemmaFamily, FastDLLMFamily
 from dllm_serve.models.loader import LoadedModel
 
 ISD_FAMILIES = ("sdar",)  # families served by self-speculation (I-DLM)
@@ -116,6 +118,11 @@ def _check_decoding_algorithm(name: str, algorithm: DecodingAlgorithm, preset: s
             f"--decoding-algorithm {preset}: model {name!r} (I-DLM) decodes by exact "
             "self-speculation and has no commit rule; omit the flag"
         )
+    if algorithm.decoding_mode == "renoise":
+        raise ValueError(
+            f"--decoding-algorithm {preset}: model {name!r} (DiffusionGemma) decodes by its own "
+            "entropy-bounded renoise sampler; omit the flag (its bound: entropy_bound per request)"
+        )
     if preset in EDITING_ALGORITHMS and not supports_editing(algorithm):
         raise ValueError(
             f"--decoding-algorithm {preset}: token editing applies to LLaDA2.x checkpoints; "
@@ -129,6 +136,7 @@ _KIND_NAMES = {
     "block_diffusion": "block-diffusion",
     "self_speculation": "I-DLM",
     TRI_MODE: "tri-mode",
+    "renoise": "renoise (DiffusionGemma)",
 }
 
 
@@ -182,6 +190,8 @@ def _tri_mode(
 def _one_mode(
     loaded: LoadedModel, config: DecodingFlags, running: Callable[[], int]
 ) -> DecodingAlgorithm:
+    if isinstance(loaded.family, DiffusionGemmaFamily):
+        return renoise_decoder(loaded)
     if loaded.family.block_diffusion:
         assert loaded.block_size is not None  # the loader reads it for these families
         if isinstance(loaded.family, FastDLLMFamily):
@@ -213,6 +223,24 @@ def _one_mode(
         bidirectional=loaded.family.bidirectional,
         prefix_cache=config.kv_cache == "prefix",
         mask_lookahead=loaded.mask_lookahead,
+    )
+
+
+def renoise_decoder(loaded: LoadedModel) -> RenoiseDecoder:
+    """DiffusionGemma's entropy-bounded renoise sampler, with the checkpoint's canvas and its
+    generation_config.json sampler settings (``decoding/renoise.py``)."""
+    model = loaded.model
+    assert isinstance(model, DiffusionGemmaModel)
+    tcfg = model.config
+    assert isinstance(tcfg, DiffusionGemmaConfig)
+    return RenoiseDecoder(
+        loaded.stop_ids,
+        canvas_length=tcfg.canvas_length,
+        vocab_size=tcfg.vocab_size,
+        settings=renoise_settings(loaded.generation),
+        soft_embedding=model.soft_embedding,
+        embedding_dtype=model.embed_tokens.weight.dtype,
+        mask_id=loaded.mask_id,
     )
 
 

@@ -86,12 +86,13 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can be served."""
 
 
-def attention_backend(name: str, device: torch.device) -> str:
+def attention_backend(name: str, device: torch.device, sdpa_only: bool = False) -> str:
     """``auto``: FlexAttention on CUDA (one kernel call per layer over the paged pool), SDPA on
     CPU (at the sizes a CPU serves, SDPA is several times faster than the compiled flex
-    kernel, and needs no compile)."""
+    kernel, and needs no compile). ``sdpa_only``: a model whose attention runs on the SDPA
+    groups only (DiffusionGemma's sliding windows and two modes) gets SDPA under ``auto``."""
     if name == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        return "flex" if device.type == "cuda" and not sdpa_only else "sdpa"
     return name
 
 
@@ -123,7 +124,8 @@ class AsyncEngine:
         # --decoding-algorithm: the commit rule (request fields) of requests that choose none.
         self.decoding_algorithm = self.config.decoding_algorithm
         self.default_commit_rule = dict(DECODING_ALGORITHMS[self.decoding_algorithm])
-        attention = attention_backend(self.config.attention_backend, loaded.device)
+        sdpa_only = bool(getattr(loaded.model, "needs_row_inputs", False))
+        attention = attention_backend(self.config.attention_backend, loaded.device, sdpa_only)
         graphs = self.config.cuda_graph and loaded.device.type == "cuda" and attention == "flex"
         # The graphs' memory is set aside before the KV pool takes its share of what is free.
         reserve = 0

@@ -45,6 +45,7 @@ from dllm_serve.models.attention import (
     FlexPlan,
     PlanBuffers,
     RowAttention,
+    RowInput,
     build_plan,
     host_to_device,
     page_slots,
@@ -111,9 +112,18 @@ class ModelRunner:
                 dtype=weight.dtype, device=device, scratch_slots=PAGE_SIZE if graphs else 0,
             )  # fmt: skip
         self.attention = attention
+        # A model whose rows run in different modes (DiffusionGemma's encoder and decoder
+        # passes) reads each row's kind and per-row input from the batch.
+        row_inputs = bool(getattr(self.model, "needs_row_inputs", False))
+        if row_inputs and attention != "sdpa":
+            raise ValueError(
+                f"{type(self.model).__name__} runs on the sdpa attention backend only "
+                f"(--attention-backend sdpa), not {attention!r}"
+            )
         self.packer = BatchPacker(
             device, self.pool, attention, pad_logits=self.tp is not None,
             row_pages=-(-model.config.max_sequence_length // PAGE_SIZE),
+            row_inputs=row_inputs,
         )  # fmt: skip
         self.last_batch: FlatBatch | None = None  # the last eager batch, for tests to inspect
         self.last_graphed = False  # whether the last run() replayed a static forward
@@ -314,6 +324,7 @@ class _Step:
     block_rows: dict[int, RowSpec]  # group index → its block-causal row
     top: int  # the largest position + 1
     any_kv: bool
+    row_inputs: list[RowInput] | None = None
 
     def draft_flags(self, length: int) -> list[int]:
         """1 for each flat token in the draft weight view, 0 else; ``length`` tokens."""
@@ -334,6 +345,7 @@ class BatchPacker:
         attention: str = "sdpa",
         pad_logits: bool = False,
         row_pages: int = 0,
+        row_inputs: bool = False,
     ) -> None:
         if attention not in ("flex", "sdpa"):
             raise ValueError(f"attention backend {attention!r}: flex or sdpa")
@@ -345,6 +357,7 @@ class BatchPacker:
         # the sampler's softmax then never run on padding).
         self.pad_logits = pad_logits
         self.row_pages = row_pages  # the most KV pages one row may read (the model's context)
+        self.row_inputs = row_inputs  # FlatBatch.row_inputs for models that read them
         self._arange = array("q", range(4096))  # positions 0.. as int64, sliced per row
 
     def _collect(self, rows: list[RowSpec]) -> _Step:
@@ -367,6 +380,7 @@ class BatchPacker:
         flex_rows: list[RowAttention] = []
         counts: list[int] = []
         pad = self.pad_logits
+        inputs: list[RowInput] | None = [] if self.row_inputs else None
         for row in rows:
             row.check()
             n = len(row.tokens)
@@ -386,6 +400,9 @@ class BatchPacker:
                 slots.extend(kv.slots(row.start, end))
             if row.draft:
                 drafts.append((offset, n))
+            if inputs is not None:
+                causal = row.attention is AttentionKind.CAUSAL
+                inputs.append(RowInput(offset, n, row.start, causal, row.model_input))
             if self.flex:
                 flex_rows.append(_row_attention(row, offset))
             # ``map`` over a bound add runs in C: no Python frame per requested position.
@@ -412,7 +429,7 @@ class BatchPacker:
             offset += n
         return _Step(
             ids, positions, slots, logits_at, counts, drafts, flex_rows, groups, block_rows,
-            top, any_kv,
+            top, any_kv, inputs,
         )  # fmt: skip
 
     def _plan(self, step: _Step, buffers: PlanBuffers | None = None) -> FlexPlan:
@@ -472,7 +489,7 @@ class BatchPacker:
             ]  # fmt: skip
         batch = FlatBatch(
             input_ids, pos, groups, index, slot_mapping, max_position=step.top - 1,
-            draft=draft_mask, flex=plan, **shape,
+            draft=draft_mask, flex=plan, row_inputs=step.row_inputs, **shape,
         )  # fmt: skip
         return batch, width
 

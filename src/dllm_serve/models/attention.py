@@ -80,6 +80,20 @@ class AttnGroup:
 
 
 @dataclass(slots=True)
+class RowInput:
+    """One row of a flat batch as a model that needs per-row inputs sees it (DiffusionGemma:
+    its causal "encoder" rows and bidirectional "decoder" rows run with different layer scalars
+    and inputs): ``length`` tokens from flat token ``offset``, rotary positions from ``start``,
+    its attention kind and the row's opaque ``model_input`` (``RowSpec.model_input``)."""
+
+    offset: int
+    length: int
+    start: int
+    causal: bool
+    model_input: Any = None
+
+
+@dataclass(slots=True)
 class FlatBatch:
     """The model's view of one forward (built by the engine's ModelRunner).
 
@@ -106,6 +120,9 @@ class FlatBatch:
     logit_counts: list[int] = field(default_factory=list)
     logit_offsets: list[int] = field(default_factory=list)
     logit_layout: torch.Tensor | None = None
+    # Each row's place and kind, for a model that asks for them (``needs_row_inputs``); None
+    # for the others (no per-row host cost).
+    row_inputs: list[RowInput] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -47,7 +47,7 @@ class Embedding(nn.Embedding):
             super().reset_parameters()
 
 
-def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs."""
     weight = torch.cat([p.weight for p in parts])
     # Built on meta: a random init of the fused shape would be computed and thrown away.
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         """Replace q/k/v projections by one fused projection (same outputs)."""
         if self.qkv_proj is None:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
-            self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+            self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
             self.q_proj = self.k_proj = self.v_proj = None
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -220,11 +220,21 @@ def _scaled(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return q if scale is None else q * scale.to(q.dtype)
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``; :meth:`fuse` merges gate and up."""
+def activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gate activation of a gated MLP: ``silu`` (SwiGLU) or ``gelu_tanh`` (Gemma's GeGLU,
+    transformers' ``gelu_pytorch_tanh``)."""
+    if activation == "silu":
+        return F.silu(gate)
+    return F.gelu(gate, approximate="tanh")
 
-    def __init__(self, d_model: int, hidden_size: int) -> None:
+
+class MLP(nn.Module):
+    """Gated MLP ``down(act(gate(x)) * up(x))``, SwiGLU by default (``activation="silu"``),
+    GeGLU for Gemma; :meth:`fuse` merges gate and up."""
+
+    def __init__(self, d_model: int, hidden_size: int, activation: str = "silu") -> None:
         super().__init__()
+        self.activation = activation
         self.gate_proj: nn.Linear | None = nn.Linear(d_model, hidden_size, bias=False)
         self.up_proj: nn.Linear | None = nn.Linear(d_model, hidden_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None
@@ -233,7 +243,7 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         if self.gate_up_proj is None:
             assert self.gate_proj is not None and self.up_proj is not None
-            self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+            self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
             self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,4 +252,4 @@ class MLP(nn.Module):
         else:
             assert self.gate_proj is not None and self.up_proj is not None
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(activate(gate, self.activation) * up)

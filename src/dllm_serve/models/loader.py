@@ -29,10 +29,12 @@ from dllm_serve.models.checkpoint_files import (
     read_json,
     weight_files,
 )
+from dllm_serve.models.diffusion_gemma import DiffusionGemmaConfig
 from dllm_serve.models.errors import ChatTemplateError, InsufficientMemoryError, ModelLoadError
 from dllm_serve.models.families import Family, UnsupportedModelError, family_for
 from dllm_serve.models.hub import EMBEDDED_MODELS, resolve_model_path
 from dllm_serve.models.memory import check_memory
+from dllm_serve.models.network import build_network
 from dllm_serve.models.sharding import TPShard, load_slice, local_name, shard_config
 from dllm_serve.models.tokenization import load_tokenizer, special_ids
 from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
@@ -87,6 +89,8 @@ class LoadedModel:
     vocab_size: int = 0  # rows of the embedding: valid token ids are 0 .. vocab_size - 1
     # Block-diffusion families: the trained block (config.json block_size), else None.
     block_size: int | None = None
+    # generation_config.json as read ({} when absent): DiffusionGemma's sampler settings.
+    generation: dict[str, Any] = field(default_factory=dict)
     # Tensor parallelism: rank 0's TensorParallelGroup (engine/parallel/group.py); None: one
     # process holds the whole model.
     parallel: Any = None
@@ -192,7 +196,7 @@ def _load_weights(
             f"missing {missing or 'none'}; unexpected {unexpected or 'none'}"
         )
     with torch.device("meta"):
-        model = DecoderTransformer(tcfg)
+        model = build_network(tcfg)
         # Under tensor parallelism: the checkpoint holds the full shapes, this rank a slice.
         local = (
             model
@@ -275,9 +279,11 @@ def load_model(
     dt = _resolve_dtype(dtype, dev, config)
     tokenizer = load_tokenizer(path, family)
     try:
-        ids = special_ids(config, gen, tokenizer, family, tcfg.vocab_size)
+        ids = special_ids(dict(family.id_config(config)), gen, tokenizer, family, tcfg.vocab_size)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from None
+    if shard is not None and isinstance(tcfg, DiffusionGemmaConfig):
+        raise ModelLoadError(f"{family.name} does not run under tensor parallelism; use one device")
     # A tensor-parallel rank needs memory for its shard only (and an unshardable model is
     # refused here, before any weight is read).
     local = tcfg if shard is None else shard_config(tcfg, shard.size, 0, shard.expert_parallel)
@@ -302,5 +308,6 @@ def load_model(
         mask_lookahead=non_negative_int(gen, "mask_lookahead", gen_path),
         vocab_size=tcfg.vocab_size,
         block_size=family.block_size(config, positive_int(gen, "block_length", gen_path)),
+        generation=gen,
         **ids,
     )

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from dllm_serve.models.errors import InsufficientMemoryError
-from dllm_serve.models.transformer import DecoderTransformer, TransformerConfig
+from dllm_serve.models.network import build_network
+from dllm_serve.models.transformer import TransformerConfig
 
 SKIP_ENV = "DLLM_SERVE_SKIP_MEMORY_CHECK"
 
@@ -19,7 +20,7 @@ SKIP_ENV = "DLLM_SERVE_SKIP_MEMORY_CHECK"
 def weight_bytes(tcfg: TransformerConfig, dtype: torch.dtype) -> tuple[int, int]:
     """``(total, largest tensor)`` bytes of the network's weights in ``dtype``."""
     with torch.device("meta"):  # shapes only, no allocation
-        sizes = [p.numel() for p in DecoderTransformer(tcfg).parameters()]
+        sizes = [p.numel() for p in build_network(tcfg).parameters()]
     item = torch.empty((), dtype=dtype).element_size()
     return sum(sizes) * item, max(sizes) * item
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm_serve.models.layers import MLP
+from dllm_serve.models.layers import MLP, activate
 from dllm_serve.models.routing import route
 from dllm_serve.models.transformer_config import MoEConfig
 
@@ -79,7 +79,7 @@ class MoE(nn.Module):
         self.router = Router(d_model, cfg)
         # Under expert parallelism only this rank's experts (cfg.local_experts), indexed from 0.
         self.experts = nn.ModuleList(
-            MLP(d_model, cfg.expert_hidden_size) for _ in cfg.local_experts
+            MLP(d_model, cfg.expert_hidden_size, cfg.activation) for _ in cfg.local_experts
         )
         self.shared = MLP(d_model, cfg.shared_hidden_size) if cfg.shared_hidden_size else None
         # After fuse(): every local expert's fused gate-up ``[E, D, 2H]`` and down ``[E, H, D]``
@@ -157,6 +157,15 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.router(flat)
+        y = self.mix(flat, weights, ids)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view(shape)
+
+    def mix(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``Σ_i w_i · expert_i(x)`` for tokens ``flat`` ``[T, D]`` routed to experts ``ids``
+        ``[T, top_k]`` with weights ``weights`` ``[T, top_k]`` (the routed part of the layer,
+        without the shared expert; a family with its own router calls it directly)."""
         k = self.cfg.top_k
         # Sort the (token, slot) picks by expert: each expert then reads one contiguous run.
         picks = ids.flatten()
@@ -166,11 +175,8 @@ class MoE(nn.Module):
             out = self._one_by_one(flat, picks, order)
         # Combine in fp32, each token's k outputs in slot order: the same sum however the
         # batch is composed (no atomics), so a request's tokens do not depend on its neighbours.
-        routed = (out.view(-1, k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1)
-        y = routed.to(x.dtype)
-        if self.shared is not None:
-            y = y + self.shared(flat)
-        return y.view(shape)
+        routed = (out.view(-1, k, flat.shape[-1]).float() * weights.unsqueeze(-1)).sum(1)
+        return routed.to(flat.dtype)
 
     def _grouped(
         self, flat: torch.Tensor, picks: torch.Tensor, order: torch.Tensor
@@ -186,7 +192,9 @@ class MoE(nn.Module):
         rows = flat[order // self.cfg.top_k]
         hidden = torch._grouped_mm(rows, self.gate_up, offs=ends)
         gate, up = hidden.chunk(2, dim=-1)
-        sorted_out = torch._grouped_mm(F.silu(gate) * up, self.down, offs=ends)
+        sorted_out = torch._grouped_mm(
+            activate(gate, self.cfg.activation) * up, self.down, offs=ends
+        )
         # Back to (token, slot) order: row j of the sorted runs is pick order[j].
         return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
 
@@ -215,4 +223,4 @@ class MoE(nn.Module):
         if self.gate_up is None or self.down is None:
             return self.experts[i](x)
         gate, up = (x @ self.gate_up[i]).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.down[i]
+        return (activate(gate, self.cfg.activation) * up) @ self.down[i]

@@ -8,6 +8,9 @@ from typing import Literal
 from dllm_serve.models.rope import QueryScale, RopeScaling
 
 Routing = Literal["sigmoid_group_limited", "softmax"]
+# The gated MLPs' activation: SwiGLU (``silu``; every family but Gemma) or GeGLU with the tanh
+# approximation of GELU (``gelu_tanh``; Gemma's ``gelu_pytorch_tanh``).
+Activation = Literal["silu", "gelu_tanh"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class MoEConfig:
     first_dense_layers: int = 0
     renormalize: bool = True  # divide the chosen experts' scores by their sum
     moe_layers: tuple[bool, ...] | None = None
+    activation: Activation = "silu"  # the experts' gate activation
     # Expert parallelism (rank, ranks): this module holds experts rank·E/ranks … (rank+1)·E/ranks
     # − 1 only (models/sharding.py); (0, 1) holds them all.
     expert_ranks: tuple[int, int] = (0, 1)

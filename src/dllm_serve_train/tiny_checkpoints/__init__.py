@@ -7,9 +7,9 @@ tokenizer files and chat template reproduce the real ones, with only sizes (and,
 default vocabulary, special ids) changed. Output is a pure function of the arguments.
 
 Command line: ``python -m dllm_serve_train.tiny_checkpoints
-[--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm|nemotron] DIR [--d-model N ...]
-[--real-ids]`` (nemotron: ``[--draft-lora-out DIR]``; ``dllm-serve make-tiny`` forwards its
-arguments here).
+[--family llada|dream|idlm|sdar|llada2|lladamoe|fastdllm|nemotron|diffusion_gemma] DIR
+[--d-model N ...] [--real-ids]`` (nemotron: ``[--draft-lora-out DIR]``; ``dllm-serve
+make-tiny`` forwards its arguments here).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from dllm_serve.arg_types import at_least, new_or_empty_dir
 from dllm_serve_train.tiny_checkpoints.bpe import build_tokenizer
+from dllm_serve_train.tiny_checkpoints.diffusion_gemma import write_tiny_diffusion_gemma
 from dllm_serve_train.tiny_checkpoints.llada import (
     CHAT_TEMPLATE,
     llada_special_tokens,
@@ -46,6 +47,7 @@ __all__ = [
     "llada_special_tokens",
     "main",
     "write_tiny",
+    "write_tiny_diffusion_gemma",
     "write_tiny_draft_lora",
     "write_tiny_dream",
     "write_tiny_fastdllm",
@@ -66,6 +68,7 @@ WRITERS: dict[str, Callable[..., Path]] = {
     "lladamoe": write_tiny_lladamoe,
     "fastdllm": write_tiny_fastdllm,
     "nemotron": write_tiny_nemotron,
+    "diffusion_gemma": write_tiny_diffusion_gemma,
 }
 # The on-disk format each family's checkpoint reproduces (`make-tiny --help`).
 FORMATS: dict[str, str] = {
@@ -77,6 +80,7 @@ FORMATS: dict[str, str] = {
     "lladamoe": "LLaDA-MoE-7B-A1B: llada config with MoE keys, per-expert tensors, tokenizer.json",
     "fastdllm": "Fast-dLLM v2 7B: Fast_dLLM_Qwen config (bd_size), Qwen2 tensors, vocab.json",
     "nemotron": "Nemotron-Labs-Diffusion tri-mode: encoder.* + diffusion_head, YaRN; draft LoRA",
+    "diffusion_gemma": "DiffusionGemma: text_config, model.decoder.* + encoder scalars, vision",
 }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dllm_serve.models.families.base import Family, UnsupportedModelError
+from dllm_serve.models.families.diffusion_gemma import DIFFUSION_GEMMA, DiffusionGemmaFamily
 from dllm_serve.models.families.fast_dllm import FAST_DLLM, FastDLLMFamily
 from dllm_serve.models.families.llada import LLADA, LLaDAFamily
 from dllm_serve.models.families.llada2 import LLADA2, LLaDA2Family
@@ -29,6 +30,7 @@ from dllm_serve.models.families.qwen import (
 )
 
 __all__ = [
+    "DIFFUSION_GEMMA",
     "DREAM",
     "FAMILIES",
     "FAST_DLLM",
@@ -38,6 +40,7 @@ __all__ = [
     "NEMOTRON",
     "SDAR",
     "SDAR_BLOCK",
+    "DiffusionGemmaFamily",
     "Family",
     "FastDLLMFamily",
     "LLaDA2Family",
@@ -53,11 +56,14 @@ __all__ = [
 ]
 
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (LLADA, DREAM, SDAR_BLOCK, SDAR, LLADA2, LLADAMOE, FAST_DLLM, NEMOTRON)
-}
+    f.name: f
+    for f in (
+        LLADA, DREAM, SDAR_BLOCK, SDAR, LLADA2, LLADAMOE, FAST_DLLM, NEMOTRON, DIFFUSION_GEMMA
+    )
+}  # fmt: skip
 # The mixture-of-experts families this server implements, matched before the dense ones (LLaDA-MoE
 # shares LLaDA-8B's model_type "llada"); every other MoE config is refused.
-MOE_FAMILIES: tuple[Family, ...] = (LLADA2, LLADAMOE)
+MOE_FAMILIES: tuple[Family, ...] = (LLADA2, LLADAMOE, DIFFUSION_GEMMA)
 
 # Keys that only mixture-of-experts configs carry.
 _MOE_KEYS = (

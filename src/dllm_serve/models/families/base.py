@@ -94,6 +94,11 @@ class Family(ABC):
         does not state reliably (LLaDA2's q/k norms); unchanged by default."""
         return tcfg
 
+    def id_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The keys the special ids (eos, pad, bos, mask) are read from: ``config.json`` itself
+        by default (DiffusionGemma nests them in ``text_config``)."""
+        return config
+
     def block_size(self, config: Mapping[str, Any], block_length: int | None) -> int | None:
         """The trained block of a block-diffusion checkpoint (None for other families), from
         ``config.json`` and ``generation_config.json``'s ``block_length``."""
