@@ -328,6 +328,38 @@ def test_idlm_rounds_show_drafts_in_chromium(page: Browser, tmp_path: Path) -> N
         server.stop()
 
 
+def test_renoise_canvas_redraws_in_chromium(page: Browser, tmp_path: Path) -> None:
+    """DiffusionGemma: the page offers only the fields that apply, draws one canvas whose
+    argmax cells change step by step, and ends with the server's seeded answer."""
+    from dllm_serve_train.tiny_checkpoints import write_tiny_diffusion_gemma
+
+    model = write_tiny_diffusion_gemma(tmp_path / "dg", canvas_length=16, seed=2)
+    server = RemoteServer.start(["--model", str(model), "--log-level", "warning"], tmp_path / "log")
+    try:
+        url = server.url + "/"
+        page.goto(url, PAGE_READY)
+        for field, shown in (("temperature", False), ("block_length", False),
+                             ("confidence_threshold", False), ("entropy_bound", True),
+                             ("num_denoising_steps", True)):  # fmt: skip
+            assert _shown(page, f"#{field}") is shown, field
+        page.evaluate("document.getElementById('seed').value = '3'")
+        page.evaluate("document.getElementById('max_tokens').value = '24'")
+        run = _run_in_page(page, url, PROMPT, keep_fields=True)
+        assert run["status"] == "done", run
+        assert run["steps"] == run["events"].count("renoise") > 0
+        assert page.evaluate("document.querySelectorAll('#canvas .cell').length") == 16
+        assert _shown(page, "#renoise-legend") and not _shown(page, "#canvas-legend")
+        bars = page.evaluate("document.querySelectorAll('#chart .bar').length")
+        assert 0 < bars <= run["steps"]
+        _screenshot(page, tmp_path, "playground-renoise.png")
+        reply = server.client().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=24, seed=3
+        )
+        assert run["content"] == reply.choices[0].message.content
+    finally:
+        server.stop()
+
+
 def test_fractional_settings_are_sent(llada_server: RemoteServer, page: Browser) -> None:
     # The number fields take any decimal (step="any"): a step of 0.1 or 0.05 would have the
     # browser refuse 0.25 or 0.93 and send nothing.

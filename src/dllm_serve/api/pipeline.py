@@ -503,14 +503,6 @@ def chat_request(
     endpoint's body, which refuses the streaming fields it has no use for)."""
     engine = facts.engine
     spec = facts.parse(parse_chat_request, raw, content_type, trace=trace)
-    if trace and facts.decoding.kind == "renoise":
-        # The trace events describe masked commits or speculative rounds; a renoise canvas
-        # (every position re-drawn each step) has no view yet, so refuse rather than fail.
-        raise invalid(
-            "The per-step trace is not available for this model (DiffusionGemma's renoise "
-            "canvases); use /v1/chat/completions, streamed one canvas at a time.",
-            code="not_available_yet",
-        )
     assert spec.messages is not None
     try:
         prompt_ids = engine.chat_prompt_ids(spec.messages)

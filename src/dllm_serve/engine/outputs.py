@@ -11,6 +11,11 @@ which ``POST /v1/dllm/trace`` streams as server-sent events (docs/playground.md)
   this step wrote (position 0 is the first answer position), what each held before when the
   step edited a written token (token editing; None where it filled a mask) and how many are
   still masked;
+- renoise (DiffusionGemma) — ``{"type": "renoise", "canvas_index": k, "step": s, "tokens":
+  [text, ...], "changed": [i, ...], "answer_tokens": n, ...}``: after each forward, the
+  current canvas's argmax tokens (what the model would answer now; every position is
+  re-drawn each step, none is locked), which of them changed since the previous step, and
+  the answer tokens emitted so far (a canvas joins the answer when it is done);
 - self-speculation (I-DLM ISD, LinearSpec) — ``{"type": "round", "drafts": [...], "accepted": j,
   "emitted": [...], ...}``: the drafts this round verified, how many were accepted and the
   tokens it emitted (accepted drafts plus the verifier's own token, except a stop token,
@@ -265,6 +270,8 @@ def snapshot(state: Any, row: Sequence[int] = (), width: int = 0) -> Snapshot:
     carries them after its ``width`` tokens (``BlockDecoder.sample``)."""
     if hasattr(state, "emitted"):  # self-speculation
         return ("round", list(state.specs), state.accepted_drafts, len(state.emitted))
+    if hasattr(state, "canvas_length"):  # DiffusionGemma's renoise canvases
+        return ("renoise", list(state.argmax), state.block)
     confidence = {}
     # An editing row scores every editable position of its block, the others the masked ones.
     scored = state.editable if getattr(state, "editing", False) else state.masked
@@ -294,6 +301,22 @@ def step_event(state: Any, before: Snapshot, piece: Callable[[int], str]) -> dic
             "emitted": [piece(t) for t in state.emitted[emitted_before:]],
         }
         return event
+    if before[0] == "renoise":
+        _, old, canvas_before = before
+        new = list(state.argmax)
+        same_canvas = canvas_before == state.block and len(old) == len(new)
+        event |= {
+            "step": state.step,
+            "canvas_index": state.block,
+            "phase": state.phase,
+            # The argmax canvas after this step: what the model would answer now.
+            "tokens": [piece(t) for t in new],
+            "changed": [i for i, (a, t) in enumerate(zip(old, new, strict=True)) if a != t]
+            if same_canvas
+            else list(range(len(new))),
+            "answer_tokens": len(state.answer),
+        }
+        return event
     _, old, confidence = before
     new = state.tokens[state.prompt_len :]
     mask_id = state.mask_id
@@ -320,6 +343,14 @@ def start_event(state: Any) -> dict[str, Any]:
     """The first event: the shape of what the following events fill in."""
     if hasattr(state, "emitted"):
         return {"type": "start", "mode": "self_speculation", "max_tokens": state.params.gen_length}
+    if hasattr(state, "canvas_length"):
+        return {
+            "type": "start",
+            "mode": "renoise",
+            "canvas": state.canvas_length,
+            "max_tokens": state.params.gen_length,
+            "steps": state.steps,
+        }
     return {
         "type": "start",
         "mode": "diffusion",

@@ -213,3 +213,27 @@ def test_an_editing_trace_shows_what_each_edit_replaced(tmp_path: Path) -> None:
     done = events[-1][1]
     assert done["content"] == chat["choices"][0]["message"]["content"]
     assert done["usage"]["diffusion"]["nfe"] == len(steps)
+
+
+def test_a_renoise_trace_shows_each_steps_argmax_canvas(tmp_path: Path) -> None:
+    """DiffusionGemma: one event per forward with the canvas's current argmax tokens and which
+    changed; a canvas's last argmax is the answer's text for that canvas."""
+    from dllm_serve_train.tiny_checkpoints import write_tiny_diffusion_gemma
+
+    model = str(write_tiny_diffusion_gemma(tmp_path / "dg", canvas_length=16, seed=2))
+    body = {"messages": QUESTION["messages"], "max_tokens": 24, "seed": 3,
+            "num_denoising_steps": 6}  # fmt: skip
+    with _client(model) as client:
+        events = _events(client.post("/v1/dllm/trace", json=body).text)
+        chat = client.post("/v1/chat/completions", json=body).json()
+    start = events[0][1]
+    assert (start["mode"], start["canvas"], start["steps"]) == ("renoise", 16, 6)
+    steps = [data for name, data in events if name == "renoise"]
+    denoising = [s for s in steps if s["tokens"]]
+    assert denoising and all(len(s["tokens"]) == 16 for s in denoising)
+    assert all(set(s["changed"]) <= set(range(16)) for s in denoising)
+    assert max(s["step"] for s in steps) <= 6
+    assert [s["nfe"] for s in steps] == list(range(1, len(steps) + 1))
+    done = events[-1][1]
+    assert done["content"] == chat["choices"][0]["message"]["content"]
+    assert steps[-1]["answer_tokens"] == done["usage"]["completion_tokens"]

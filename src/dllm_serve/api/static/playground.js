@@ -21,6 +21,9 @@ let triMode = false; // a tri-mode model: the page sends the decoding_mode picke
 // whole blocks included, so the answer's first block may be partial); canvas and tri-mode
 // models from the answer's first position.
 let absoluteBlocks = false;
+// DiffusionGemma: uniform-state canvases re-drawn every step; only num_denoising_steps and
+// entropy_bound of the denoising settings apply (the API refuses the mask-based ones).
+let renoise = false;
 let stopping = null; // the running generation's AbortController (the Stop button)
 
 async function loadInfo() {
@@ -38,6 +41,8 @@ async function loadInfo() {
     // first); only diffusion has a canvas and denoising settings.
     triMode = info.decoding_mode === "tri_mode";
     absoluteBlocks = info.decoding_mode === "block_diffusion";
+    renoise = info.decoding_mode === "renoise";
+    for (const label of document.querySelectorAll("[data-not-renoise]")) label.hidden = renoise;
     $("decoding-mode-setting").hidden = !triMode;
     if (triMode) {
       shown = `tri-mode (${info.default_decoding_mode.replace("_", " ")})`;
@@ -64,6 +69,7 @@ function showModeSettings() {
 function showView(view) {
   $("masked-stat").hidden = view !== "diffusion";
   $("canvas-legend").hidden = view !== "diffusion";
+  $("renoise-legend").hidden = view !== "renoise";
   $("rounds-legend").hidden = view !== "self_speculation";
   $("chart-box").hidden = view === null;
 }
@@ -82,11 +88,11 @@ function requestBody() {
   const body = { messages: [{ role: "user", content: $("prompt").value || $("prompt").placeholder }] };
   const fields = mode === "diffusion" ? [...NUMBER_FIELDS, ...DIFFUSION_NUMBER_FIELDS] : NUMBER_FIELDS;
   for (const name of fields) {
-    if (name === "edit_threshold" && $("edit-setting").hidden) continue;
+    if ($(name).closest("label").hidden) continue; // does not apply to this model
     const value = $(name).value.trim();
     if (value !== "") body[name] = Number(value);
   }
-  if (mode === "diffusion") {
+  if (mode === "diffusion" && !renoise) {
     if ($("block_schedule").value) body.block_schedule = $("block_schedule").value;
     if ($("use_local_leap").checked) body.use_local_leap = true;
   }
@@ -169,6 +175,46 @@ function drawCanvas(start) {
   }
   $("canvas").replaceChildren(...blockFrames);
   run.blocks = blockFrames.length;
+}
+
+// A renoise canvas: one frame of cells showing the canvas's current argmax, which every step
+// may change anywhere (nothing is locked until the canvas is done).
+let renoiseCanvas = -1;
+function drawRenoise(start) {
+  const frame = document.createElement("div");
+  frame.className = "block single";
+  cells = [];
+  for (let i = 0; i < start.canvas; i++) {
+    const cell = document.createElement("span");
+    cell.className = "cell masked";
+    cell.textContent = "·";
+    cell.title = `position ${i}: random noise`;
+    frame.append(cell);
+    cells.push(cell);
+  }
+  blockFrames = [frame];
+  renoiseCanvas = -1;
+  $("canvas").replaceChildren(frame);
+}
+
+function applyRenoise(event) {
+  run.steps += 1;
+  if (!event.tokens.length) return; // a prefill or commit forward: no canvas to show
+  if (event.canvas_index !== renoiseCanvas) {
+    renoiseCanvas = event.canvas_index;
+    blockFrames[0].title = `canvas ${renoiseCanvas + 1}`;
+  }
+  const changed = new Set(event.changed);
+  event.tokens.forEach((text, i) => {
+    const cell = cells[i];
+    if (!cell) return;
+    const [shown, special] = label(text);
+    cell.textContent = shown;
+    cell.className = "cell" + (changed.has(i) ? " new" : "") + (special ? " eos" : "");
+    cell.title = `${JSON.stringify(text)} · canvas ${renoiseCanvas + 1}, step ${event.step}`;
+  });
+  addBar([[event.changed.length, ""]], `canvas ${renoiseCanvas + 1}, step ${event.step}: ` +
+         `${event.changed.length} argmax token(s) changed`);
 }
 
 function markActiveBlock(block) {
@@ -358,7 +404,10 @@ async function generate(submitEvent) {
     for await (const { name, data } of sseEvents(response)) {
       run.events.push(name);
       if (name === "start") {
-        if (data.mode === "diffusion") {
+        if (data.mode === "renoise") {
+          drawRenoise(data);
+          resetChart(chartCaption("argmax tokens that changed, per step"));
+        } else if (data.mode === "diffusion") {
           drawCanvas(data);
           run.maxMasked = data.canvas;
           $("stat-masked").textContent = data.canvas;
@@ -370,6 +419,8 @@ async function generate(submitEvent) {
         showView(data.mode);
       } else if (name === "step") {
         applyStep(data); showCounters(data); await sleep(delay, signal);
+      } else if (name === "renoise") {
+        applyRenoise(data); showCounters(data); await sleep(delay, signal);
       } else if (name === "round") {
         applyRound(data); showCounters(data); await sleep(delay, signal);
       } else if (name === "delta") {
