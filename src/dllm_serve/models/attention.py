@@ -467,3 +467,41 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlexPla
         kernel_options=_CUDA_KERNEL_OPTIONS if q.device.type == "cuda" else None,
     )
     return out[0].transpose(0, 1)[:t]
+
+
+def sdpa_by_group(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: Sequence[AttnGroup],
+    pool_kv: tuple[torch.Tensor, torch.Tensor] | None,
+    head_dim: int,
+    *,
+    masks: Sequence[tuple[torch.Tensor | None, bool]] | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The SDPA path: one call per group of equal-length rows, ``[T, H · head_dim]``.
+
+    A group without ``kv_slots`` attends to its own tokens' ``k``/``v``; one with them reads
+    its rows' keys from the pool views ``pool_kv`` (this layer's K and V). ``masks`` replaces
+    each group's own (mask, causal) pair (a model with several attention kinds per layer
+    type builds its own); ``scale`` the default ``1/√head_dim``. Grouped-query attention runs
+    without repeating K/V (``enable_gqa``).
+    """
+    outs = []
+    for i, g in enumerate(groups):
+        shape = (g.rows, g.q_len, -1, head_dim)
+        qg = q[g.start : g.end].view(shape).transpose(1, 2)
+        if g.kv_slots is None:
+            kg = k[g.start : g.end].view(shape).transpose(1, 2)
+            vg = v[g.start : g.end].view(shape).transpose(1, 2)
+        else:
+            assert pool_kv is not None
+            kg, vg = pool_kv[0][g.kv_slots].transpose(1, 2), pool_kv[1][g.kv_slots].transpose(1, 2)
+        mask, is_causal = masks[i] if masks is not None else (g.mask, g.is_causal)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=mask, is_causal=is_causal, scale=scale,
+            enable_gqa=qg.shape[1] != kg.shape[1],
+        )  # fmt: skip
+        outs.append(out.transpose(1, 2).reshape(g.end - g.start, -1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm_serve.models.attention import AttnGroup, FlatBatch, RowInput
+from dllm_serve.models.attention import AttnGroup, FlatBatch, RowInput, sdpa_by_group
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.layers import MLP, Embedding, activate, fused_linear
 from dllm_serve.models.moe import MoE
@@ -209,23 +209,13 @@ class GemmaAttention(nn.Module):
             pool_k, pool_v = pool_kv
             pool_k.index_copy_(0, batch.slot_mapping, k)
             pool_v.index_copy_(0, batch.slot_mapping, v)
-        hd = self.spec.head_dim
-        gqa = self.spec.n_kv_heads != self.n_heads
-        outs = []
-        for g, (mask, is_causal) in zip(batch.groups, masks, strict=True):
-            shape = (g.rows, g.q_len, -1, hd)
-            qg = q[g.start : g.end].view(shape).transpose(1, 2)
-            if g.kv_slots is None:
-                kg = k[g.start : g.end].view(shape).transpose(1, 2)
-                vg = v[g.start : g.end].view(shape).transpose(1, 2)
-            else:
-                assert pool_k is not None and pool_v is not None
-                kg, vg = pool_k[g.kv_slots].transpose(1, 2), pool_v[g.kv_slots].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=mask, is_causal=is_causal, scale=1.0, enable_gqa=gqa
-            )
-            outs.append(out.transpose(1, 2).reshape(g.end - g.start, -1))
-        attended = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if len(masks) != len(batch.groups):
+            raise ValueError("one (mask, causal) pair per attention group is needed")
+        pool = None if pool_k is None or pool_v is None else (pool_k, pool_v)
+        # Softmax scale 1, not 1/√d: the q/k norms absorb it (Gemma-4).
+        attended = sdpa_by_group(
+            q, k, v, batch.groups, pool, self.spec.head_dim, masks=masks, scale=1.0
+        )
         return self.o_proj(attended)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm_serve.models.attention import FlatBatch, flex_attend
+from dllm_serve.models.attention import FlatBatch, flex_attend, sdpa_by_group
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.rope import apply_rotary
 from dllm_serve.models.transformer_config import TransformerConfig
@@ -186,22 +186,8 @@ class Attention(nn.Module):
                 k, v = pool_k, pool_v
             attended = flex_attend(q, k, v, batch.flex).reshape(q.shape[0], -1)
             return self._output(attended, batch)
-        gqa = self.n_kv_heads != self.n_heads
-        outs = []
-        for g in batch.groups:
-            shape = (g.rows, g.q_len, -1, self.head_dim)
-            qg = q[g.start : g.end].view(shape).transpose(1, 2)
-            if g.kv_slots is None:
-                kg = k[g.start : g.end].view(shape).transpose(1, 2)
-                vg = v[g.start : g.end].view(shape).transpose(1, 2)
-            else:
-                assert pool_k is not None and pool_v is not None
-                kg, vg = pool_k[g.kv_slots].transpose(1, 2), pool_v[g.kv_slots].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask, is_causal=g.is_causal, enable_gqa=gqa
-            )
-            outs.append(out.transpose(1, 2).reshape(g.end - g.start, -1))
-        attended = outs[0] if len(outs) == 1 else torch.cat(outs)
+        pool_kv = None if pool_k is None or pool_v is None else (pool_k, pool_v)
+        attended = sdpa_by_group(q, k, v, batch.groups, pool_kv, self.head_dim)
         return self._output(attended, batch)
 
     def _output(self, attended: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
