@@ -180,7 +180,7 @@ def test_duplicate_keys_last_one_wins(http: httpx.Client) -> None:
     assert rejected(post(http, head + b'"max_tokens": 4, "max_tokens": "x"}'))["param"] == (
         "max_tokens"
     )
-    dup_role = b'{"messages": [{"role": "user", "role": "tool", "content": "hi"}]}'
+    dup_role = b'{"messages": [{"role": "user", "role": "function", "content": "hi"}]}'
     assert rejected(post(http, dup_role))["param"] == "messages[0].role"
 
 

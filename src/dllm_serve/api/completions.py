@@ -36,6 +36,7 @@ from dllm_serve.api.streaming import (
     text_chunks,
     text_logprobs,
 )
+from dllm_serve.api.tools import parse_calls
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine, QueueFullError
 from dllm_serve.engine.outputs import RequestOutput
@@ -116,6 +117,7 @@ def install_completion_routes(
                 prompt_tokens=len(prompt_ids),
                 speculative=facts.decoding.self_speculative(spec.params.decoding_mode),
                 n=spec.n,
+                **({"tools": spec.tools} if kind == "chat" else {}),
             )
             return EventSourceResponse(chunks, headers={REQUEST_ID_HEADER: request_id})
         answers = await _collect_unless_disconnected(request, merged(streams), spec.n)
@@ -123,15 +125,22 @@ def install_completion_routes(
             return Response(status_code=499)
         choices = []
         for index, (text, last, entries) in enumerate(answers):
+            reason = last.finish_reason
             if kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+                if spec.tools is not None:
+                    content, calls = parse_calls(text, spec.tools)
+                    if calls:
+                        message |= {"content": content, "tool_calls": calls}
+                        reason = "tool_calls"
                 choice: dict[str, Any] = {
                     "index": index,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "message": message,
                     "logprobs": chat_logprobs(entries),
                 }
             else:
                 choice = {"index": index, "text": text, "logprobs": text_logprobs(entries)}
-            choices.append(choice | {"finish_reason": last.finish_reason})
+            choices.append(choice | {"finish_reason": reason})
         return {
             "id": response_id,
             "object": "chat.completion" if kind == "chat" else "text_completion",

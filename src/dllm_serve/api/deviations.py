@@ -16,14 +16,15 @@ DEVIATIONS_TABLE = """\
 | `temperature` | 0–2, **default 0** (greedy); above 0, Gumbel-max sampling from a per-request generator. |
 | `seed`, `n` | Same seed and parameters ⇒ same answer; `n` choices draw from `seed`, `seed + 1`, …; greedy at temperature 0. |
 | `model` | Accepted and ignored: one server serves one model. |
-| `top_p`, `top_k`, `best_of`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `tools`, `tool_choice`, `functions`, `function_call`, `reasoning_effort`, `audio`, `prediction`, `min_tokens`, `echo` | **400**, except their no-op values (`top_p: 1`, `best_of: 1`, `tools: []`, …). |
+| `top_p`, `top_k`, `best_of`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `functions`, `function_call`, `reasoning_effort`, `audio`, `prediction`, `min_tokens`, `echo` | **400**, except their no-op values (`top_p: 1`, `best_of: 1`, `functions: []`, …). |
 | `logprobs`, `top_logprobs` | Each answer token's logprob from the forward that committed it (canvas and block models). |
+| `tools`, `tool_choice`, `parallel_tool_calls` | The model's chat template renders the tools; `auto` answers are parsed for calls. |
 | `stop` | Up to 4 strings; the answer ends before the first occurrence. |
 | `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` | vLLM extensions, honoured (`ignore_eos`: the whole canvas is returned). |
 | `stream_options.continuous_usage_stats` | vLLM extension, honoured: the cumulative `usage` on every chunk. |
 | non-text `response_format` | 400: structured output is not available yet. |
 | `store`, `service_tier`, `modalities`, `skip_special_tokens` | Accepted with the values that change nothing (`store: false`, …); others are a 400. |
-| `metadata`, `user`, `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls` | Accepted, informational (logged only with `--log-requests`). |
+| `metadata`, `user`, `prompt_cache_key`, `safety_identifier` | Accepted, informational (logged only with `--log-requests`). |
 | `null` values | The same as leaving the field out. |
 | `messages` | Roles `system`, `developer`, `user`, `assistant`; an assistant message as returned can be sent back. |
 | Unknown fields | **400** (`Unrecognized request argument supplied: …`), never silently ignored. |

@@ -41,6 +41,7 @@ from dllm_serve.api.rules import (
     reject_unavailable_fields,
     round_up_to_blocks,
 )
+from dllm_serve.api.tools import ToolSpec, parser_for, tool_spec
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.scheduler import KVCapacityError
@@ -79,6 +80,7 @@ class RequestSpec:
     # blocks; ``fitted`` raises it when that canvas fits the context, else keeps one block.
     refused_if_rounded: tuple[APIError, int] | None = None
     n: int = 1  # choices: rows of the same prompt, each with its own generator
+    tools: ToolSpec | None = None  # chat: the request's tools (api/tools.py)
     suffix: str | None = None  # /v1/completions infilling: the text after the canvas
 
     def choice_params(self) -> list[DecodingParams]:
@@ -152,9 +154,13 @@ def parse_chat_request(
     if trace:
         _check_trace_fields(req)
     messages = messages_of(req)
-    return _spec(
+    tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if trace and tools is not None:
+        raise invalid("The trace endpoint traces text answers: omit 'tools'.", "tools")
+    spec = _spec(
         req, default_gen_length, default_block_length, round_canvas, model, messages=messages
     )
+    return spec if tools is None else dataclasses.replace(spec, tools=tools)
 
 
 def _check_trace_fields(req: ChatCompletionRequest) -> None:
@@ -504,8 +510,11 @@ def chat_request(
     engine = facts.engine
     spec = facts.parse(parse_chat_request, raw, content_type, trace=trace)
     assert spec.messages is not None
+    tools = spec.tools.tools if spec.tools is not None else None
     try:
-        prompt_ids = engine.chat_prompt_ids(spec.messages)
+        prompt_ids = engine.chat_prompt_ids(spec.messages, tools)
+        if spec.tools is not None:
+            spec = dataclasses.replace(spec, tools=_tool_format(spec, prompt_ids, engine))
     except ChatTemplateError as exc:
         raise invalid(f"{exc}.", "messages") from None
     check_no_mask_token(prompt_ids, facts.mask_id, "messages")
@@ -535,6 +544,30 @@ def completion_request(
             spec, params=dataclasses.replace(spec.params, suffix_ids=tuple(suffix_ids))
         )
     return _fitted(spec, prompt_ids, engine, "prompt")
+
+
+def _tool_format(spec: RequestSpec, prompt_ids: list[int], engine: AsyncEngine) -> ToolSpec:
+    """The request's tools with the parser of the model's format; a 400 when the model's
+    chat template does not render tools (they would be silently ignored) or no parser knows
+    its call format."""
+    assert spec.tools is not None and spec.messages is not None
+    if engine.chat_prompt_ids(spec.messages) == prompt_ids:
+        raise invalid(
+            "This model's chat template does not render tools, so the model would never see "
+            "them; omit 'tools'.",
+            "tools",
+            code="not_applicable",
+        )
+    parser = parser_for(engine.chat_template)
+    if parser is None and spec.tools.parse:
+        raise invalid(
+            "No tool-call parser knows this model's format (its chat template renders the "
+            "tools, but not in a format this server parses: hermes <tool_call> blocks); "
+            "omit 'tools' or send 'tool_choice': 'none'.",
+            "tools",
+            code="not_applicable",
+        )
+    return dataclasses.replace(spec.tools, parser=parser)
 
 
 def _fitted(

@@ -30,7 +30,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # "developer" is OpenAI's current name for "system" (treated as system).
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     # str, or a list of {"type": "text", "text": ...} parts; checked in pipeline.py so the
     # error can name the exact part instead of pydantic's union noise.
     content: Any = None
@@ -42,7 +42,8 @@ class ChatMessage(BaseModel):
     annotations: Any = None
     audio: Any = None
     function_call: Any = None
-    tool_calls: Any = None
+    tool_calls: Any = None  # an assistant message's calls (a tool round trip; pipeline.py)
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
 
 
 class _GenerationRequest(BaseModel):
@@ -158,9 +159,13 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="Alternatives per token (needs logprobs: true)."
     )
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = Field(None, description="Accepted (no tools are sent).")
+    tools: list[Any] | None = Field(
+        None, description="Function tools, rendered by the model's chat template (api/tools.py)."
+    )
+    tool_choice: Any = Field(None, description="'none' or 'auto' (default with tools).")
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one tool call per answer."
+    )
     functions: list[Any] | None = None
     function_call: Any = None
     prompt_cache_key: str | None = Field(None, description="Informational only.")
@@ -213,10 +218,22 @@ class Usage(BaseModel):
     diffusion: DiffusionUsage | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -238,7 +255,7 @@ class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletionResponse(BaseModel):

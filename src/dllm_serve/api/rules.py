@@ -23,6 +23,7 @@ from typing import Any
 
 from dllm_serve.api.errors import CONTRACT_REF, APIError, invalid
 from dllm_serve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from dllm_serve.api.tools import assistant_tool_calls
 from dllm_serve.decoding.params import (
     DEFAULT_STEPS,
     DESCRIPTIONS,
@@ -90,13 +91,12 @@ def reject_autoregressive_fields(req: Request) -> None:
                 "log-probability).",
                 "top_logprobs",
             )
-        if req.tools:
-            raise _ar_only("tools", "function calling is out of scope", "an empty tools list")
         if req.functions:
-            raise _ar_only("functions", "function calling is out of scope", "an empty list")
-        for name in ("tool_choice", "function_call"):
-            if getattr(req, name) not in (None, "none"):
-                raise _ar_only(name, "function calling is out of scope", f'{name}="none"')
+            raise _ar_only("functions", "the legacy functions API is not supported (use "
+                           "'tools')", "an empty list")  # fmt: skip
+        if req.function_call not in (None, "none"):
+            raise _ar_only("function_call", "the legacy functions API is not supported (use "
+                           "'tool_choice')", 'function_call="none"')  # fmt: skip
     if req.best_of not in (None, 1):
         raise _ar_only("best_of", "several candidates per request are deferred", "best_of=1")
     if req.repetition_penalty not in (None, 1):
@@ -718,7 +718,9 @@ def _build_params(
 # ---- messages ----------------------------------------------------------------------------------
 
 
-def messages_of(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def messages_of(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: text content, the assistant's tool
+    calls (arguments as objects) and the tool messages that answer them."""
     if not req.messages:
         raise invalid("'messages' must contain at least one message.", "messages")
     out = []
@@ -726,7 +728,26 @@ def messages_of(req: ChatCompletionRequest) -> list[dict[str, str]]:
         _check_returned_fields(m, i)
         # "developer" is OpenAI's current name for the system role.
         role = "system" if m.role == "developer" else m.role
-        message = {"role": role, "content": _content_text(m.content, f"messages[{i}].content")}
+        calls = assistant_tool_calls(m.tool_calls, f"messages[{i}].tool_calls") if (
+            m.tool_calls
+        ) else None  # fmt: skip
+        if m.tool_calls and role != "assistant":
+            raise invalid("Only assistant messages carry 'tool_calls'.",
+                          f"messages[{i}].tool_calls")  # fmt: skip
+        if role == "tool" and not m.tool_call_id:
+            raise invalid("A tool message needs 'tool_call_id' (the call it answers).",
+                          f"messages[{i}].tool_call_id")  # fmt: skip
+        if m.tool_call_id is not None and role != "tool":
+            raise invalid("Only tool messages carry 'tool_call_id'.", f"messages[{i}].tool_call_id")
+        # An assistant message that only calls tools has no content (null).
+        content = "" if calls and m.content is None else m.content
+        message: dict[str, Any] = {
+            "role": role, "content": _content_text(content, f"messages[{i}].content"),
+        }  # fmt: skip
+        if calls:
+            message["tool_calls"] = calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             message["name"] = m.name  # chat templates that have a slot for it use it
         out.append(message)
@@ -734,17 +755,15 @@ def messages_of(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 
 def _check_returned_fields(m: ChatMessage, i: int) -> None:
-    """Fields of the assistant message this server returns: only their empty values."""
-    for name in ("tool_calls", "function_call"):
-        value = getattr(m, name)
-        if value is not None and not (name == "tool_calls" and value == []):
-            raise invalid(
-                f"'messages[{i}].{name}' is not supported by diffusion decoding: function "
-                f"calling is out of scope. Only null{' or []' if name == 'tool_calls' else ''} "
-                "is accepted.",
-                f"messages[{i}].{name}",
-                code="unsupported_parameter",
-            )
+    """Fields of the assistant message this server returns: only their empty values (tool
+    calls are checked by :func:`messages_of`)."""
+    if m.function_call is not None:
+        raise invalid(
+            f"'messages[{i}].function_call' is not supported: the legacy functions API is "
+            "not (use 'tool_calls'). Only null is accepted.",
+            f"messages[{i}].function_call",
+            code="unsupported_parameter",
+        )
     for name, empty in (("refusal", "null"), ("audio", "null"), ("annotations", "null or []")):
         value = getattr(m, name)
         if value is not None and not (name == "annotations" and value == []):

@@ -17,6 +17,7 @@ import json
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
+from dllm_serve.api.tools import ToolSpec, parse_calls
 from dllm_serve.engine.outputs import RequestOutput
 
 Choices = AsyncGenerator[tuple[int, RequestOutput], None]
@@ -199,8 +200,11 @@ def chat_chunks(
     prompt_tokens: int = 0,
     speculative: bool = False,
     n: int = 1,
+    tools: ToolSpec | None = None,
 ) -> AsyncGenerator[str, None]:
-    """``chat.completion.chunk`` events: the text is in ``choices[0].delta.content``."""
+    """``chat.completion.chunk`` events: the text is in ``choices[0].delta.content``; with
+    ``tools`` parsed (``tool_choice`` auto) each choice's answer is held to its end and comes
+    as one content chunk and/or one ``delta.tool_calls`` chunk (api/tools.py)."""
     return _chunks(
         outputs,
         head={"id": response_id, "object": "chat.completion.chunk", "created": created},
@@ -223,6 +227,7 @@ def chat_chunks(
             "logprobs": None,
             "finish_reason": None,
         },
+        tools=tools if tools is not None and tools.parse else None,
     )
 
 
@@ -273,6 +278,7 @@ async def _chunks(
     first: Callable[[int], dict[str, Any]] | None,
     speculative: bool = False,
     n: int = 1,
+    tools: ToolSpec | None = None,
 ) -> AsyncGenerator[str, None]:
     # Before the first step (the role chunk): nothing generated yet, but the same shape as
     # every later chunk's usage, so a client can read ``usage.diffusion`` on any chunk (a
@@ -290,6 +296,7 @@ async def _chunks(
 
     latest: dict[int, RequestOutput] = {}  # each choice's last output: the usage so far
     finished = 0
+    held: dict[int, tuple[list[str], list]] = {}  # with tools: each choice's text and entries
     # Closed with this generator: a client that went away aborts its requests now, not
     # when the garbage collector finalises the engine's iterators.
     async with contextlib.aclosing(outputs):
@@ -299,7 +306,11 @@ async def _chunks(
         async for index, output in outputs:
             latest[index] = output
             usage = choices_usage(list(latest.values()), canvas_length)  # cumulative
-            if output.delta_text or output.logprobs:
+            if tools is not None:
+                parts, entries = held.setdefault(index, ([], []))
+                parts.append(output.delta_text)
+                entries.extend(output.logprobs or ())
+            elif output.delta_text or output.logprobs:
                 yield chunk(choice(output.delta_text, None, index, output.logprobs))
             if not output.finished:
                 continue
@@ -308,7 +319,19 @@ async def _chunks(
                 error = {"message": message, "type": kind, "param": None, "code": code}
                 yield json.dumps({"error": error}, ensure_ascii=False)
                 break  # the other choices are aborted as the stream closes
-            yield chunk(choice("", output.finish_reason, index, None))
+            reason = output.finish_reason
+            if tools is not None:
+                parts, entries = held.pop(index, ([], []))
+                content, calls = parse_calls("".join(parts), tools)
+                logprobs = entries if output.logprobs is not None or entries else None
+                if content:
+                    yield chunk(choice(content, None, index, logprobs))
+                if calls:
+                    deltas = [{"index": j, **call} for j, call in enumerate(calls)]
+                    yield chunk({"index": index, "delta": {"tool_calls": deltas},
+                                 "logprobs": None, "finish_reason": None})  # fmt: skip
+                    reason = "tool_calls"
+            yield chunk(choice("", reason, index, None))
             finished += 1
             if finished == n and include_usage:
                 final = {**head, "model": model, "choices": [], "usage": usage}

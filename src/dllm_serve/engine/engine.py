@@ -194,9 +194,17 @@ class AsyncEngine:
             self.runner.close()
 
     # ---- tokenizer (called from worker threads of the event loop) ------------------------------
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         with self._tokenizers.borrow() as model:
-            return model.chat_prompt_ids(messages)
+            return model.chat_prompt_ids(messages, tools)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template text (which tool-call format it renders)."""
+        template = getattr(self.loaded.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
 
     def prompt_ids(self, text: str) -> list[int]:
         """A raw prompt's token ids (no chat template; /v1/completions)."""

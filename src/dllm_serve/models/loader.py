@@ -104,8 +104,11 @@ class LoadedModel:
         the sequence, it does not start one)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the rendered chat prompt, ending with the assistant header."""
+    def chat_prompt_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of the rendered chat prompt, ending with the assistant header; ``tools``
+        are rendered by the template (its own format), as transformers passes them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ChatTemplateError(
                 f"model {self.name!r} has no chat template, so it cannot render chat messages; "
@@ -113,7 +116,7 @@ class LoadedModel:
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
             )
         except TemplateError as e:  # the template's own raise_exception(...), or a bad template
             raise ChatTemplateError(f"the chat template of {self.name!r} refused: {e}") from None
