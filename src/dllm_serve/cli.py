@@ -142,14 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--decoding-algorithm",
-        default="low_confidence",
+        default=None,
         choices=list(DECODING_ALGORITHMS),
         help="the commit rule of requests that choose none (no confidence_threshold, "
         "use_local_leap, entropy_bound, entropy_threshold or edit_threshold): low_confidence "
         "(their own fields: top-k by default), s_mode / q_mode (LLaDA2.x token editing, "
         "LLaDA2.1's S and Q presets: confidence_threshold 0.5 / 0.7 with edit_threshold 0.0 / "
         "0.5), eb_sampler (entropy_bound 0.15) or entropy_threshold (0.95) "
-        "(default: %(default)s)",
+        "(default: the model's generation_config.json decoding_algorithm, else low_confidence)",
     )
     parser.add_argument(
         "--draft-lora",

@@ -43,8 +43,9 @@ class EngineConfig:
     # The decoding mode of requests that name none (decoding/params.py): a tri-mode model's
     # default (None: linear_spec); any other model accepts only its own mode here.
     decoding_mode: str | None = None
-    # The commit rule of requests that choose none (DECODING_ALGORITHMS in decoding/params.py).
-    decoding_algorithm: str = "low_confidence"
+    # The commit rule of requests that choose none (DECODING_ALGORITHMS in decoding/params.py);
+    # None: the model's generation_config.json "decoding_algorithm", else low_confidence.
+    decoding_algorithm: str | None = None
     # CUDA graphs (engine/graphs.py; CUDA and the flex attention backend only): every forward
     # of up to cuda_graph_max_tokens tokens replays a graph captured at start-up.
     cuda_graph: bool = True
@@ -71,7 +72,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}")
         if self.decoding_mode is not None and self.decoding_mode not in REQUEST_MODES:
             raise ValueError(f"decoding_mode must be one of {REQUEST_MODES}")
-        if self.decoding_algorithm not in DECODING_ALGORITHMS:
+        if self.decoding_algorithm not in (None, *DECODING_ALGORITHMS):
             raise ValueError(f"decoding_algorithm must be one of {tuple(DECODING_ALGORITHMS)}")
 
 

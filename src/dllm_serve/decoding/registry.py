@@ -38,6 +38,7 @@ from dllm_serve.decoding.fast_dllm import FastDLLMDecoder
 from dllm_serve.decoding.linear_spec import LinearSpecDecoder
 from dllm_serve.decoding.params import (
     AR,
+    DECODING_ALGORITHMS,
     DEFAULT_ISD_STRIDE,
     DEFAULT_TRI_MODE,
     DIFFUSION,
@@ -73,7 +74,7 @@ class DecodingFlags(Protocol):
     """The server's decoding flags the registry reads (the engine's ``EngineConfig``)."""
 
     decoding_mode: str | None
-    decoding_algorithm: str
+    decoding_algorithm: str | None
     isd_stride: int
     block_size_tiers: tuple[tuple[int, int], ...]
     kv_cache: str
@@ -105,8 +106,23 @@ def algorithm_for(
                 f"'{own}'; omit the flag or set it to '{own}'"
             )
     _check_flags_apply(loaded.name, algorithm.decoding_mode, config)
-    _check_decoding_algorithm(loaded.name, algorithm, config.decoding_algorithm)
+    _check_decoding_algorithm(loaded.name, algorithm, decoding_algorithm(loaded, config))
     return algorithm
+
+
+def decoding_algorithm(loaded: LoadedModel, config: DecodingFlags) -> str:
+    """The commit-rule preset of requests that choose none: ``--decoding-algorithm``, else the
+    checkpoint's ``generation_config.json`` ``decoding_algorithm`` (so an editing checkpoint
+    can ship LLaDA2.1's S or Q mode as its default), else ``low_confidence``."""
+    if config.decoding_algorithm is not None:
+        return config.decoding_algorithm
+    preset = loaded.generation.get("decoding_algorithm", "low_confidence")
+    if preset not in DECODING_ALGORITHMS:
+        raise ValueError(
+            f"generation_config.json of {loaded.name!r}: decoding_algorithm {preset!r} is not one "
+            f"of {', '.join(DECODING_ALGORITHMS)}"
+        )
+    return preset
 
 
 def _check_decoding_algorithm(name: str, algorithm: DecodingAlgorithm, preset: str) -> None:

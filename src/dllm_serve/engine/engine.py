@@ -37,6 +37,7 @@ from dllm_serve.decoding.protocol import RowSpec, as_step_logits
 from dllm_serve.decoding.registry import (
     algorithm_for,
     check_request,
+    decoding_algorithm,
     default_mode,
     supports_editing,
     supports_infilling,
@@ -122,7 +123,7 @@ class AsyncEngine:
         # Whether answer-token logprobs are recorded for this model (engine/logprobs.py).
         self.logprobs = supports_logprobs(self.algorithm)
         # --decoding-algorithm: the commit rule (request fields) of requests that choose none.
-        self.decoding_algorithm = self.config.decoding_algorithm
+        self.decoding_algorithm = decoding_algorithm(loaded, self.config)
         self.default_commit_rule = dict(DECODING_ALGORITHMS[self.decoding_algorithm])
         sdpa_only = bool(getattr(loaded.model, "needs_row_inputs", False))
         attention = attention_backend(self.config.attention_backend, loaded.device, sdpa_only)

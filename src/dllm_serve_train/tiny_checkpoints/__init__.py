@@ -109,6 +109,13 @@ def _description(family: str) -> str:
     return "\n".join([fill(intro), *formats, fill(outro)])
 
 
+# What each writer's boolean keyword does, as its make-tiny flag says it.
+BOOL_FLAGS = {
+    "real_ids": "keep the real special ids and vocab",
+    "editing": "LLaDA2.1-style: token editing (S mode) as the checkpoint's default decoding",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``[--family F] DIR [--d-model N ...] [--real-ids]``."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(param.default, bool):
-            p.add_argument(flag, action="store_true", help="keep the real special ids and vocab")
+            p.add_argument(flag, action="store_true", help=BOOL_FLAGS.get(name, name))
         elif param.default is None:  # an optional path (nemotron's --draft-lora-out)
             p.add_argument(
                 flag, metavar="DIR", type=new_or_empty_dir, help="also write a draft LoRA here"

@@ -49,8 +49,15 @@ demos; its answers are gibberish.
 - Vocabulary: {vocab} rows; byte-level BPE then {specials} at ids {first}-{last}
   (mask `<|mask|>` = {mask}, eos `<|endoftext|>` = {eos}).
 - Blocks: {block} tokens{block_note}.
-- Weights: norms ones, everything else `randn * 0.02` from `torch.Generator` seed {seed}.
+- Weights: norms ones, everything else `randn * 0.02` from `torch.Generator` seed
+  {seed}.{editing_note}
 """
+
+EDITING_NOTE = """
+- Decoding: LLaDA2.1-style token editing by default (`generation_config.json`
+  `decoding_algorithm: s_mode`: `confidence_threshold` 0.5 with `edit_threshold` 0.0 for
+  requests that choose no commit rule). LLaDA2.1 has LLaDA2.0's format; this key is the
+  server's, so an editing checkpoint can carry its preset."""
 
 
 def _config(sizes: dict[str, Any], eos: int, vocab: int) -> dict[str, Any]:
@@ -97,8 +104,12 @@ def write_tiny_llada2(
     max_sequence_length: int = 2048,
     seed: int = 0,
     num_shards: int = 1,
+    editing: bool = False,
 ) -> Path:
     """Write a complete LLaDA2-format (``llada2_moe``) checkpoint and return its path.
+
+    ``editing``: a LLaDA2.1-style checkpoint that decodes by token editing by default
+    (``generation_config.json`` ``decoding_algorithm: s_mode``).
 
     ``block_size`` other than the default 32 is written as ``generation_config.json``'s
     ``block_length`` (where the loader reads a checkpoint's block when config.json has no
@@ -123,6 +134,8 @@ def write_tiny_llada2(
     gen: dict[str, Any] = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}
     if block_size != DEFAULT_BLOCK:
         gen["block_length"] = block_size
+    if editing:
+        gen["decoding_algorithm"] = "s_mode"
     _write_json(out / "generation_config.json", gen)
     _write_json(out / "tokenizer_config.json", tokenizer_config(max_sequence_length))
     _write_json(out / "special_tokens_map.json", special_tokens_map())
@@ -143,6 +156,6 @@ def write_tiny_llada2(
         specials=", ".join(f"`{t}`" for t in SPECIALS), first=first,
         last=first + len(SPECIALS) - 1, mask=mask, eos=eos, block=block_size,
         block_note="" if block_size == DEFAULT_BLOCK else " (generation_config block_length)",
-        seed=seed,
+        seed=seed, editing_note=EDITING_NOTE if editing else "",
     ))  # fmt: skip
     return out

@@ -18,6 +18,7 @@ block-causal encode of its final tokens.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -332,3 +333,31 @@ def test_decoding_algorithm_presets_start_only_where_they_apply(tmp_path: Path) 
         assert llm.engine.default_commit_rule == {"entropy_bound": 0.15}
     with pytest.raises(ValueError, match="decoding_algorithm must be one of"):
         EngineConfig(decoding_algorithm="JointThreshold")
+
+
+def test_an_editing_checkpoint_decodes_by_its_preset(tmp_path: Path) -> None:
+    """make-tiny --family llada2 --editing writes generation_config.json decoding_algorithm
+    s_mode: requests that choose no rule decode by LLaDA2.1's S mode; the flag overrides it."""
+    from dllm_serve.config import EngineConfig
+    from dllm_serve_train.tiny_checkpoints import main
+
+    out = tmp_path / "llada21"
+    assert main(["--family", "llada2", str(out), "--block-size", "4", "--editing"]) == 0
+    assert (
+        json.loads((out / "generation_config.json").read_text())["decoding_algorithm"] == "s_mode"
+    )
+    assert "token editing" in (out / "README.md").read_text()
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    s_mode = DecodingParams(gen_length=10, steps=64, confidence_threshold=0.5, edit_threshold=0.0)
+    with LLM(str(out), device="cpu", dtype="float32") as llm:
+        assert llm.engine.decoding_algorithm == "s_mode"
+        (preset,) = llm.chat([chat], max_tokens=10)  # no rule named: the checkpoint's preset
+        (explicit,) = llm.generate([chat], s_mode)
+    assert preset.text == explicit.text and preset.nfe == explicit.nfe
+    flag = EngineConfig(decoding_algorithm="low_confidence")
+    with LLM(str(out), device="cpu", dtype="float32", engine_config=flag) as llm:
+        assert llm.engine.decoding_algorithm == "low_confidence"
+    bad = json.loads((out / "generation_config.json").read_text()) | {"decoding_algorithm": "x"}
+    (out / "generation_config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="decoding_algorithm 'x' is not one of"):
+        LLM(str(out), device="cpu", dtype="float32")
