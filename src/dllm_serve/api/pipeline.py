@@ -467,7 +467,7 @@ class ModelFacts:
             token_editing=engine.token_editing,
             infilling=engine.infilling,
             default_rule=tuple(engine.default_commit_rule.items()),
-            logprobs=engine.logprobs,
+            logprob_modes=engine.logprob_modes,
             canvas_length=getattr(engine.algorithm, "canvas_length", None),
             max_denoising_steps=getattr(settings, "max_denoising_steps", None),
         )

@@ -293,18 +293,29 @@ class ModelDecoding:
     max_denoising_steps: int | None = None
     token_editing: bool = False  # requests may ask for JointThreshold (LLaDA2.x)
     infilling: bool = False  # /v1/completions suffix (bidirectional canvas denoising)
-    logprobs: bool = True  # the engine records logprobs for this model (engine/logprobs.py)
+    # The request modes whose logprobs the engine records (engine/logprobs.py); None: all.
+    logprob_modes: tuple[str, ...] | None = None
     # --decoding-algorithm: the rule fields of requests that set none of RULE_FIELDS.
     default_rule: tuple[tuple[str, float], ...] = ()
 
     def check_logprobs(self, req: Request) -> None:
-        """Logprobs only where the engine records them (canvas and block diffusion)."""
-        if logprob_count(req) is not None and not self.logprobs:
+        """Logprobs only where the engine records them: canvas denoising, block diffusion and
+        self-speculation, not the seeded block decoders (Fast-dLLM v2, a tri-mode model's
+        ``diffusion``) or DiffusionGemma."""
+        if logprob_count(req) is None or self.logprob_modes is None:
+            return
+        mode = (
+            req.decoding_mode
+            or self.default_mode
+            or (model_mode(self.kind) if self.kind != TRI_MODE else None)
+        )
+        if mode not in self.logprob_modes:
             raise invalid(
-                "'logprobs' are recorded for canvas denoising and block diffusion (LLaDA, Dream, "
-                "LLaDA-MoE, SDAR, LLaDA2.x): there each answer token has the forward that "
-                "committed it. This model decodes otherwise (self-speculation, or a block "
-                "decoder that places seed tokens), which does not report them yet. Omit it.",
+                "'logprobs' are not recorded for this model's decoding "
+                f"({mode}): a block decoder that places seed tokens beside the committed ones "
+                "(Fast-dLLM v2, a tri-mode model's diffusion mode) or DiffusionGemma's "
+                "re-drawn canvases. They are for canvas denoising, block diffusion and "
+                "self-speculation (a tri-mode model's ar and linear_spec). Omit it.",
                 "logprobs",
                 code="not_applicable",
             )

@@ -284,10 +284,11 @@ def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingPara
             f"edit_threshold (token editing) applies to LLaDA2.x checkpoints; model {model!r} "
             "was not trained to edit tokens"
         )
-    if params.logprobs is not None and not supports_logprobs(algorithm):
+    if params.logprobs is not None and not supports_logprobs(algorithm, params.decoding_mode):
         raise ValueError(
-            f"logprobs are recorded for canvas denoising and block diffusion; model {model!r} "
-            f"decodes by {algorithm.decoding_mode}"
+            f"logprobs are not recorded for model {model!r} decoding by "
+            f"{params.decoding_mode or algorithm.decoding_mode} (a seeded block decoder or "
+            "DiffusionGemma's renoise canvases)"
         )
     if params.suffix_ids and not supports_infilling(algorithm):
         raise ValueError(
@@ -298,13 +299,26 @@ def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingPara
         raise ValueError(f"answer_limit applies to canvas denoising, not {algorithm.decoding_mode}")
 
 
-def supports_logprobs(algorithm: DecodingAlgorithm) -> bool:
-    """Whether ``algorithm``'s step result lists the token committed at each requested
-    position in order, which is what logprobs are recorded from (engine/logprobs.py):
-    canvas denoising and block diffusion. Self-speculation emits verified tokens, and the
-    seeded block decoders (Fast-dLLM v2, tri-mode diffusion) place seeds beside them; neither
-    is recorded yet."""
-    return type(algorithm) in (LLaDADenoiser, BlockDiffusionDecoder)
+LOGPROB_ALGORITHMS = (LLaDADenoiser, BlockDiffusionDecoder, ISDecoder, LinearSpecDecoder)
+
+
+def supports_logprobs(algorithm: DecodingAlgorithm, mode: str | None = None) -> bool:
+    """Whether logprobs are recorded for ``algorithm`` (a tri-mode model's: for ``mode``,
+    its default when None; engine/logprobs.py): canvas denoising, block diffusion and
+    self-speculation. The seeded block decoders (Fast-dLLM v2, a tri-mode model's
+    ``diffusion``) place a seed beside the committed tokens and DiffusionGemma re-draws whole
+    canvases: not recorded."""
+    if isinstance(algorithm, TriModeDecoder):
+        chosen = algorithm.modes[mode or algorithm.default]
+        return type(chosen) in LOGPROB_ALGORITHMS
+    return type(algorithm) in LOGPROB_ALGORITHMS
+
+
+def logprob_modes(algorithm: DecodingAlgorithm) -> tuple[str, ...]:
+    """The request modes (``decoding_mode``) whose logprobs are recorded."""
+    if isinstance(algorithm, TriModeDecoder):
+        return tuple(m for m in algorithm.modes if supports_logprobs(algorithm, m))
+    return (default_mode(algorithm),) if supports_logprobs(algorithm) else ()
 
 
 def supports_infilling(algorithm: DecodingAlgorithm) -> bool:

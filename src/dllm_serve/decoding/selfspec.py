@@ -112,6 +112,10 @@ class SelfSpecState:
     block: int = 0
     finished: bool = False
     finish_reason: str | None = None
+    # Requests with logprobs (engine/logprobs.py), on the device: the emitted tokens' entries,
+    # and this forward's candidates (the specs' and each row's own token's) until the commit.
+    logprob_buffer: torch.Tensor | None = None
+    logprob_staged: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def step(self) -> int:

@@ -39,12 +39,14 @@ from dllm_serve.decoding.registry import (
     check_request,
     decoding_algorithm,
     default_mode,
+    logprob_modes,
     supports_editing,
     supports_infilling,
-    supports_logprobs,
 )
 from dllm_serve.engine.graphs import graph_memory
+from dllm_serve.engine.logprobs import after_commit as record_emitted
 from dllm_serve.engine.logprobs import after_sample, before_sample, read_entries
+from dllm_serve.engine.logprobs import mark as mark_emitted
 from dllm_serve.engine.model_runner import ModelRunner
 from dllm_serve.engine.outputs import (
     EngineObserver,
@@ -120,8 +122,8 @@ class AsyncEngine:
         self.token_editing = supports_editing(self.algorithm)
         # Whether a canvas may sit between the prompt and a suffix (/v1/completions suffix).
         self.infilling = supports_infilling(self.algorithm)
-        # Whether answer-token logprobs are recorded for this model (engine/logprobs.py).
-        self.logprobs = supports_logprobs(self.algorithm)
+        # The request modes whose answer-token logprobs are recorded (engine/logprobs.py).
+        self.logprob_modes = logprob_modes(self.algorithm)
         # --decoding-algorithm: the commit rule (request fields) of requests that choose none.
         self.decoding_algorithm = decoding_algorithm(loaded, self.config)
         self.default_commit_rule = dict(DECODING_ALGORITHMS[self.decoding_algorithm])
@@ -525,7 +527,10 @@ class AsyncEngine:
             state = request.state
             try:
                 before = snapshot(state, row, width) if request.trace else None
+                marked = mark_emitted(state)
                 result = commit([state], [row])[0]
+                if marked is not None:
+                    record_emitted(state, marked)
                 if state.kv is not None and not result.finished:
                     self.runner.pool.trim(state.kv)  # pages past what the request keeps
                 events = None

@@ -20,7 +20,10 @@ from dllm_serve.api.app import build_app
 from dllm_serve.config import ServerConfig
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.models.loader import LoadedModel, load_model
-from dllm_serve_train.tiny_checkpoints import write_tiny_llada2
+from dllm_serve_train.tiny_checkpoints import (
+    write_tiny_fastdllm,
+    write_tiny_llada2,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -117,13 +120,75 @@ def test_block_diffusion_and_editing_report_one_entry_per_token(tmp_path: Path) 
             assert all(e["logprob"] <= 0 and e["top_logprobs"] == [] for e in content)
 
 
-def test_models_that_do_not_record_logprobs_refuse_them() -> None:
-    idlm = load_model("demo-idlm", device="cpu", dtype="float32")
-    with client_for(idlm) as client:
-        reply = client.post("/v1/chat/completions", json={"messages": MESSAGES, "logprobs": True})
-    assert reply.status_code == 400
-    error = reply.json()["error"]
-    assert (error["param"], error["code"]) == ("logprobs", "not_applicable")
+def test_models_that_do_not_record_logprobs_refuse_them(tmp_path: Path) -> None:
+    fast = load_model(str(write_tiny_fastdllm(tmp_path / "f")), device="cpu", dtype="float32")
+    trimode = load_model("demo-trimode", device="cpu", dtype="float32")
+    for loaded, extra in ((fast, {}), (trimode, {"decoding_mode": "diffusion"})):
+        with client_for(loaded) as client:
+            body = {"messages": MESSAGES, "logprobs": True, **extra}
+            reply = client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 400
+        error = reply.json()["error"]
+        assert (error["param"], error["code"]) == ("logprobs", "not_applicable")
+
+
+@torch.no_grad()
+def causal_reference(loaded: LoadedModel, prompt: list[int], n: int, k: int) -> list[tuple]:
+    """Greedy AR with full causal forwards: (token, logprob, top-k) per answer token."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        size = len(ids)
+        causal = torch.tril(torch.ones(size, size, dtype=torch.bool))[None, None]
+        hidden = loaded.model(torch.tensor([ids]), torch.arange(size)[None], causal)
+        z = loaded.model.lm_head(hidden[0, -1]).float()
+        z[loaded.mask_id] = -float("inf")
+        log_probs = torch.log_softmax(z, -1)
+        token = int(log_probs.argmax())
+        if token in loaded.stop_ids:
+            break
+        top = log_probs.topk(k)
+        out.append((token, float(log_probs[token]), top.indices.tolist(), top.values.tolist()))
+        ids.append(token)
+    return out
+
+
+def test_self_speculation_logprobs_equal_the_causal_forwards() -> None:
+    """I-DLM's ISD (greedy == AR): each emitted token's entry is the causal distribution at
+    its position, whether it was an accepted draft or the verifier's own token."""
+    loaded = load_model("demo-idlm", device="cpu", dtype="float32")  # trained: drafts accepted
+    prompt = loaded.chat_prompt_ids([{"role": "user", "content": "What is 123 + 456?"}])
+    body = {"prompt": prompt, "max_tokens": 12, "logprobs": 2}
+    with client_for(loaded) as client:
+        reply = client.post("/v1/completions", json=body).json()
+    logprobs = reply["choices"][0]["logprobs"]
+    want = causal_reference(loaded, body["prompt"], 12, 2)
+    piece = lambda t: loaded.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    assert logprobs["tokens"] == [piece(t) for t, _, _, _ in want]
+    for got, top, (_, lp, ids, values) in zip(
+        logprobs["token_logprobs"], logprobs["top_logprobs"], want, strict=True
+    ):
+        assert got == pytest.approx(lp, abs=1e-4)
+        assert list(top) == [piece(t) for t in ids]
+        assert list(top.values()) == pytest.approx(values, abs=1e-4)
+    assert reply["usage"]["diffusion"]["accepted_drafts"] > 0  # drafts were accepted too
+
+
+def test_linear_spec_logprobs_equal_ar_ones() -> None:
+    """A tri-mode model's linear_spec emits exactly ar's tokens, from the same causal view:
+    the same entries, whether a token was a matched draft or a bonus."""
+    trimode = load_model("demo-trimode", device="cpu", dtype="float32")
+    entries = {}
+    with client_for(trimode) as client:
+        for mode in ("ar", "linear_spec"):
+            body = {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2,
+                    "decoding_mode": mode}  # fmt: skip
+            reply = client.post("/v1/chat/completions", json=body).json()
+            entries[mode] = reply["choices"][0]["logprobs"]["content"]
+            assert len(entries[mode]) == reply["usage"]["completion_tokens"] > 0
+    assert [e["token"] for e in entries["ar"]] == [e["token"] for e in entries["linear_spec"]]
+    for a, b in zip(entries["ar"], entries["linear_spec"], strict=True):
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+        assert [t["token"] for t in a["top_logprobs"]] == [t["token"] for t in b["top_logprobs"]]
 
 
 def test_top_logprobs_needs_logprobs(llada: LoadedModel) -> None:
