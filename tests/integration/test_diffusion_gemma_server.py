@@ -128,8 +128,9 @@ def test_info_lists_the_mode_and_fields(server: Any) -> None:
     assert "entropy_bound" in info["fields"] and "block_length" in info["refused_fields"]
 
 
-def test_the_trace_route_says_it_has_no_view_yet(server: Any) -> None:
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+def test_the_trace_route_streams_renoise_events(server: Any) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "seed": 1}
     reply = server.http().post("/v1/dllm/trace", json=body)
-    assert reply.status_code == 400
-    assert reply.json()["error"]["code"] == "not_available_yet"
+    assert reply.status_code == 200
+    names = [line[6:].strip() for line in reply.text.splitlines() if line.startswith("event:")]
+    assert names[0] == "start" and names[-1] == "done" and "renoise" in names
