@@ -114,6 +114,16 @@ class Metrics:
             "/ draft).",
             registry=r,
         )
+        self.prefix_queries = Counter(
+            "dllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (requests started with it on).",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "dllm:prefix_cache_hits",
+            "Prompt tokens whose K/V came from the prefix cache (hit rate = hits / queries).",
+            registry=r,
+        )
         self.request_forwards = Histogram(
             "dllm:request_forwards",
             "Forward passes (NFE) per finished request.",
@@ -134,6 +144,10 @@ class Metrics:
 
     def on_first_content(self, seconds_since_arrival: float) -> None:
         self.ttfc.observe(seconds_since_arrival)
+
+    def on_prefix_cache(self, queried: int, hit: int) -> None:
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hit)
 
     def on_finished(self, output: RequestOutput, seconds_since_arrival: float) -> None:
         self.success.labels(output.finish_reason or "unknown").inc()

@@ -25,6 +25,7 @@ def usage_dict(output: RequestOutput, canvas_length: int) -> dict[str, Any]:
         output.nfe,
         output.committed,
         _speculation(output),
+        output.cached_tokens,
     )
 
 
@@ -35,11 +36,14 @@ def _usage(
     nfe: int = 0,
     committed: int = 0,
     speculation: dict[str, Any] | None = None,
+    cached: int = 0,
 ) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        # As OpenAI reports it: prompt tokens whose K/V came from the prefix cache.
+        "prompt_tokens_details": {"cached_tokens": cached},
         "diffusion": {
             "nfe": nfe,
             "canvas_length": canvas_length,

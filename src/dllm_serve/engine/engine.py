@@ -33,7 +33,7 @@ import uuid6
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
-from dllm_serve.decoding.protocol import RowSpec, as_step_logits
+from dllm_serve.decoding.protocol import PrefixReuse, RowSpec, as_step_logits
 from dllm_serve.decoding.registry import algorithm_for, check_request, default_mode
 from dllm_serve.engine.graphs import graph_memory
 from dllm_serve.engine.model_runner import ModelRunner
@@ -61,6 +61,7 @@ from dllm_serve.engine.scheduler import (
 )
 from dllm_serve.engine.tokenizer_pool import TokenizerPool
 from dllm_serve.models.errors import DeviceFault, is_device_fault
+from dllm_serve.models.kv_pool import CachedChunk, PrefixCache
 from dllm_serve.models.loader import LoadedModel, decode_answer
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class AsyncEngine:
             attention=attention,
         )
         self.kv = KVBudget(self.runner.pool, self.algorithm)
+        self.prefix_cache = self._prefix_cache(attention)
         self.scheduler = Scheduler(self.config)
         self.inbox = Inbox()
         self.outbox = Outbox()
@@ -139,6 +141,37 @@ class AsyncEngine:
         # for (or blocks) the API's chat templating, which borrows the pool's copies.
         self._detok_tokenizer = copy.deepcopy(loaded.tokenizer)
         self._thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
+
+    def _prefix_cache(self, attention: str) -> PrefixCache | None:
+        """The KV pool's prefix cache when ``--enable-prefix-caching`` allows it and reuse is
+        exact: the algorithm keeps K/V that depend only on the tokens before them (causal or
+        block-causal: :class:`~dllm_serve.decoding.protocol.PrefixReuse`). Canvas denoising
+        (LLaDA, Dream, LLaDA-MoE; with ``--kv-cache prefix`` too) has no such K/V, and the
+        FlexAttention backend's mask tells pages apart by one owner each, which a page shared
+        by several requests does not have: both are refused when the flag insists, and off by
+        default."""
+        wanted = self.config.enable_prefix_caching
+        pool = self.runner.pool
+        if wanted is False:
+            return None
+        why = None
+        if pool is None or not isinstance(self.algorithm, PrefixReuse):
+            why = (
+                "its decoding keeps no K/V that depend only on the tokens before them "
+                "(canvas denoising attends over the whole canvas; --kv-cache prefix is "
+                "per-request only)"
+            )
+        elif attention == "flex":
+            why = "the flex attention backend cannot share KV pages between requests yet"
+        if why is not None:
+            if wanted:
+                raise ValueError(
+                    f"--enable-prefix-caching: model {self.loaded.name!r} cannot reuse prefixes "
+                    f"across requests: {why}; omit the flag or use --no-enable-prefix-caching"
+                )
+            return None
+        assert pool is not None and isinstance(self.algorithm, PrefixReuse)
+        return pool.enable_prefix_cache(self.algorithm.prefix_alignment)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     @property
@@ -441,7 +474,12 @@ class AsyncEngine:
                     continue
                 span = None
                 if need and pool is not None:
-                    span = pool.reserve(need)
+                    try:
+                        hit = self._prefix_hit(request, need)
+                    except Exception as exc:
+                        self._fail_exc(request, exc, "admission")
+                        continue
+                    span = pool.reserve(need, hit)
                     if span is None:
                         blocked.append(request)
                         self._kv_blocked = True
@@ -450,12 +488,20 @@ class AsyncEngine:
                     request.state = self.algorithm.init_state(
                         request.prompt_ids, request.params, self.loaded.device
                     )
+                    request.state.kv = span
+                    if span is not None and span.shared:
+                        assert isinstance(self.algorithm, PrefixReuse)
+                        self.algorithm.reuse_prefix(request.state, span.length)
                 except Exception as exc:
                     if span is not None and pool is not None:
-                        pool.free(span)
+                        pool.free(span)  # unpins the hit; caches nothing
+                    if request.state is not None:
+                        request.state.kv = None
                     self._fail_exc(request, exc, "admission")
                     continue
-                request.state.kv = span
+                if self.prefix_cache is not None:
+                    request.cached_tokens = span.length if span is not None else 0
+                    self.observer.on_prefix_cache(len(request.prompt_ids), request.cached_tokens)
                 if request.trace and hasattr(request.state, "report_confidence"):
                     request.state.report_confidence = True  # commit confidences for the trace
                 self.scheduler.run(request)
@@ -463,6 +509,17 @@ class AsyncEngine:
                     blocked[0].bypassed += 1
         finally:
             self.scheduler.waiting.extendleft(reversed(blocked))
+
+    def _prefix_hit(self, request: Request, need: int) -> list[CachedChunk]:
+        """The prefix-cache chunks ``request`` may start from (none without the cache): the
+        longest cached chain its prompt starts with, within what its algorithm lets it take
+        and short of its whole reservation."""
+        cache = self.prefix_cache
+        if cache is None:
+            return []
+        assert isinstance(self.algorithm, PrefixReuse)
+        limit = self.algorithm.prefix_limit(len(request.prompt_ids), request.params)
+        return cache.match(request.prompt_ids, min(limit, need - 1))
 
     def _prepare(self, group: list[Request]) -> tuple[list[Request], list[RowSpec]]:
         """Each row's tokens and logit positions (the rows whose ``prepare`` succeeded)."""
@@ -558,13 +615,30 @@ class AsyncEngine:
             # Free the slot and the KV before the client hears about it, so counts are never
             # stale.
             self.scheduler.remove(request)
-            self._release_kv(request)
+            self._release_kv(request, output.finish_reason)
             self.observer.on_finished(output, time.monotonic() - request.arrival_time)
         self.outbox.put(request.sink, output, request.loop)
 
-    def _release_kv(self, request: Request) -> None:
+    def _release_kv(self, request: Request, reason: str | None = None) -> None:
+        """Give the request's pages back; with the prefix cache, the full chunks of what it
+        kept (its prompt and committed answer: K/V computed from final tokens only) stay
+        cached for the next requests — not after an error, whose K/V nobody vouches for."""
         state = request.state
         if state is not None and state.kv is not None:
             assert self.runner.pool is not None
-            self.runner.pool.free(state.kv)
+            tokens = None
+            if self.prefix_cache is not None and reason != "error":
+                tokens = _kept_token_ids(request.prompt_ids, state)
+            self.runner.pool.free(state.kv, tokens)
             state.kv = None
+
+
+def _kept_token_ids(prompt_ids: list[int], state: Any) -> list[int]:
+    """The token ids at the first positions of a request's KV span: a canvas decoder's canvas
+    (its kept positions are committed, final tokens), else the prompt and the answer emitted
+    so far (a self-speculative span keeps ``prompt + emitted[:-1]``). Where the kept length
+    runs past these (a stop id the answer drops), the cache keeps only what they cover."""
+    canvas = getattr(state, "tokens", None)
+    if isinstance(canvas, list):
+        return canvas
+    return prompt_ids + state.answer_tokens()

@@ -58,6 +58,9 @@ class RequestOutput:
     error: str | None = None
     # Traced requests only (engine/outputs.py): this step's events, None otherwise.
     trace: tuple[dict, ...] | None = None
+    # Prompt tokens whose K/V came from the prefix cache (0 without a hit, or before the
+    # request started).
+    cached_tokens: int = 0
 
 
 class IncrementalDetokenizer:
@@ -340,6 +343,10 @@ class EngineObserver(Protocol):
 
     def on_finished(self, output: RequestOutput, seconds_since_arrival: float) -> None: ...
 
+    def on_prefix_cache(self, queried: int, hit: int) -> None:
+        """A request started with the prefix cache on: its prompt tokens looked up, and the
+        tokens found cached (vLLM's prefix-cache queries and hits)."""
+
 
 class NullObserver:
     """The default: observe nothing."""
@@ -354,4 +361,7 @@ class NullObserver:
         pass
 
     def on_finished(self, output: RequestOutput, seconds_since_arrival: float) -> None:
+        pass
+
+    def on_prefix_cache(self, queried: int, hit: int) -> None:
         pass
