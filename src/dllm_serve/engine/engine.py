@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import logging
 import threading
 import time
@@ -501,10 +502,11 @@ class AsyncEngine:
                     continue
                 if self.prefix_cache is not None:
                     request.cached_tokens = span.length if span is not None else 0
-                    self.observer.on_prefix_cache(len(request.prompt_ids), request.cached_tokens)
                 if request.trace and hasattr(request.state, "report_confidence"):
                     request.state.report_confidence = True  # commit confidences for the trace
                 self.scheduler.run(request)
+                if self.prefix_cache is not None:  # once it runs: a failing hook loses nothing
+                    self.observer.on_prefix_cache(len(request.prompt_ids), request.cached_tokens)
                 if blocked:
                     blocked[0].bypassed += 1
         finally:
@@ -549,6 +551,9 @@ class AsyncEngine:
                 result = commit([state], [row])[0]
                 if state.kv is not None and not result.finished:
                     self.runner.pool.trim(state.kv)  # pages past what the request keeps
+                    if self.prefix_cache is not None:  # its kept full chunks, for others now
+                        kept = functools.partial(_kept_token_ids, request.prompt_ids, state)
+                        self.prefix_cache.publish(state.kv, kept)
                 events = None
                 if before is not None:
                     events = (step_event(state, before, self._piece),)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -285,6 +285,7 @@ class PrefixCache:
         self.pages_per_chunk = chunk // pool.page_size
         self._chunks: dict[tuple[int, tuple[int, ...]], CachedChunk] = {}
         self._pins: dict[int, list[CachedChunk]] = {}  # a table's id -> the chunks it pins
+        self._stalled: set[int] = set()  # tables whose next chunk another table cached first
         self._serials = itertools.count(1)
         self._clock = itertools.count(1)
         # Idle leaves by last use; entries go stale (re-checked when popped) rather than
@@ -328,11 +329,48 @@ class PrefixCache:
             chunk.last_used = now
         self._pins[kv.id] = list(chunks)
 
+    def publish(self, kv: KVPages, tokens: Callable[[], Sequence[int]]) -> None:
+        """A running table's newly kept full chunks join the cache now (so a request that
+        arrives while it decodes already hits its prompt): their pages change hands from the
+        table to the cache, pinned by the table (its ``shared`` grows; the pool's reservation
+        shrinks by as much as the pinned pages grow). ``tokens`` gives the token ids at its
+        positions (called only when a chunk is complete). A chunk some other table cached
+        first ends publishing for this one: its own copy stays its own until it ends."""
+        c, per = self.chunk, self.pages_per_chunk
+        depth = kv.shared // per
+        if (depth + 1) * c > kv.length or kv.id in self._stalled:
+            return
+        ids = tokens()
+        kept = min(kv.length, len(ids))
+        hit = self._pins.setdefault(kv.id, [])
+        assert len(hit) == depth and kv.shared == depth * per
+        parent = hit[-1] if hit else None
+        now = next(self._clock)
+        while (depth + 1) * c <= kept:
+            key = (parent.serial if parent else 0, tuple(ids[depth * c : (depth + 1) * c]))
+            if key in self._chunks:
+                self._stalled.add(kv.id)
+                return
+            pages = kv.pages[depth * per : (depth + 1) * per]
+            chunk = CachedChunk(key, next(self._serials), parent, pages, depth, pins=1,
+                                last_used=now)  # fmt: skip
+            self._chunks[key] = chunk
+            self.cached_pages += per
+            self.pinned_pages += per
+            self.pool.reserved_pages -= per
+            if parent is not None:
+                parent.children += 1
+            hit.append(chunk)
+            kv.shared += per
+            parent = chunk
+            depth += 1
+
     def release(self, kv: KVPages, tokens: Sequence[int] | None) -> list[int]:
         """``kv`` ends: unpin its hit and, given ``tokens``, cache the full chunks of its kept
         K/V past it (a chunk already cached by another request keeps the older copy). Returns
         the table's own pages the cache did not take (the caller frees them)."""
         hit = self._pins.pop(kv.id, [])
+        self._stalled.discard(kv.id)
         now = next(self._clock)
         parent = hit[-1] if hit else None
         own = kv.pages[kv.shared :]

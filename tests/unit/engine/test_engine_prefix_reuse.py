@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 
 import pytest
-from prefix_driver import Counts, answers, hand_engine, run
+from prefix_driver import Counts, answers, hand_engine, request, run
 
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
@@ -160,6 +160,37 @@ def test_a_hit_never_ends_inside_a_block(
     assert got[True][1] == [112 // block * block] * 3 == [96 if block == 32 else 112] * 3
 
 
+@pytest.mark.parametrize(("family", "options", "mode"), [CASES[0], CASES[2], CASES[6]],
+                         ids=[IDS[0], IDS[2], IDS[6]])  # fmt: skip
+def test_a_request_arriving_while_another_decodes_hits_its_prompt_at_once(
+    models: dict[str, LoadedModel], family: str, options: dict, mode: str | None
+) -> None:
+    """A request's kept chunks are published as soon as it keeps them (after its prefill),
+    not when it ends: one that arrives two steps later reuses them while the first decodes."""
+    rng = random.Random(17)
+    system = tokens(rng, SHARED)
+    first, second = [*system, 600, *tokens(rng, 5)], [*system, 601, *tokens(rng, 9)]
+    got = {}
+    for on in (False, True):
+        engine, counts = hand_engine(models[family], enable_prefix_caching=on)
+        a = request(engine, "a", first, params(mode, gen_length=40))
+        b = request(engine, "b", second, params(mode, gen_length=40))
+        engine.inbox.requests.append(a)
+        engine.step()
+        engine.step()
+        assert a.state is not None and not a.state.finished
+        engine.inbox.requests.append(b)
+        while engine.scheduler.running or engine.scheduler.waiting or engine.inbox.requests:
+            engine.step()
+            if on:
+                pinned_pages_are_safe(engine)
+        got[on] = answers([a, b]), [a.cached_tokens, b.cached_tokens], counts.forward_tokens
+        idle(engine)
+    assert got[True][0] == got[False][0]
+    assert got[True][1] == [0, SHARED] and got[False][1] == [0, 0]
+    assert got[False][2] - got[True][2] == SHARED
+
+
 def engine_with_pages(
     loaded: LoadedModel, pages: int, **config: object
 ) -> tuple[AsyncEngine, Counts]:
@@ -180,8 +211,8 @@ def pinned_pages_are_safe(engine: AsyncEngine) -> None:
     assert len(free) == len(pool._free)
     cached = {p for chunk in pool.cache._chunks.values() for p in chunk.pages}
     held: set[int] = set()
-    for request in engine.scheduler.running:
-        kv = request.state.kv  # type: ignore[union-attr]
+    for running in engine.scheduler.running:
+        kv = running.state.kv  # type: ignore[union-attr]
         shared, own = set(kv.pages[: kv.shared]), set(kv.pages[kv.shared :])
         assert shared <= cached and not shared & free
         assert not own & cached and not own & free and not own & held

@@ -174,3 +174,44 @@ def test_block_sized_chunks_for_block_causal_families() -> None:
         busy = pool(4)
         busy.reserve(PS)
         busy.enable_prefix_cache(PS)
+
+
+def test_a_running_table_publishes_its_kept_chunks_to_the_cache() -> None:
+    p = pool(12)
+    cache = p.cache
+    assert cache is not None
+    a = seq(0, 5 * PS)
+    kv = p.reserve(6 * PS)
+    assert kv is not None and p.reserved_pages == 6
+    p.grow(kv, 3 * PS)
+    kv.length = 2 * PS + 5  # two full chunks kept
+    calls: list[int] = []
+
+    def ids() -> list[int]:
+        calls.append(1)
+        return a
+
+    cache.publish(kv, ids)
+    # Two chunks change hands: pinned by the table, out of its reservation.
+    assert kv.shared == 2 and len(cache) == 2 and cache.pinned_pages == 2
+    assert p.reserved_pages == 4 and p.free_pages == 12 - 4 - 2
+    cache.publish(kv, ids)  # nothing new kept: the token ids are not even asked for
+    assert len(calls) == 1
+    # Another table, computing the same prompt alongside, finds its first chunk cached
+    # already: it publishes nothing and keeps its own copies until it ends.
+    other = p.reserve(6 * PS)
+    assert other is not None
+    p.grow(other, 4 * PS)
+    other.length = 4 * PS
+    cache.publish(other, lambda: a)
+    assert other.shared == 0 and len(cache) == 2
+    kv.length = 3 * PS
+    cache.publish(kv, ids)  # the first table goes on publishing its chain
+    assert kv.shared == 3 and len(cache) == 3 and p.reserved_pages == 3 + 6
+    p.trim(kv)
+    p.free(kv, a)
+    p.free(other, a)
+    assert cache.pinned_pages == 0 and p.reserved_pages == 0 and p.pages_used == 0
+    assert len(p._free) + cache.idle_pages == p.num_pages
+    # The other table's fourth chunk joined the chain when it ended; its duplicates were freed.
+    assert len(cache.match(a, 5 * PS)) == 4
