@@ -301,3 +301,11 @@ def test_the_flag_turns_it_off_and_the_flex_backend_refuses_it(
     assert hand_engine(idlm, attention_backend="flex")[0].prefix_cache is None
     with pytest.raises(ValueError, match="flex attention backend"):
         hand_engine(idlm, attention_backend="flex", enable_prefix_caching=True)
+
+
+def test_the_flags_are_vllms() -> None:
+    from dllm_serve.cli import parse_config
+
+    assert parse_config([]).engine.enable_prefix_caching is None  # on where exact
+    assert parse_config(["--enable-prefix-caching"]).engine.enable_prefix_caching is True
+    assert parse_config(["--no-enable-prefix-caching"]).engine.enable_prefix_caching is False
