@@ -2,6 +2,7 @@
 
     python benchmarks/prefix_reuse.py --threads 1                     # demo-idlm on CPU
     python benchmarks/prefix_reuse.py --model demo-trimode --users 8 --turns 4
+    python benchmarks/prefix_reuse.py --tiny llada2 --ignore-eos       # random block diffusion
     python benchmarks/prefix_reuse.py --model /models/SDAR-4B-Chat --device cuda
 
 The traffic: ``--users`` conversations that share one system prompt of about
@@ -18,7 +19,9 @@ actually computed (prompt tokens less the cache's hits), all tokens fed to the m
 cache's hit rate, time to first content (arrival to the first answer token made final:
 median and p90 over requests), answer tokens per second (answer tokens / wall time of the
 whole traffic) and whether the answers are the same with the cache on and off (greedy: they
-must be). Writes ``benchmarks/results/prefix_reuse.json``.
+must be). ``--ignore-eos`` makes every answer ``--max-tokens`` long (the demos answer an
+off-topic question in a few tokens); ``--tiny FAMILY`` serves a tiny random checkpoint of that
+family (``make-tiny``) instead of ``--model``. Writes ``benchmarks/results/prefix_reuse.json``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +51,7 @@ from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.outputs import NullObserver
 from dllm_serve.models.loader import LoadedModel, load_model
+from dllm_serve_train.tiny_checkpoints import write_tiny
 
 PARAGRAPH = (
     "You are the support assistant of a small bookshop. Answer in one or two short sentences. "
@@ -113,7 +118,9 @@ async def one_request(
 
 async def traffic(engine: AsyncEngine, args: argparse.Namespace, system: str) -> list[dict]:
     """Every turn of every user's conversation; the per-request results in order."""
-    params = DecodingParams(gen_length=args.max_tokens, steps=args.max_tokens)
+    params = DecodingParams(
+        gen_length=args.max_tokens, steps=args.max_tokens, ignore_eos=args.ignore_eos
+    )
     chats = [[{"role": "system", "content": system}] for _ in range(args.users)]
     results = []
     for turn in range(args.turns):
@@ -166,6 +173,8 @@ def run_once(loaded: LoadedModel, args: argparse.Namespace, system: str, on: boo
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="demo-idlm", help="(default: %(default)s)")
+    p.add_argument("--tiny", metavar="FAMILY", help="a tiny random checkpoint of FAMILY instead")
+    p.add_argument("--ignore-eos", action="store_true", help="every answer max-tokens long")
     p.add_argument("--device", default="cpu", help="(default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="(default: %(default)s)")
     p.add_argument("--users", type=at_least(1), default=8, help="(default: %(default)s)")
@@ -184,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(args.threads)
+    if args.tiny:
+        args.model = str(write_tiny(args.tiny, Path(tempfile.mkdtemp()) / args.tiny))
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     system = system_prompt(loaded, args.system_tokens)
     shared = len(loaded.chat_prompt_ids([{"role": "system", "content": system}]))
@@ -195,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     same = chosen[True]["answers"] == chosen[False]["answers"]
     report = {
         "benchmark": "prefix_reuse",
-        "model": args.model,
+        "model": f"tiny-{args.tiny}" if args.tiny else args.model,
+        "ignore_eos": args.ignore_eos,
         "users": args.users,
         "turns": args.turns,
         "system_prompt_tokens": shared,
@@ -211,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json(args.out, report)
     keys = ["prompt_tokens", "prefill_tokens", "forward_tokens", "hit_rate", "ttfc_median_ms",
             "ttfc_p90_ms", "answer_tokens_per_s", "wall_s"]  # fmt: skip
-    print(f"{args.model}: {args.users} users x {args.turns} turns, system prompt {shared} tokens")
+    head = f"{report['model']}: {args.users} users x {args.turns} turns"
+    print(f"{head}, system prompt {shared} tokens")
     print(f"{'':22}{'cache on':>12}{'cache off':>12}")
     for key in keys:
         print(f"{key:22}{report['on'][key]!s:>12}{report['off'][key]!s:>12}")

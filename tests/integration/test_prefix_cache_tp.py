@@ -34,6 +34,8 @@ def answers(llm: LLM, params: DecodingParams) -> tuple[list[str], int]:
              for q in QUESTIONS]  # fmt: skip
     first = llm.generate(chats[:1], params)  # fills the cache
     rest = llm.generate(chats[1:], params)
+    # The offline API reports each request's hit as the server's usage does.
+    assert sum(c.cached_tokens for c in first + rest) == hits.hits
     return [c.text for c in first + rest], hits.hits
 
 
