@@ -147,10 +147,14 @@ class AsyncEngine:
         """The KV pool's prefix cache when ``--enable-prefix-caching`` allows it and reuse is
         exact: the algorithm keeps K/V that depend only on the tokens before them (causal or
         block-causal: :class:`~dllm_serve.decoding.protocol.PrefixReuse`). Canvas denoising
-        (LLaDA, Dream, LLaDA-MoE; with ``--kv-cache prefix`` too) has no such K/V, and the
-        FlexAttention backend's mask tells pages apart by one owner each, which a page shared
-        by several requests does not have: both are refused when the flag insists, and off by
-        default."""
+        (LLaDA, Dream, LLaDA-MoE; with ``--kv-cache prefix`` too) has no such K/V: refused
+        when the flag insists, off by default.
+
+        The FlexAttention backend's mask tells a key's request by its page's one owner, which
+        a page shared by several requests does not have: with it a hit is *copied* into pages
+        of the request's own (the prefill is saved, not the memory). Under tensor
+        parallelism that copy would have to reach every rank's pool, so flex + TP has no
+        cache (refused when asked for)."""
         wanted = self.config.enable_prefix_caching
         pool = self.runner.pool
         if wanted is False:
@@ -162,8 +166,11 @@ class AsyncEngine:
                 "(canvas denoising attends over the whole canvas; --kv-cache prefix is "
                 "per-request only)"
             )
-        elif attention == "flex":
-            why = "the flex attention backend cannot share KV pages between requests yet"
+        elif attention == "flex" and self.runner.tp is not None:
+            why = (
+                "the flex attention backend copies cached pages on rank 0's pool only, so it "
+                "has no prefix cache under tensor parallelism (--attention-backend sdpa has)"
+            )
         if why is not None:
             if wanted:
                 raise ValueError(
@@ -172,7 +179,8 @@ class AsyncEngine:
                 )
             return None
         assert pool is not None and isinstance(self.algorithm, PrefixReuse)
-        return pool.enable_prefix_cache(self.algorithm.prefix_alignment)
+        copy_hits = attention == "flex"
+        return pool.enable_prefix_cache(self.algorithm.prefix_alignment, copy_hits=copy_hits)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     @property
@@ -490,7 +498,7 @@ class AsyncEngine:
                         request.prompt_ids, request.params, self.loaded.device
                     )
                     request.state.kv = span
-                    if span is not None and span.shared:
+                    if span is not None and span.length:  # a prefix hit (shared or copied)
                         assert isinstance(self.algorithm, PrefixReuse)
                         self.algorithm.reuse_prefix(request.state, span.length)
                 except Exception as exc:

@@ -152,12 +152,15 @@ class KVPool:
         self._ids = itertools.count(1)
         self.cache: PrefixCache | None = None  # prefix reuse across requests (off: None)
 
-    def enable_prefix_cache(self, chunk: int) -> PrefixCache:
+    def enable_prefix_cache(self, chunk: int, *, copy_hits: bool = False) -> PrefixCache:
         """Keep the full pages of ended requests for reuse, in chunks of ``chunk`` tokens
-        (rounded up to whole pages and whole ``chunk``s: the family's block)."""
+        (rounded up to whole pages and whole ``chunk``s: the family's block). ``copy_hits``:
+        a hit's K/V are copied into pages of the request's own instead of shared (for an
+        attention whose mask gives every page a single owner)."""
         if self.reserved_pages or self.pages_used:
             raise RuntimeError("the prefix cache is enabled on an idle pool only")
-        self.cache = PrefixCache(self, math.lcm(self.page_size, max(1, chunk)))
+        chunk = math.lcm(self.page_size, max(1, chunk))
+        self.cache = PrefixCache(self, chunk, copy_hits=copy_hits)
         return self.cache
 
     @staticmethod
@@ -202,12 +205,40 @@ class KVPool:
         pins = self.cache.unpinned_pages(hit) if self.cache is not None and hit else 0
         if need + pins > self.free_pages:
             return None
+        if hit and self.cache is not None and self.cache.copy_hits:
+            return self._reserve_copying(total, hit, shared)
         kv = KVPages(next(self._ids), total, self.page_size, pages=shared, shared=len(shared))
         kv.length = len(shared) * self.page_size
         if hit:
             assert self.cache is not None
             self.cache.pin(kv, hit)
         self.reserved_pages += need
+        return kv
+
+    def _reserve_copying(
+        self, total: int, hit: Sequence[CachedChunk], shared: list[int]
+    ) -> KVPages | None:
+        """A reservation of ``total`` pages of its own whose first hold a copy of the hit's
+        K/V (one gather and scatter per K and V, every layer at once, queued on the device
+        before any forward that reads them). The hit is pinned only while its pages are
+        copied (taking the table's pages may evict), so it costs no page afterwards."""
+        assert self.cache is not None
+        if total + self.cache.unpinned_pages(hit) > self.free_pages:
+            return None
+        kv = KVPages(next(self._ids), total, self.page_size)
+        self.reserved_pages += total
+        self.cache.pin(kv, hit)
+        length = len(shared) * self.page_size
+        self.grow(kv, length)
+        ps = self.page_size
+        src = torch.tensor(
+            [page * ps + i for page in shared for i in range(ps)], device=self.k.device
+        )
+        dst = torch.tensor(kv.slots(0, length), device=self.k.device)
+        for buffer in (self.k, self.v):
+            buffer.index_copy_(1, dst, buffer.index_select(1, src))
+        self.cache.unpin(kv)
+        kv.length = length
         return kv
 
     def grow(self, kv: KVPages, tokens: int) -> None:
@@ -277,11 +308,12 @@ class PrefixCache:
     by the running requests that hit them and evicted least recently used first (idle leaves
     only: a chunk's children would be unreachable without it). Engine thread only."""
 
-    def __init__(self, pool: KVPool, chunk: int) -> None:
+    def __init__(self, pool: KVPool, chunk: int, *, copy_hits: bool = False) -> None:
         if chunk % pool.page_size:
             raise ValueError("a prefix-cache chunk is whole pages")
         self.pool = pool
         self.chunk = chunk
+        self.copy_hits = copy_hits
         self.pages_per_chunk = chunk // pool.page_size
         self._chunks: dict[tuple[int, tuple[int, ...]], CachedChunk] = {}
         self._pins: dict[int, list[CachedChunk]] = {}  # a table's id -> the chunks it pins
@@ -328,6 +360,16 @@ class PrefixCache:
             chunk.pins += 1
             chunk.last_used = now
         self._pins[kv.id] = list(chunks)
+
+    def unpin(self, kv: KVPages) -> None:
+        """Unpin what ``kv`` pins, as when it ends, but cache nothing of it."""
+        now = next(self._clock)
+        for chunk in self._pins.pop(kv.id, []):
+            chunk.pins -= 1
+            chunk.last_used = now
+            if not chunk.pins:
+                self.pinned_pages -= len(chunk.pages)
+                self._mark_idle(chunk)
 
     def publish(self, kv: KVPages, tokens: Callable[[], Sequence[int]]) -> None:
         """A running table's newly kept full chunks join the cache now (so a request that

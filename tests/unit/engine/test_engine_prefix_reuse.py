@@ -9,6 +9,7 @@ denoising refuses it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from pathlib import Path
@@ -292,15 +293,55 @@ def test_canvas_denoising_refuses_prefix_caching_and_has_it_off_by_default(
     assert engine.prefix_cache is None
 
 
-def test_the_flag_turns_it_off_and_the_flex_backend_refuses_it(
-    models: dict[str, LoadedModel],
-) -> None:
+def test_the_flag_turns_it_off(models: dict[str, LoadedModel]) -> None:
     idlm = models["idlm"]
-    assert hand_engine(idlm)[0].prefix_cache is not None  # on by default where exact
+    on = hand_engine(idlm)[0].prefix_cache
+    assert on is not None and not on.copy_hits  # on by default where exact; pages shared
     assert hand_engine(idlm, enable_prefix_caching=False)[0].prefix_cache is None
-    assert hand_engine(idlm, attention_backend="flex")[0].prefix_cache is None
-    with pytest.raises(ValueError, match="flex attention backend"):
-        hand_engine(idlm, attention_backend="flex", enable_prefix_caching=True)
+
+
+@pytest.mark.parametrize(("family", "options", "mode"), [CASES[0], CASES[2], CASES[6]],
+                         ids=[IDS[0], IDS[2], IDS[6]])  # fmt: skip
+def test_the_flex_backend_copies_hits_into_pages_of_the_requests_own(
+    models: dict[str, LoadedModel], family: str, options: dict, mode: str | None
+) -> None:
+    """FlexAttention's mask gives each page one owner, so with it a hit is copied, not
+    shared: the same answers as flex without the cache (and as SDPA), the hit's prefill
+    saved, no page shared, and a hit costs its pages."""
+    rng = random.Random(19)
+    system = tokens(rng, SHARED)
+    prompts = [[*system, 650 + i, *tokens(rng, 4 + i)] for i in range(4)]
+    got = {}
+    for backend, on in (("flex", False), ("flex", True), ("sdpa", True)):
+        engine, counts = hand_engine(
+            models[family], enable_prefix_caching=on, attention_backend=backend
+        )
+        assert (engine.prefix_cache is not None) is on
+        if on:
+            assert engine.prefix_cache is not None
+            assert engine.prefix_cache.copy_hits is (backend == "flex")
+
+        def no_page_shared(e: AsyncEngine = engine) -> None:
+            assert all(r.state.kv.shared == 0 for r in e.scheduler.running)  # type: ignore[union-attr]
+
+        check = no_page_shared if backend == "flex" else None
+        first = run(engine, prompts[:1], params(mode), prefix="a")
+        rest = run(engine, prompts[1:], params(mode), prefix="b", each_step=check)
+        got[backend, on] = answers(first + rest), counts.hits, counts.forward_tokens
+        idle(engine)
+    assert got["flex", True][0] == got["flex", False][0] == got["sdpa", True][0]
+    assert got["flex", True][1] == got["sdpa", True][1] == 3 * SHARED
+    assert got["flex", False][2] - got["flex", True][2] == 3 * SHARED
+
+
+def test_flex_under_tensor_parallelism_has_no_cache(models: dict[str, LoadedModel]) -> None:
+    engine, _ = hand_engine(models["idlm"], attention_backend="flex")
+    assert engine.prefix_cache is not None  # single rank: copying
+    engine.runner.tp = object()  # type: ignore[assignment]  # as a rank of a group sees it
+    assert engine._prefix_cache("flex") is None
+    with pytest.raises(ValueError, match="under tensor parallelism"):
+        engine.config = dataclasses.replace(engine.config, enable_prefix_caching=True)
+        engine._prefix_cache("flex")
 
 
 def test_the_flags_are_vllms() -> None:

@@ -6,6 +6,7 @@ page."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dllm_serve.models.kv_pool import PAGE_SIZE, KVPool
 
@@ -215,3 +216,25 @@ def test_a_running_table_publishes_its_kept_chunks_to_the_cache() -> None:
     assert len(p._free) + cache.idle_pages == p.num_pages
     # The other table's fourth chunk joined the chain when it ended; its duplicates were freed.
     assert len(cache.match(a, 5 * PS)) == 4
+
+
+def test_copying_hits_gives_the_table_its_own_pages_holding_the_cached_k_and_v() -> None:
+    p = KVPool(2, 1, 2, 8 * PS)
+    cache = p.enable_prefix_cache(PS, copy_hits=True)
+    p.k.normal_()
+    p.v.normal_()
+    a = seq(0, 2 * PS)
+    cached = finished(p, a, kept=2 * PS)[:2]
+    hit = cache.match([*a, 1], 2 * PS)
+    kv = p.reserve(4 * PS, hit)
+    assert kv is not None and kv.shared == 0 and kv.length == 2 * PS
+    assert not set(kv.pages) & set(cached) and len(kv.pages) == 2
+    # Every layer's K and V of the hit, slot for slot, in the table's own pages.
+    src = [page * PS + i for page in cached for i in range(PS)]
+    dst = kv.slots(0, 2 * PS)
+    for buffer in (p.k, p.v):
+        assert torch.equal(buffer[:, dst], buffer[:, src])
+    # The hit is not pinned afterwards; the table reserved all its pages.
+    assert cache.pinned_pages == 0 and p.reserved_pages == 4 and cache.idle_pages == 2
+    p.free(kv, a)  # its copies are duplicates: freed, the cached chunks stay
+    assert len(cache) == 2 and p.pages_used == 0 and p.reserved_pages == 0
