@@ -39,8 +39,13 @@ def answers(llm: LLM, params: DecodingParams) -> tuple[list[str], int]:
     return [c.text for c in first + rest], hits.hits
 
 
-@pytest.mark.parametrize("family", ["idlm", "nemotron"])
-def test_tp2_with_the_cache_answers_as_tp1_without_it(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("family", "backend"), [("idlm", "sdpa"), ("nemotron", "sdpa"), ("idlm", "flex")]
+)
+def test_tp2_with_the_cache_answers_as_tp1_without_it(
+    family: str, backend: str, tmp_path: Path
+) -> None:
+    """SDPA shares hit pages; flex copies them, on every rank (the copies go with the rows)."""
     lora = None
     if family == "nemotron":
         path = write_tiny_nemotron(tmp_path / "n", block_size=4, seed=2,
@@ -50,13 +55,15 @@ def test_tp2_with_the_cache_answers_as_tp1_without_it(family: str, tmp_path: Pat
     else:
         path = write_tiny(family, tmp_path / family, seed=5)
         params = DecodingParams(gen_length=12)
-    off = EngineConfig(enable_prefix_caching=False)
+    off = EngineConfig(enable_prefix_caching=False, attention_backend=backend)
     with LLM(str(path), device="cpu", dtype="float32", engine_config=off,
              draft_lora=lora) as llm:  # fmt: skip
         want, none = answers(llm, params)
+    on = EngineConfig(attention_backend=backend)
     with LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=2,
-             draft_lora=lora) as llm:  # fmt: skip
+             draft_lora=lora, engine_config=on) as llm:  # fmt: skip
         assert llm.engine.prefix_cache is not None
+        assert llm.engine.prefix_cache.copy_hits is (backend == "flex")
         got, hits = answers(llm, params)
     assert got == want and none == 0
     assert hits >= 3 * 64  # the three later requests hit the system prompt's pages at least

@@ -152,9 +152,8 @@ class AsyncEngine:
 
         The FlexAttention backend's mask tells a key's request by its page's one owner, which
         a page shared by several requests does not have: with it a hit is *copied* into pages
-        of the request's own (the prefill is saved, not the memory). Under tensor
-        parallelism that copy would have to reach every rank's pool, so flex + TP has no
-        cache (refused when asked for)."""
+        of the request's own before the next forward (the prefill is saved, not the memory);
+        under tensor parallelism the copies travel with the rows to every rank."""
         wanted = self.config.enable_prefix_caching
         pool = self.runner.pool
         if wanted is False:
@@ -165,11 +164,6 @@ class AsyncEngine:
                 "its decoding keeps no K/V that depend only on the tokens before them "
                 "(canvas denoising attends over the whole canvas; --kv-cache prefix is "
                 "per-request only)"
-            )
-        elif attention == "flex" and self.runner.tp is not None:
-            why = (
-                "the flex attention backend copies cached pages on rank 0's pool only, so it "
-                "has no prefix cache under tensor parallelism (--attention-backend sdpa has)"
             )
         if why is not None:
             if wanted:

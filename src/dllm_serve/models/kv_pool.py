@@ -145,6 +145,9 @@ class KVPool:
         self.page_index = torch.zeros(total_pages, dtype=torch.int32, device=device)
         # Pages given back since the tables above were last brought up to date.
         self.released: list[int] = []
+        # Prefix-cache hits to copy (source slots, destination slots) before the next forward
+        # (:meth:`take_copies`; every rank of a tensor-parallel group applies them).
+        self.copies: list[tuple[list[int], list[int]]] = []
         # Free pages as a stack: the most recently freed page is reused first (warm memory).
         self._free = list(range(self.num_pages - 1, -1, -1))
         # Pages promised to running requests: their worst cases less their prefix hits.
@@ -218,10 +221,11 @@ class KVPool:
     def _reserve_copying(
         self, total: int, hit: Sequence[CachedChunk], shared: list[int]
     ) -> KVPages | None:
-        """A reservation of ``total`` pages of its own whose first hold a copy of the hit's
-        K/V (one gather and scatter per K and V, every layer at once, queued on the device
-        before any forward that reads them). The hit is pinned only while its pages are
-        copied (taking the table's pages may evict), so it costs no page afterwards."""
+        """A reservation of ``total`` pages of its own whose first will hold a copy of the
+        hit's K/V: the copy is queued (:attr:`copies`) and made before the next forward, the
+        first that may read or write either side (a source page evicted meanwhile still holds
+        its K/V until a forward writes it). The hit is pinned only while the table's pages are
+        taken (that may evict), so it costs no page afterwards."""
         assert self.cache is not None
         if total + self.cache.unpinned_pages(hit) > self.free_pages:
             return None
@@ -231,15 +235,27 @@ class KVPool:
         length = len(shared) * self.page_size
         self.grow(kv, length)
         ps = self.page_size
-        src = torch.tensor(
-            [page * ps + i for page in shared for i in range(ps)], device=self.k.device
-        )
-        dst = torch.tensor(kv.slots(0, length), device=self.k.device)
-        for buffer in (self.k, self.v):
-            buffer.index_copy_(1, dst, buffer.index_select(1, src))
+        self.copies.append(([page * ps + i for page in shared for i in range(ps)],
+                            kv.slots(0, length)))  # fmt: skip
         self.cache.unpin(kv)
         kv.length = length
         return kv
+
+    def take_copies(self) -> list[tuple[list[int], list[int]]]:
+        """The queued hit copies, handed over (rank 0 sends them to the workers too)."""
+        copies, self.copies = self.copies, []
+        return copies
+
+    def apply_copies(self, copies: Sequence[tuple[list[int], list[int]]]) -> None:
+        """Copy K and V, every layer at once, from each pair's source slots to its
+        destination slots (one gather and one scatter per buffer for all of them)."""
+        if not copies:
+            return
+        device = self.k.device
+        src = torch.tensor([s for pair in copies for s in pair[0]], device=device)
+        dst = torch.tensor([d for pair in copies for d in pair[1]], device=device)
+        for buffer in (self.k, self.v):
+            buffer.index_copy_(1, dst, buffer.index_select(1, src))
 
     def grow(self, kv: KVPages, tokens: int) -> None:
         """Take pages until ``kv`` holds positions ``[0, tokens)`` (within its reservation,

@@ -9,7 +9,6 @@ denoising refuses it.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 from pathlib import Path
@@ -332,16 +331,6 @@ def test_the_flex_backend_copies_hits_into_pages_of_the_requests_own(
     assert got["flex", True][0] == got["flex", False][0] == got["sdpa", True][0]
     assert got["flex", True][1] == got["sdpa", True][1] == 3 * SHARED
     assert got["flex", False][2] - got["flex", True][2] == 3 * SHARED
-
-
-def test_flex_under_tensor_parallelism_has_no_cache(models: dict[str, LoadedModel]) -> None:
-    engine, _ = hand_engine(models["idlm"], attention_backend="flex")
-    assert engine.prefix_cache is not None  # single rank: copying
-    engine.runner.tp = object()  # type: ignore[assignment]  # as a rank of a group sees it
-    assert engine._prefix_cache("flex") is None
-    with pytest.raises(ValueError, match="under tensor parallelism"):
-        engine.config = dataclasses.replace(engine.config, enable_prefix_caching=True)
-        engine._prefix_cache("flex")
 
 
 def test_the_flags_are_vllms() -> None:

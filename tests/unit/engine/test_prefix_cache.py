@@ -229,9 +229,14 @@ def test_copying_hits_gives_the_table_its_own_pages_holding_the_cached_k_and_v()
     kv = p.reserve(4 * PS, hit)
     assert kv is not None and kv.shared == 0 and kv.length == 2 * PS
     assert not set(kv.pages) & set(cached) and len(kv.pages) == 2
-    # Every layer's K and V of the hit, slot for slot, in the table's own pages.
+    # Queued for the next forward (the runner applies them on every rank, then runs)...
     src = [page * PS + i for page in cached for i in range(PS)]
     dst = kv.slots(0, 2 * PS)
+    assert p.copies == [(src, dst)]
+    assert not torch.equal(p.k[:, dst], p.k[:, src])
+    p.apply_copies(p.take_copies())
+    assert p.copies == []
+    # ...then every layer's K and V of the hit, slot for slot, are in the table's own pages.
     for buffer in (p.k, p.v):
         assert torch.equal(buffer[:, dst], buffer[:, src])
     # The hit is not pinned afterwards; the table reserved all its pages.
