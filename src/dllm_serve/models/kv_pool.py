@@ -145,9 +145,9 @@ class KVPool:
         self.page_index = torch.zeros(total_pages, dtype=torch.int32, device=device)
         # Pages given back since the tables above were last brought up to date.
         self.released: list[int] = []
-        # Prefix-cache hits to copy (source slots, destination slots) before the next forward
-        # (:meth:`take_copies`; every rank of a tensor-parallel group applies them).
-        self.copies: list[tuple[list[int], list[int]]] = []
+        # Prefix-cache hits to copy (table id, source slots, destination slots) before the
+        # next forward (:meth:`take_copies`; every rank of a tensor-parallel group applies them).
+        self.copies: list[tuple[int, list[int], list[int]]] = []
         # Free pages as a stack: the most recently freed page is reused first (warm memory).
         self._free = list(range(self.num_pages - 1, -1, -1))
         # Pages promised to running requests: their worst cases less their prefix hits.
@@ -235,7 +235,7 @@ class KVPool:
         length = len(shared) * self.page_size
         self.grow(kv, length)
         ps = self.page_size
-        self.copies.append(([page * ps + i for page in shared for i in range(ps)],
+        self.copies.append((kv.id, [page * ps + i for page in shared for i in range(ps)],
                             kv.slots(0, length)))  # fmt: skip
         self.cache.unpin(kv)
         kv.length = length
@@ -244,7 +244,7 @@ class KVPool:
     def take_copies(self) -> list[tuple[list[int], list[int]]]:
         """The queued hit copies, handed over (rank 0 sends them to the workers too)."""
         copies, self.copies = self.copies, []
-        return copies
+        return [(src, dst) for _, src, dst in copies]
 
     def apply_copies(self, copies: Sequence[tuple[list[int], list[int]]]) -> None:
         """Copy K and V, every layer at once, from each pair's source slots to its
@@ -288,6 +288,12 @@ class KVPool:
         With the prefix cache and ``tokens`` (the token ids at the table's positions, at least
         its first ``length``), the full chunks of its kept K/V go into the cache instead;
         its pinned hit is unpinned either way."""
+        if any(c[0] == kv.id for c in self.copies):
+            # Freed before its hit was copied (no forward ran since its admission): its pages
+            # must not be the copy's target once they are another table's, and they hold no
+            # K/V to cache.
+            self.copies = [c for c in self.copies if c[0] != kv.id]
+            tokens = None
         own = kv.pages[kv.shared :]
         if self.cache is not None:
             own = self.cache.release(kv, tokens)

@@ -232,7 +232,7 @@ def test_copying_hits_gives_the_table_its_own_pages_holding_the_cached_k_and_v()
     # Queued for the next forward (the runner applies them on every rank, then runs)...
     src = [page * PS + i for page in cached for i in range(PS)]
     dst = kv.slots(0, 2 * PS)
-    assert p.copies == [(src, dst)]
+    assert p.copies == [(kv.id, src, dst)]
     assert not torch.equal(p.k[:, dst], p.k[:, src])
     p.apply_copies(p.take_copies())
     assert p.copies == []
@@ -243,3 +243,16 @@ def test_copying_hits_gives_the_table_its_own_pages_holding_the_cached_k_and_v()
     assert cache.pinned_pages == 0 and p.reserved_pages == 4 and cache.idle_pages == 2
     p.free(kv, a)  # its copies are duplicates: freed, the cached chunks stay
     assert len(cache) == 2 and p.pages_used == 0 and p.reserved_pages == 0
+
+
+def test_a_table_freed_before_its_hit_is_copied_drops_the_copy() -> None:
+    p = KVPool(1, 1, 2, 12 * PS)
+    cache = p.enable_prefix_cache(PS, copy_hits=True)
+    a = seq(0, 2 * PS)
+    finished(p, a, kept=2 * PS)
+    kv = p.reserve(4 * PS, cache.match([*a, 1], 2 * PS))
+    other = p.reserve(4 * PS, cache.match([*a, 2], 2 * PS))
+    assert kv is not None and other is not None and len(p.copies) == 2
+    p.free(kv, a)  # aborted before any forward: its copy must not land in reused pages
+    assert [c[0] for c in p.copies] == [other.id]
+    assert len(cache) == 2 and cache.idle_pages == 2  # nothing of it was cached
