@@ -90,6 +90,11 @@ def test_the_cache_changes_no_answer_and_reports_its_hits(
                 metric(server, "dllm:prefix_cache_queries_total"),
                 metric(server, "dllm:prefix_cache_hits_total"),
             )
+            # Idle again: nothing held by a request, every cached page idle (none without it).
+            cached = metric(server, "dllm:prefix_cache_pages")
+            assert metric(server, "dllm:kv_cache_pages_used") == 0
+            assert metric(server, "dllm:prefix_cache_pages_idle") == cached
+            assert (cached > 0) is on
         finally:
             server.stop()
     on, off = results[True], results[False]

@@ -27,6 +27,7 @@ class Metrics:
         num_waiting: Callable[[], int],
         kv_cache_bytes: Callable[[], int] = lambda: 0,
         kv_pages: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        prefix_pages: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -50,6 +51,18 @@ class Metrics:
             "dllm:kv_cache_pages_total", "KV-pool pages (0 without a pool).", registry=r
         )
         self.kv_pages_total.set_function(lambda: kv_pages()[1])
+        self.prefix_pages = Gauge(
+            "dllm:prefix_cache_pages",
+            "KV-pool pages the prefix cache holds (pinned by running requests or idle).",
+            registry=r,
+        )
+        self.prefix_pages.set_function(lambda: prefix_pages()[0])
+        self.prefix_pages_idle = Gauge(
+            "dllm:prefix_cache_pages_idle",
+            "Prefix-cache pages no running request pins (evicted LRU when pages run short).",
+            registry=r,
+        )
+        self.prefix_pages_idle.set_function(lambda: prefix_pages()[1])
         self.success = Counter(
             "dllm:request_success",
             "Finished requests by finish reason (stop, length, abort, timeout, error).",

@@ -244,6 +244,13 @@ class AsyncEngine:
         pool = self.runner.pool
         return (0, 0) if pool is None else (pool.pages_used, pool.num_pages)
 
+    @property
+    def prefix_cache_pages(self) -> tuple[int, int]:
+        """(pages the prefix cache holds, of which idle: cached, pinned by no running request);
+        (0, 0) without the cache. Read by the metrics scrape (two integer reads)."""
+        cache = self.prefix_cache
+        return (0, 0) if cache is None else (cache.cached_pages, cache.idle_pages)
+
     def generate(
         self,
         prompt_ids: list[int],
