@@ -251,6 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
         "scaled_dot_product_attention per group of rows, keys gathered from the pool; the "
         "debugging fallback), auto: flex on CUDA, sdpa on CPU (default: %(default)s)",
     )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV pages of earlier requests' prompts and answers across requests "
+        "(a shared system prompt, earlier turns of a conversation): a request prefills only "
+        "what no cached page holds. Exact, so on by default wherever it applies: I-DLM, "
+        "block-diffusion (SDAR, LLaDA2.x, Fast-dLLM v2) and tri-mode models with the sdpa "
+        "attention backend; never for LLaDA/Dream/LLaDA-MoE canvas denoising, whose prompt "
+        "K/V depend on the canvas (default: on where it applies)",
+    )
     parser.add_argument("--version", action="version", version=f"dllm-serve {__version__}")
     return parser
 
@@ -272,6 +283,7 @@ def parse_config(argv: Sequence[str]) -> ServerConfig:
             cuda_graph=args.cuda_graph,
             cuda_graph_max_tokens=args.cuda_graph_max_tokens,
             attention_backend=args.attention_backend,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
     except ValueError as exc:
         parser.error(flag_names(str(exc)))

@@ -34,6 +34,7 @@ class Completion:
     committed: int = 0  # canvas positions decoded (answer + EOS padding)
     drafted: int = 0  # self-speculation (ISD, LinearSpec): drafts verified ...
     accepted_drafts: int = 0  # ... and accepted
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class _Collected:
             last.committed,
             last.drafted or 0,
             last.accepted_drafts or 0,
+            last.cached_tokens,
         )
 
 

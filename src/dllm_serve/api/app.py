@@ -95,6 +95,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         lambda: engine.num_waiting,
         lambda: engine.kv_cache_bytes,
         lambda: engine.kv_pages,
+        lambda: engine.prefix_cache_pages,
     )
     engine.observer = metrics
     app.state.metrics = metrics

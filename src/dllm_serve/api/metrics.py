@@ -27,6 +27,7 @@ class Metrics:
         num_waiting: Callable[[], int],
         kv_cache_bytes: Callable[[], int] = lambda: 0,
         kv_pages: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        prefix_pages: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -50,6 +51,18 @@ class Metrics:
             "dllm:kv_cache_pages_total", "KV-pool pages (0 without a pool).", registry=r
         )
         self.kv_pages_total.set_function(lambda: kv_pages()[1])
+        self.prefix_pages = Gauge(
+            "dllm:prefix_cache_pages",
+            "KV-pool pages the prefix cache holds (pinned by running requests or idle).",
+            registry=r,
+        )
+        self.prefix_pages.set_function(lambda: prefix_pages()[0])
+        self.prefix_pages_idle = Gauge(
+            "dllm:prefix_cache_pages_idle",
+            "Prefix-cache pages no running request pins (evicted LRU when pages run short).",
+            registry=r,
+        )
+        self.prefix_pages_idle.set_function(lambda: prefix_pages()[1])
         self.success = Counter(
             "dllm:request_success",
             "Finished requests by finish reason (stop, length, abort, timeout, error).",
@@ -114,6 +127,16 @@ class Metrics:
             "/ draft).",
             registry=r,
         )
+        self.prefix_queries = Counter(
+            "dllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (requests started with it on).",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "dllm:prefix_cache_hits",
+            "Prompt tokens whose K/V came from the prefix cache (hit rate = hits / queries).",
+            registry=r,
+        )
         self.request_forwards = Histogram(
             "dllm:request_forwards",
             "Forward passes (NFE) per finished request.",
@@ -134,6 +157,10 @@ class Metrics:
 
     def on_first_content(self, seconds_since_arrival: float) -> None:
         self.ttfc.observe(seconds_since_arrival)
+
+    def on_prefix_cache(self, queried: int, hit: int) -> None:
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hit)
 
     def on_finished(self, output: RequestOutput, seconds_since_arrival: float) -> None:
         self.success.labels(output.finish_reason or "unknown").inc()

@@ -211,10 +211,17 @@ class DiffusionUsage(BaseModel):
     acceptance_rate: float | None = Field(None, description="accepted_drafts / drafted_tokens.")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        0, description="Prompt tokens whose K/V came from the prefix cache (not recomputed)."
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     diffusion: DiffusionUsage | None = None
 
 

@@ -31,6 +31,7 @@ def usage_dict(output: RequestOutput, canvas_length: int) -> dict[str, Any]:
         output.nfe,
         output.committed,
         _speculation(output),
+        output.cached_tokens,
     )
 
 
@@ -55,6 +56,8 @@ def choices_usage(outputs: Sequence[RequestOutput], canvas_length: int) -> dict[
         sum(o.nfe for o in outputs),
         sum(o.committed for o in outputs),
         speculation,
+        # The prompt is counted once: its tokens that came from the cache for every choice.
+        min(o.cached_tokens for o in outputs),
     )
 
 
@@ -137,11 +140,14 @@ def _usage(
     nfe: int = 0,
     committed: int = 0,
     speculation: dict[str, Any] | None = None,
+    cached: int = 0,
 ) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        # As OpenAI reports it: prompt tokens whose K/V came from the prefix cache.
+        "prompt_tokens_details": {"cached_tokens": cached},
         "diffusion": {
             "nfe": nfe,
             "canvas_length": canvas_length,

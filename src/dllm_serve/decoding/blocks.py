@@ -504,8 +504,8 @@ class BlockState(DenoiseState):
 
     @property
     def row_length(self) -> int:
-        if self.phase == PREFILL:
-            return self.active_block[0]
+        if self.phase == PREFILL:  # the prompt's whole blocks past a prefix-cache hit
+            return self.active_block[0] - (self.kv.length if self.kv is not None else 0)
         return 2 * self.block_size if self.write_pending else self.block_size
 
 
@@ -553,6 +553,23 @@ class BlockDiffusionDecoder(BlockDecoder):
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
         return self._canvas_length(prompt_len, params)
 
+    # Prefix reuse (protocol.PrefixReuse): a final block's K/V depend on the blocks up to it
+    # only, so a hit is whole blocks.
+    @property
+    def prefix_alignment(self) -> int:
+        return self.block_size
+
+    def prefix_limit(self, prompt_len: int, params: DecodingParams) -> int:
+        """The prompt's whole blocks (the prefill computes nothing the decode reads but K/V)."""
+        return prompt_len // self.block_size * self.block_size
+
+    def reuse_prefix(self, state: BlockState, tokens: int) -> None:
+        """The prefill forwards the whole blocks past the cached ``tokens``; none left: the
+        request starts with its first decode step."""
+        assert state.kv is not None and state.kv.length == tokens and state.phase == PREFILL
+        if tokens == state.active_block[0]:
+            self._start_block(state)
+
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
     ) -> BlockState:
@@ -574,8 +591,9 @@ class BlockDiffusionDecoder(BlockDecoder):
             raise RuntimeError("prepare() called on a finished request (or one without KV)")
         lo, hi = state.active_block
         if state.phase == PREFILL:  # the prompt's whole blocks, block-causal, K/V kept
+            done = state.kv.length  # a prefix-cache hit: whole blocks, cached already
             return RowSpec(
-                tokens=state.tokens[:lo], start=0, logits_at=[lo - 1],
+                tokens=state.tokens[done:lo], start=done, logits_at=[lo - 1 - done],
                 attention=AttentionKind.BLOCK_CAUSAL, kv=state.kv, block=self.block_size,
             )  # fmt: skip
         start = lo - self.block_size if state.write_pending else lo

@@ -60,7 +60,9 @@ class CausalBlockState(DenoiseState):
 
     @property
     def row_length(self) -> int:
-        return self.prompt_len if self.phase == PREFILL else self.block_size
+        if self.phase == PREFILL:  # the prompt past a prefix-cache hit
+            return self.prompt_len - (self.kv.length if self.kv is not None else 0)
+        return self.block_size
 
 
 class CausalBlockDiffusionDecoder(BlockDecoder):
@@ -78,6 +80,17 @@ class CausalBlockDiffusionDecoder(BlockDecoder):
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
         return prompt_len + self._canvas(params)
 
+    # Prefix reuse (protocol.PrefixReuse): the kept K/V are the causal view's (refreshed).
+    prefix_alignment = 1
+
+    def prefix_limit(self, prompt_len: int, params: DecodingParams) -> int:
+        """All of the prompt but its last token, whose logits give the first seed."""
+        return prompt_len - 1
+
+    def reuse_prefix(self, state: CausalBlockState, tokens: int) -> None:
+        """Nothing to change: the prefill forwards the prompt past ``kv.length``."""
+        assert state.kv is not None and state.kv.length == tokens and state.phase == PREFILL
+
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
     ) -> CausalBlockState:
@@ -94,9 +107,9 @@ class CausalBlockDiffusionDecoder(BlockDecoder):
         if state.finished or state.kv is None:
             raise RuntimeError("prepare() called on a finished request (or one without KV)")
         kv = state.kv
-        if state.phase == PREFILL:
-            p = state.prompt_len
-            return RowSpec(state.tokens[:p], 0, [p - 1], AttentionKind.CAUSAL, kv)
+        if state.phase == PREFILL:  # the prompt past what the span holds (a prefix hit)
+            p, done = state.prompt_len, kv.length
+            return RowSpec(state.tokens[done:p], done, [p - 1 - done], AttentionKind.CAUSAL, kv)
         lo, hi = state.active_block
         if kv.length != lo:
             raise RuntimeError(f"the causal prefix holds {kv.length} positions, expected {lo}")

@@ -113,6 +113,12 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
             state.schedule = [0]  # the sampler commits nothing in this row (k = 0)
         return state
 
+    def prefix_limit(self, prompt_len: int, params: DecodingParams) -> int:
+        """The prompt's whole blocks, less the last one when the prompt ends on a block
+        boundary (the prefill's last logit gives the first answer token then)."""
+        whole = prompt_len // self.block_size * self.block_size
+        return whole - self.block_size if whole and whole == prompt_len else whole
+
     def prepare(self, state: SubBlockState) -> RowSpec:  # type: ignore[override]
         if state.phase == PREFILL:
             return super().prepare(state)  # the prompt's whole blocks; logit at lo − 1

@@ -91,8 +91,8 @@ class LinearSpecState(SelfSpecState):
     def row_length(self) -> int:
         """At most the tokens of the next row: the prompt, a draft row of the widest block that
         is left (exact without tiers), or the verify row of this round's block."""
-        if self.phase == PREFILL:
-            return len(self.prompt_ids)
+        if self.phase == PREFILL:  # the prompt past a prefix-cache hit
+            return len(self.prompt_ids) - (self.kv.length if self.kv is not None else 0)
         if self.phase == DRAFT:
             return max(1, min(self.max_block, self.params.gen_length - self.generated))
         return max(self.width, 1)
@@ -147,6 +147,18 @@ class LinearSpecDecoder:
         """Prompt + answer + the widest block (a verify writes up to B − 1 slots past it)."""
         return prompt_len + params.gen_length + self.max_block
 
+    # Prefix reuse (protocol.PrefixReuse): the kept K/V are the causal (verify) view's; a
+    # draft forward only ever writes past the kept length.
+    prefix_alignment = 1
+
+    def prefix_limit(self, prompt_len: int, params: DecodingParams) -> int:
+        """All of the prompt but its last token, whose logits give the seed."""
+        return prompt_len - 1
+
+    def reuse_prefix(self, state: LinearSpecState, tokens: int) -> None:
+        """Nothing to change: the prefill forwards the prompt past ``kv.length``."""
+        assert state.kv is not None and state.kv.length == tokens and state.phase == PREFILL
+
     def _next_width(self, state: LinearSpecState) -> int:
         """B for the next round: the tier's (or default) block, capped by the tokens left (a
         round emits at most B tokens)."""
@@ -157,9 +169,9 @@ class LinearSpecDecoder:
         if state.finished or state.kv is None:
             raise RuntimeError("prepare() called on a finished request (or one without KV)")
         kv = state.kv
-        if state.phase == PREFILL:
-            last = len(state.prompt_ids) - 1
-            return RowSpec(state.prompt_ids, 0, [last], AttentionKind.CAUSAL, kv)
+        if state.phase == PREFILL:  # the prompt past what the span holds (a prefix hit)
+            done, last = kv.length, len(state.prompt_ids) - 1
+            return RowSpec(state.prompt_ids[done:], done, [last - done], AttentionKind.CAUSAL, kv)
         if state.phase == DRAFT:
             state.width = self._next_width(state)
             if state.width == 1:  # nothing to draft: this round is one AR step

@@ -311,3 +311,27 @@ class DecodingAlgorithm(Protocol):
     def commit(
         self, states: Sequence[DecodeState], host: Sequence[Sequence[int]]
     ) -> list[StepResult]: ...
+
+
+@runtime_checkable
+class PrefixReuse(Protocol):
+    """An algorithm whose requests may start from K/V that another request computed (the
+    engine's prefix cache, ``models/kv_pool.py``): one whose kept K/V at a position depend only
+    on the tokens up to the end of that position's block — causal, or block-causal with final
+    blocks — so reusing them is exact. Canvas denoising (bidirectional over the canvas) is not.
+
+    ``prefix_alignment``: a hit is a whole number of these tokens (the block of block-causal
+    attention; 1 for causal). The engine gives a hit of ``tokens`` positions to a new state
+    whose ``kv`` already holds them (``kv.length == tokens``) through :meth:`reuse_prefix`.
+    """
+
+    prefix_alignment: int
+
+    def prefix_limit(self, prompt_len: int, params: DecodingParams) -> int:
+        """The most leading prompt positions a request may take from a cache (its first
+        forward must still compute whatever gives its first logits)."""
+        ...
+
+    def reuse_prefix(self, state: DecodeState, tokens: int) -> None:
+        """Start ``state`` past the first ``tokens`` prompt positions, cached already."""
+        ...

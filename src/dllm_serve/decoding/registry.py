@@ -53,6 +53,7 @@ from dllm_serve.decoding.params import (
 from dllm_serve.decoding.protocol import (
     DecodeState,
     DecodingAlgorithm,
+    PrefixReuse,
     RowSpec,
     ShardedLogits,
     StepLogits,
@@ -369,6 +370,19 @@ class TriModeDecoder:
         """The widest mode's need (a few slots more than ``ar`` needs): what the KV pool is
         sized for, whatever mode the requests pick."""
         return max(m.kv_tokens(prompt_len, params) for m in self.modes.values())
+
+    # Prefix reuse (protocol.PrefixReuse): every mode keeps causal K/V.
+    prefix_alignment = 1
+
+    def prefix_limit(self, prompt_len: int, params: DecodingParams) -> int:
+        algorithm = self.modes[self.mode_of(params)]
+        assert isinstance(algorithm, PrefixReuse)
+        return algorithm.prefix_limit(prompt_len, params)
+
+    def reuse_prefix(self, state: DecodeState, tokens: int) -> None:
+        algorithm = self._algorithm(state)
+        assert isinstance(algorithm, PrefixReuse)
+        algorithm.reuse_prefix(state, tokens)
 
     def prepare(self, state: DecodeState) -> RowSpec:
         return self._algorithm(state).prepare(state)

@@ -316,6 +316,18 @@ class ISDecoder:
         """Slots for prompt + answer + the widest round (K specs and N − 1 masks past them)."""
         return prompt_len + params.gen_length + 2 * self.max_stride
 
+    # Prefix reuse (protocol.PrefixReuse): causal K/V depend on the tokens up to them only.
+    prefix_alignment = 1
+
+    def prefix_limit(self, prompt_len: int, params: DecodingParams) -> int:
+        """All of the prompt but its last token, whose logits the first round needs."""
+        return prompt_len - 1
+
+    def reuse_prefix(self, state: ISDState, tokens: int) -> None:
+        """The first round forwards the prompt past the cached ``tokens`` only."""
+        assert state.kv is not None and state.kv.length == tokens and state.rounds == 0
+        state.pending = state.prompt_ids[tokens:]
+
     def active_stride(self, state: ISDState) -> int:
         """N for the next round: the tier's (or default) stride, capped by the tokens left."""
         n = self.stride if self.stride_for is None else self.stride_for()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import logging
 import threading
 import time
@@ -33,7 +34,7 @@ import uuid6
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DECODING_ALGORITHMS, DEFAULT_GEN_LENGTH, DecodingParams
-from dllm_serve.decoding.protocol import RowSpec, as_step_logits
+from dllm_serve.decoding.protocol import PrefixReuse, RowSpec, as_step_logits
 from dllm_serve.decoding.registry import (
     algorithm_for,
     check_request,
@@ -72,6 +73,7 @@ from dllm_serve.engine.scheduler import (
 )
 from dllm_serve.engine.tokenizer_pool import TokenizerPool
 from dllm_serve.models.errors import DeviceFault, is_device_fault
+from dllm_serve.models.kv_pool import CachedChunk, PrefixCache
 from dllm_serve.models.loader import LoadedModel, decode_answer
 
 logger = logging.getLogger(__name__)
@@ -146,6 +148,7 @@ class AsyncEngine:
             attention=attention,
         )
         self.kv = KVBudget(self.runner.pool, self.algorithm)
+        self.prefix_cache = self._prefix_cache(attention)
         self.scheduler = Scheduler(self.config)
         self.inbox = Inbox()
         self.outbox = Outbox()
@@ -161,6 +164,39 @@ class AsyncEngine:
         # for (or blocks) the API's chat templating, which borrows the pool's copies.
         self._detok_tokenizer = copy.deepcopy(loaded.tokenizer)
         self._thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
+
+    def _prefix_cache(self, attention: str) -> PrefixCache | None:
+        """The KV pool's prefix cache when ``--enable-prefix-caching`` allows it and reuse is
+        exact: the algorithm keeps K/V that depend only on the tokens before them (causal or
+        block-causal: :class:`~dllm_serve.decoding.protocol.PrefixReuse`). Canvas denoising
+        (LLaDA, Dream, LLaDA-MoE; with ``--kv-cache prefix`` too) has no such K/V: refused
+        when the flag insists, off by default.
+
+        The FlexAttention backend's mask tells a key's request by its page's one owner, which
+        a page shared by several requests does not have: with it a hit is *copied* into pages
+        of the request's own before the next forward (the prefill is saved, not the memory);
+        under tensor parallelism the copies travel with the rows to every rank."""
+        wanted = self.config.enable_prefix_caching
+        pool = self.runner.pool
+        if wanted is False:
+            return None
+        why = None
+        if pool is None or not isinstance(self.algorithm, PrefixReuse):
+            why = (
+                "its decoding keeps no K/V that depend only on the tokens before them "
+                "(canvas denoising attends over the whole canvas; --kv-cache prefix is "
+                "per-request only)"
+            )
+        if why is not None:
+            if wanted:
+                raise ValueError(
+                    f"--enable-prefix-caching: model {self.loaded.name!r} cannot reuse prefixes "
+                    f"across requests: {why}; omit the flag or use --no-enable-prefix-caching"
+                )
+            return None
+        assert pool is not None and isinstance(self.algorithm, PrefixReuse)
+        copy_hits = attention == "flex"
+        return pool.enable_prefix_cache(self.algorithm.prefix_alignment, copy_hits=copy_hits)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     @property
@@ -242,6 +278,13 @@ class AsyncEngine:
         """(pages requests hold now, pages in the pool); (0, 0) without a pool."""
         pool = self.runner.pool
         return (0, 0) if pool is None else (pool.pages_used, pool.num_pages)
+
+    @property
+    def prefix_cache_pages(self) -> tuple[int, int]:
+        """(pages the prefix cache holds, of which idle: cached, pinned by no running request);
+        (0, 0) without the cache. Read by the metrics scrape (two integer reads)."""
+        cache = self.prefix_cache
+        return (0, 0) if cache is None else (cache.cached_pages, cache.idle_pages)
 
     def generate(
         self,
@@ -479,7 +522,12 @@ class AsyncEngine:
                     continue
                 span = None
                 if need and pool is not None:
-                    span = pool.reserve(need)
+                    try:
+                        hit = self._prefix_hit(request, need)
+                    except Exception as exc:
+                        self._fail_exc(request, exc, "admission")
+                        continue
+                    span = pool.reserve(need, hit)
                     if span is None:
                         blocked.append(request)
                         self._kv_blocked = True
@@ -488,19 +536,39 @@ class AsyncEngine:
                     request.state = self.algorithm.init_state(
                         request.prompt_ids, request.params, self.loaded.device
                     )
+                    request.state.kv = span
+                    if span is not None and span.length:  # a prefix hit (shared or copied)
+                        assert isinstance(self.algorithm, PrefixReuse)
+                        self.algorithm.reuse_prefix(request.state, span.length)
                 except Exception as exc:
                     if span is not None and pool is not None:
-                        pool.free(span)
+                        pool.free(span)  # unpins the hit; caches nothing
+                    if request.state is not None:
+                        request.state.kv = None
                     self._fail_exc(request, exc, "admission")
                     continue
-                request.state.kv = span
+                if self.prefix_cache is not None:
+                    request.cached_tokens = span.length if span is not None else 0
                 if request.trace and hasattr(request.state, "report_confidence"):
                     request.state.report_confidence = True  # commit confidences for the trace
                 self.scheduler.run(request)
+                if self.prefix_cache is not None:  # once it runs: a failing hook loses nothing
+                    self.observer.on_prefix_cache(len(request.prompt_ids), request.cached_tokens)
                 if blocked:
                     blocked[0].bypassed += 1
         finally:
             self.scheduler.waiting.extendleft(reversed(blocked))
+
+    def _prefix_hit(self, request: Request, need: int) -> list[CachedChunk]:
+        """The prefix-cache chunks ``request`` may start from (none without the cache): the
+        longest cached chain its prompt starts with, within what its algorithm lets it take
+        and short of its whole reservation."""
+        cache = self.prefix_cache
+        if cache is None:
+            return []
+        assert isinstance(self.algorithm, PrefixReuse)
+        limit = self.algorithm.prefix_limit(len(request.prompt_ids), request.params)
+        return cache.match(request.prompt_ids, min(limit, need - 1))
 
     def _prepare(self, group: list[Request]) -> tuple[list[Request], list[RowSpec]]:
         """Each row's tokens and logit positions (the rows whose ``prepare`` succeeded)."""
@@ -533,6 +601,9 @@ class AsyncEngine:
                     record_emitted(state, marked)
                 if state.kv is not None and not result.finished:
                     self.runner.pool.trim(state.kv)  # pages past what the request keeps
+                    if self.prefix_cache is not None:  # its kept full chunks, for others now
+                        kept = functools.partial(_kept_token_ids, request.prompt_ids, state)
+                        self.prefix_cache.publish(state.kv, kept)
                 events = None
                 if before is not None:
                     events = (step_event(state, before, self._piece),)
@@ -616,13 +687,30 @@ class AsyncEngine:
             # Free the slot and the KV before the client hears about it, so counts are never
             # stale.
             self.scheduler.remove(request)
-            self._release_kv(request)
+            self._release_kv(request, output.finish_reason)
             self.observer.on_finished(output, time.monotonic() - request.arrival_time)
         self.outbox.put(request.sink, output, request.loop)
 
-    def _release_kv(self, request: Request) -> None:
+    def _release_kv(self, request: Request, reason: str | None = None) -> None:
+        """Give the request's pages back; with the prefix cache, the full chunks of what it
+        kept (its prompt and committed answer: K/V computed from final tokens only) stay
+        cached for the next requests — not after an error, whose K/V nobody vouches for."""
         state = request.state
         if state is not None and state.kv is not None:
             assert self.runner.pool is not None
-            self.runner.pool.free(state.kv)
+            tokens = None
+            if self.prefix_cache is not None and reason != "error":
+                tokens = _kept_token_ids(request.prompt_ids, state)
+            self.runner.pool.free(state.kv, tokens)
             state.kv = None
+
+
+def _kept_token_ids(prompt_ids: list[int], state: Any) -> list[int]:
+    """The token ids at the first positions of a request's KV span: a canvas decoder's canvas
+    (its kept positions are committed, final tokens), else the prompt and the answer emitted
+    so far (a self-speculative span keeps ``prompt + emitted[:-1]``). Where the kept length
+    runs past these (a stop id the answer drops), the cache keeps only what they cover."""
+    canvas = getattr(state, "tokens", None)
+    if isinstance(canvas, list):
+        return canvas
+    return prompt_ids + state.answer_tokens()

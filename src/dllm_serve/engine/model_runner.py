@@ -176,7 +176,9 @@ class ModelRunner:
                 if row.kv is not None:
                     pool.grow(row.kv, row.start + len(row.tokens))
 
-    def run(self, rows: list[RowSpec]) -> StepLogits | torch.Tensor:
+    def run(
+        self, rows: list[RowSpec], copies: list[tuple[list[int], list[int]]] | None = None
+    ) -> StepLogits | torch.Tensor:
         """One step's logits at the requested positions (see the module docstring). Under
         tensor parallelism each rank's vocabulary slice: rank 0 gets it wrapped as sharded
         logits (its sampler's reductions reach the other ranks), a worker the bare slice."""
@@ -184,8 +186,14 @@ class ModelRunner:
             # The engine thread runs in inference mode already; entering and leaving it costs
             # more than a small step's whole sampler, so only other callers pay for it here.
             with torch.inference_mode():
-                return self.run(rows)
+                return self.run(rows, copies)
         self._take_pages(rows)  # before the rows go to the workers or into a graph
+        if self.pool is not None:
+            # Prefix-cache hits copied into their requests' pages (the flex backend), before
+            # this forward reads them: rank 0's queue, a worker's from the RUN message.
+            if copies is None and (self.tp is None or self.tp.rank == 0):
+                copies = self.pool.take_copies()
+            self.pool.apply_copies(copies or [])
         self.last_graphed = False
         if self.tp is None:
             graphs = self.graphs
@@ -200,7 +208,7 @@ class ModelRunner:
             return self.step_logits(batch, self.forward(batch))
         try:
             if self.parallel is not None:  # the workers build and run the same batch
-                self.parallel.send((RUN, rows))
+                self.parallel.send((RUN, rows, copies))
             batch, width = self.build(rows)
             local = self.forward(batch).view(len(rows), width, -1)
             if self.tp.rank != 0:  # a worker: its greedy part, then keep the slice for more

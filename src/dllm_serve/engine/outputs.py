@@ -68,6 +68,9 @@ class RequestOutput:
     # Requests with logprobs: one (token text, logprob, ((text, logprob), ...)) per answer
     # token that became final in this output (engine/logprobs.py), None otherwise.
     logprobs: tuple | None = None
+    # Prompt tokens whose K/V came from the prefix cache (0 without a hit, or before the
+    # request started).
+    cached_tokens: int = 0
 
 
 class IncrementalDetokenizer:
@@ -378,6 +381,10 @@ class EngineObserver(Protocol):
 
     def on_finished(self, output: RequestOutput, seconds_since_arrival: float) -> None: ...
 
+    def on_prefix_cache(self, queried: int, hit: int) -> None:
+        """A request started with the prefix cache on: its prompt tokens looked up, and the
+        tokens found cached (vLLM's prefix-cache queries and hits)."""
+
 
 class NullObserver:
     """The default: observe nothing."""
@@ -392,4 +399,7 @@ class NullObserver:
         pass
 
     def on_finished(self, output: RequestOutput, seconds_since_arrival: float) -> None:
+        pass
+
+    def on_prefix_cache(self, queried: int, hit: int) -> None:
         pass

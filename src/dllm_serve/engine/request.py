@@ -39,6 +39,8 @@ class Request:
     # the text is decoded once, when the request finishes, and nothing is sent before.
     final_only: bool = False
     logprobs_sent: int = 0  # answer tokens whose logprobs went out (requests asking for them)
+    # Prompt tokens whose K/V came from the prefix cache (usage.prompt_tokens_details).
+    cached_tokens: int = 0
 
     @property
     def row_length(self) -> int:
@@ -71,6 +73,7 @@ class Request:
             request_id=self.request_id,
             delta_text=delta,
             prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self.cached_tokens,
             completion_tokens=completion_tokens,
             nfe=state.nfe if state else 0,
             committed=state.committed if state else 0,

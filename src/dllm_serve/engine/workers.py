@@ -139,7 +139,7 @@ def worker_main(
                 )  # fmt: skip
             elif message[0] == RUN:
                 assert runner is not None
-                logits = runner.run(message[1])
+                logits = runner.run(message[1], message[2])
             elif message[0] == REDUCE:
                 assert runner is not None and logits is not None
                 runner.reduce(message[1], logits)

@@ -18,11 +18,27 @@ again for the positions it writes.
 A forward writes the K/V of every token it computes into its slot (one ``index_copy_`` per
 layer for the whole batch). Keys are stored after RoPE (and after Qwen3's k-norm), so a cached
 token keeps the rotary position it was computed at.
+
+**Prefix reuse across requests** (:class:`PrefixCache`, ``--enable-prefix-caching``). For the
+families whose kept K/V at a position depend only on the tokens up to the end of its block
+(causal, or block-causal with final blocks), a page's K/V are a function of the token ids
+before and in it and of nothing else. So full pages outlive the request that computed them:
+when a request ends, its kept pages go into a tree of *chunks* (``chunk`` tokens: one or more
+whole pages, a whole number of the family's blocks), each keyed by its parent chunk and its
+token ids; a new request walks the tree with its prompt, *pins* the chunks it matches (their
+pages head its page table, read-only: it only ever writes past its kept length) and prefills
+only the rest. A chunk is held by the cache until evicted: pinned chunks never; unpinned leaf
+chunks, least recently used first, whenever a request needs a page and none is free. Admission
+counts only the pages a request needs beyond its hit (plus the hit's pages nobody pinned yet:
+pinning takes them out of what eviction may reclaim).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +53,8 @@ class KVPages:
     ``id`` tells its pages apart from every other request's (attention masks compare it);
     ``reserved`` is how many pages it may hold at most (its worst case, counted at admission);
     ``pages[i]`` holds positions ``[i * page_size, (i + 1) * page_size)``; ``length`` of its
-    positions hold K/V a forward may read as a prefix.
+    positions hold K/V a forward may read as a prefix. ``shared``: its first pages belong to
+    the prefix cache (a hit, pinned): read-only, never trimmed nor freed by this table.
     """
 
     id: int
@@ -45,6 +62,7 @@ class KVPages:
     page_size: int = PAGE_SIZE
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    shared: int = 0
 
     @property
     def capacity(self) -> int:
@@ -127,10 +145,26 @@ class KVPool:
         self.page_index = torch.zeros(total_pages, dtype=torch.int32, device=device)
         # Pages given back since the tables above were last brought up to date.
         self.released: list[int] = []
+        # Prefix-cache hits to copy (table id, source slots, destination slots) before the
+        # next forward (:meth:`take_copies`; every rank of a tensor-parallel group applies them).
+        self.copies: list[tuple[int, list[int], list[int]]] = []
         # Free pages as a stack: the most recently freed page is reused first (warm memory).
         self._free = list(range(self.num_pages - 1, -1, -1))
-        self.reserved_pages = 0  # pages promised to running requests (their worst cases)
+        # Pages promised to running requests: their worst cases less their prefix hits.
+        self.reserved_pages = 0
         self._ids = itertools.count(1)
+        self.cache: PrefixCache | None = None  # prefix reuse across requests (off: None)
+
+    def enable_prefix_cache(self, chunk: int, *, copy_hits: bool = False) -> PrefixCache:
+        """Keep the full pages of ended requests for reuse, in chunks of ``chunk`` tokens
+        (rounded up to whole pages and whole ``chunk``s: the family's block). ``copy_hits``:
+        a hit's K/V are copied into pages of the request's own instead of shared (for an
+        attention whose mask gives every page a single owner)."""
+        if self.reserved_pages or self.pages_used:
+            raise RuntimeError("the prefix cache is enabled on an idle pool only")
+        chunk = math.lcm(self.page_size, max(1, chunk))
+        self.cache = PrefixCache(self, chunk, copy_hits=copy_hits)
+        return self.cache
 
     @staticmethod
     def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -144,27 +178,84 @@ class KVPool:
 
     @property
     def pages_used(self) -> int:
-        """Pages requests hold now (their contexts; reservations not yet taken excluded)."""
-        return self.num_pages - len(self._free)
+        """Pages requests hold now (their contexts, prefix hits they pin included; reservations
+        not yet taken and idle cached pages excluded)."""
+        idle = self.cache.idle_pages if self.cache is not None else 0
+        return self.num_pages - len(self._free) - idle
 
     @property
     def free_pages(self) -> int:
-        """Pages no running request has reserved: what admission may promise."""
-        return self.num_pages - self.reserved_pages
+        """Pages no running request has reserved or pinned: what admission may promise (idle
+        cached pages count: eviction reclaims them when they are needed)."""
+        pinned = self.cache.pinned_pages if self.cache is not None else 0
+        return self.num_pages - self.reserved_pages - pinned
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def reserve(self, tokens: int) -> KVPages | None:
+    def reserve(self, tokens: int, hit: Sequence[CachedChunk] = ()) -> KVPages | None:
         """A page table that may grow to ``tokens`` positions, or None when the unreserved
-        pages cannot hold it (the request waits)."""
+        pages cannot hold it (the request waits). ``hit``: prefix-cache chunks it starts with
+        (:meth:`PrefixCache.match`): pinned, at the head of its table, its ``length`` already;
+        only the pages past them are reserved."""
         if tokens < 1:
             raise ValueError("a KV reservation needs at least one token")
-        need = self.pages_for(tokens)
-        if need > self.free_pages:
+        total = self.pages_for(tokens)
+        shared = [page for chunk in hit for page in chunk.pages]
+        if len(shared) >= total and hit:
+            raise ValueError("a prefix hit must leave the request positions of its own")
+        need = total - len(shared)
+        pins = self.cache.unpinned_pages(hit) if self.cache is not None and hit else 0
+        if need + pins > self.free_pages:
             return None
+        if hit and self.cache is not None and self.cache.copy_hits:
+            return self._reserve_copying(total, hit, shared)
+        kv = KVPages(next(self._ids), total, self.page_size, pages=shared, shared=len(shared))
+        kv.length = len(shared) * self.page_size
+        if hit:
+            assert self.cache is not None
+            self.cache.pin(kv, hit)
         self.reserved_pages += need
-        return KVPages(next(self._ids), need, self.page_size)
+        return kv
+
+    def _reserve_copying(
+        self, total: int, hit: Sequence[CachedChunk], shared: list[int]
+    ) -> KVPages | None:
+        """A reservation of ``total`` pages of its own whose first will hold a copy of the
+        hit's K/V: the copy is queued (:attr:`copies`) and made before the next forward, the
+        first that may read or write either side (a source page evicted meanwhile still holds
+        its K/V until a forward writes it). The hit is pinned only while the table's pages are
+        taken (that may evict), so it costs no page afterwards."""
+        assert self.cache is not None
+        if total + self.cache.unpinned_pages(hit) > self.free_pages:
+            return None
+        kv = KVPages(next(self._ids), total, self.page_size)
+        self.reserved_pages += total
+        self.cache.pin(kv, hit)
+        length = len(shared) * self.page_size
+        self.grow(kv, length)
+        ps = self.page_size
+        self.copies.append((kv.id, [page * ps + i for page in shared for i in range(ps)],
+                            kv.slots(0, length)))  # fmt: skip
+        self.cache.unpin(kv)
+        kv.length = length
+        return kv
+
+    def take_copies(self) -> list[tuple[list[int], list[int]]]:
+        """The queued hit copies, handed over (rank 0 sends them to the workers too)."""
+        copies, self.copies = self.copies, []
+        return [(src, dst) for _, src, dst in copies]
+
+    def apply_copies(self, copies: Sequence[tuple[list[int], list[int]]]) -> None:
+        """Copy K and V, every layer at once, from each pair's source slots to its
+        destination slots (one gather and one scatter per buffer for all of them)."""
+        if not copies:
+            return
+        device = self.k.device
+        src = torch.tensor([s for pair in copies for s in pair[0]], device=device)
+        dst = torch.tensor([d for pair in copies for d in pair[1]], device=device)
+        for buffer in (self.k, self.v):
+            buffer.index_copy_(1, dst, buffer.index_select(1, src))
 
     def grow(self, kv: KVPages, tokens: int) -> None:
         """Take pages until ``kv`` holds positions ``[0, tokens)`` (within its reservation,
@@ -175,20 +266,239 @@ class KVPool:
                 f"a row of {tokens} tokens overflows its KV reservation ({kv.capacity} tokens)"
             )
         while len(kv.pages) < need:
-            kv.pages.append(self._free.pop())
+            kv.pages.append(self._take())
+
+    def _take(self) -> int:
+        """A free page; with none free, the least recently used idle cached chunk's (the
+        reservations guarantee one: reserved + pinned pages never exceed the pool)."""
+        if not self._free and (self.cache is None or not self.cache.evict()):
+            raise RuntimeError("no free KV page although the reservation holds one")
+        return self._free.pop()
 
     def trim(self, kv: KVPages) -> None:
-        """Give back the pages past ``kv.length``: nothing there is read before it is written."""
-        keep = self.pages_for(kv.length)
+        """Give back the pages past ``kv.length``: nothing there is read before it is written
+        (never a shared page: a request only writes past its prefix hit)."""
+        keep = max(self.pages_for(kv.length), kv.shared)
         while len(kv.pages) > keep:
-            page = kv.pages.pop()
-            self._free.append(page)
-            self.released.append(page)
+            self._give_back(kv.pages.pop())
 
-    def free(self, kv: KVPages) -> None:
-        """Give back every page and the reservation (a freed table can never be freed twice)."""
-        self._free.extend(reversed(kv.pages))
-        self.released.extend(kv.pages)
+    def free(self, kv: KVPages, tokens: Sequence[int] | None = None) -> None:
+        """Give back every page and the reservation (a freed table can never be freed twice).
+
+        With the prefix cache and ``tokens`` (the token ids at the table's positions, at least
+        its first ``length``), the full chunks of its kept K/V go into the cache instead;
+        its pinned hit is unpinned either way."""
+        if any(c[0] == kv.id for c in self.copies):
+            # Freed before its hit was copied (no forward ran since its admission): its pages
+            # must not be the copy's target once they are another table's, and they hold no
+            # K/V to cache.
+            self.copies = [c for c in self.copies if c[0] != kv.id]
+            tokens = None
+        own = kv.pages[kv.shared :]
+        if self.cache is not None:
+            own = self.cache.release(kv, tokens)
+        for page in reversed(own):
+            self._give_back(page)
         kv.pages.clear()
-        self.reserved_pages -= kv.reserved
-        kv.reserved = kv.length = 0
+        self.reserved_pages -= kv.reserved - kv.shared
+        kv.reserved = kv.length = kv.shared = 0
+
+    def _give_back(self, page: int) -> None:
+        self._free.append(page)
+        self.released.append(page)
+
+
+@dataclass(slots=True, eq=False)
+class CachedChunk:
+    """``chunk`` tokens' K/V in the prefix cache: its ``pages`` hold positions
+    ``[depth * chunk, (depth + 1) * chunk)`` of every request whose tokens up to there equal
+    ``tokens`` of this chunk and of its ancestors."""
+
+    key: tuple[int, tuple[int, ...]]  # (the parent's serial, 0 at the root; these token ids)
+    serial: int
+    parent: CachedChunk | None
+    pages: list[int]
+    depth: int
+    pins: int = 0  # running requests that hold it
+    children: int = 0
+    last_used: int = 0  # the cache's clock at its last match or insertion
+
+
+class PrefixCache:
+    """Chunks of ended requests' K/V, keyed by their token ids and their prefix (a radix
+    tree of whole chunks: each key names its parent, so a match walks from the root), pinned
+    by the running requests that hit them and evicted least recently used first (idle leaves
+    only: a chunk's children would be unreachable without it). Engine thread only."""
+
+    def __init__(self, pool: KVPool, chunk: int, *, copy_hits: bool = False) -> None:
+        if chunk % pool.page_size:
+            raise ValueError("a prefix-cache chunk is whole pages")
+        self.pool = pool
+        self.chunk = chunk
+        self.copy_hits = copy_hits
+        self.pages_per_chunk = chunk // pool.page_size
+        self._chunks: dict[tuple[int, tuple[int, ...]], CachedChunk] = {}
+        self._pins: dict[int, list[CachedChunk]] = {}  # a table's id -> the chunks it pins
+        self._stalled: set[int] = set()  # tables whose next chunk another table cached first
+        self._serials = itertools.count(1)
+        self._clock = itertools.count(1)
+        # Idle leaves by last use; entries go stale (re-checked when popped) rather than
+        # being removed when a chunk is pinned, gets a child or is used again.
+        self._idle: list[tuple[int, int, CachedChunk]] = []
+        self.pinned_pages = 0
+        self.cached_pages = 0
+        self.evicted_pages = 0  # ever (tests and logs)
+
+    @property
+    def idle_pages(self) -> int:
+        """Cached pages no running request pins (evictable, all of them eventually)."""
+        return self.cached_pages - self.pinned_pages
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def match(self, tokens: Sequence[int], limit: int) -> list[CachedChunk]:
+        """The longest chain of cached chunks that ``tokens`` start with, at most ``limit``
+        tokens long (the positions the request's algorithm lets it take from a cache)."""
+        hit: list[CachedChunk] = []
+        parent, c = 0, self.chunk
+        for start in range(0, min(limit, len(tokens)) - c + 1, c):
+            found = self._chunks.get((parent, tuple(tokens[start : start + c])))
+            if found is None:
+                break
+            hit.append(found)
+            parent = found.serial
+        return hit
+
+    def unpinned_pages(self, chunks: Sequence[CachedChunk]) -> int:
+        """Pages of ``chunks`` that pinning them would take from what eviction may reclaim."""
+        return sum(len(c.pages) for c in chunks if not c.pins)
+
+    def pin(self, kv: KVPages, chunks: Sequence[CachedChunk]) -> None:
+        now = next(self._clock)
+        for chunk in chunks:
+            if not chunk.pins:
+                self.pinned_pages += len(chunk.pages)
+            chunk.pins += 1
+            chunk.last_used = now
+        self._pins[kv.id] = list(chunks)
+
+    def unpin(self, kv: KVPages) -> None:
+        """Unpin what ``kv`` pins, as when it ends, but cache nothing of it."""
+        now = next(self._clock)
+        for chunk in self._pins.pop(kv.id, []):
+            chunk.pins -= 1
+            chunk.last_used = now
+            if not chunk.pins:
+                self.pinned_pages -= len(chunk.pages)
+                self._mark_idle(chunk)
+
+    def publish(self, kv: KVPages, tokens: Callable[[], Sequence[int]]) -> None:
+        """A running table's newly kept full chunks join the cache now (so a request that
+        arrives while it decodes already hits its prompt): their pages change hands from the
+        table to the cache, pinned by the table (its ``shared`` grows; the pool's reservation
+        shrinks by as much as the pinned pages grow). ``tokens`` gives the token ids at its
+        positions (called only when a chunk is complete). A chunk some other table cached
+        first ends publishing for this one: its own copy stays its own until it ends."""
+        c, per = self.chunk, self.pages_per_chunk
+        depth = kv.shared // per
+        if (depth + 1) * c > kv.length or kv.id in self._stalled:
+            return
+        ids = tokens()
+        kept = min(kv.length, len(ids))
+        hit = self._pins.setdefault(kv.id, [])
+        assert len(hit) == depth and kv.shared == depth * per
+        parent = hit[-1] if hit else None
+        now = next(self._clock)
+        while (depth + 1) * c <= kept:
+            key = (parent.serial if parent else 0, tuple(ids[depth * c : (depth + 1) * c]))
+            if key in self._chunks:
+                self._stalled.add(kv.id)
+                return
+            pages = kv.pages[depth * per : (depth + 1) * per]
+            chunk = CachedChunk(key, next(self._serials), parent, pages, depth, pins=1,
+                                last_used=now)  # fmt: skip
+            self._chunks[key] = chunk
+            self.cached_pages += per
+            self.pinned_pages += per
+            self.pool.reserved_pages -= per
+            if parent is not None:
+                parent.children += 1
+            hit.append(chunk)
+            kv.shared += per
+            parent = chunk
+            depth += 1
+
+    def release(self, kv: KVPages, tokens: Sequence[int] | None) -> list[int]:
+        """``kv`` ends: unpin its hit and, given ``tokens``, cache the full chunks of its kept
+        K/V past it (a chunk already cached by another request keeps the older copy). Returns
+        the table's own pages the cache did not take (the caller frees them)."""
+        hit = self._pins.pop(kv.id, [])
+        self._stalled.discard(kv.id)
+        now = next(self._clock)
+        parent = hit[-1] if hit else None
+        own = kv.pages[kv.shared :]
+        if tokens is not None:
+            c, per = self.chunk, self.pages_per_chunk
+            kept = min(kv.length, len(tokens))
+            depth = len(hit)
+            while (depth + 1) * c <= kept:
+                key = (parent.serial if parent else 0, tuple(tokens[depth * c : (depth + 1) * c]))
+                first = (depth - len(hit)) * per
+                found = self._chunks.get(key)
+                if found is None:
+                    pages, own[first : first + per] = own[first : first + per], [-1] * per
+                    found = CachedChunk(
+                        key, next(self._serials), parent, pages, depth, last_used=now
+                    )
+                    self._chunks[key] = found
+                    self.cached_pages += per
+                    if parent is not None:
+                        parent.children += 1
+                    self._mark_idle(found)
+                else:  # cached already (another request computed it too): ours is freed
+                    found.last_used = now
+                    self._mark_idle(found)  # its older queue entry went stale
+                parent = found
+                depth += 1
+        for chunk in hit:  # unpinned after the insertion: a parent with a new child stays
+            chunk.pins -= 1
+            chunk.last_used = now
+            if not chunk.pins:
+                self.pinned_pages -= len(chunk.pages)
+                self._mark_idle(chunk)
+        return [page for page in own if page >= 0]
+
+    def _mark_idle(self, chunk: CachedChunk) -> None:
+        if not chunk.pins and not chunk.children:
+            heapq.heappush(self._idle, (chunk.last_used, chunk.serial, chunk))
+
+    def evict(self) -> bool:
+        """Give the least recently used idle leaf chunk's pages back to the pool; False when
+        every cached chunk is pinned or has children (nothing to evict)."""
+        while self._idle:
+            used, _, chunk = heapq.heappop(self._idle)
+            if (
+                chunk.pins
+                or chunk.children
+                or chunk.last_used != used
+                or self._chunks.get(chunk.key) is not chunk
+            ):
+                continue  # a stale entry: the chunk is busy again, or gone
+            del self._chunks[chunk.key]
+            self.cached_pages -= len(chunk.pages)
+            self.evicted_pages += len(chunk.pages)
+            for page in chunk.pages:
+                self.pool._give_back(page)
+            if chunk.parent is not None:
+                chunk.parent.children -= 1
+                self._mark_idle(chunk.parent)
+            return True
+        return False
+
+    def clear(self) -> int:
+        """Evict every idle chunk (pinned ones and their ancestors stay); returns the pages."""
+        before = self.cached_pages
+        while self.evict():
+            pass
+        return before - self.cached_pages

@@ -223,6 +223,7 @@ def test_continuous_usage_stats(app: FastAPI, loaded: LoadedModel) -> None:
         "prompt_tokens": prompt,
         "completion_tokens": 0,
         "total_tokens": prompt,
+        "prompt_tokens_details": {"cached_tokens": 0},
         "diffusion": {
             "nfe": 0, "canvas_length": 32, "committed_tokens": 0, "tokens_per_forward": 0.0,
         },

@@ -35,7 +35,12 @@ def test_usage_is_the_same_streamed_and_not(model: str, speculative: bool) -> No
         if line.startswith("data: {")
     ]
     streamed = next(e["usage"] for e in events if e.get("usage"))
+    cached = [u.pop("prompt_tokens_details")["cached_tokens"] for u in (plain["usage"], streamed)]
     assert plain["usage"] == streamed  # same answer (greedy), same counters, same fields
+    # The streamed request resends the first one's prompt: with I-DLM its full pages come
+    # from the prefix cache (all but the last token may); canvas denoising has no cache.
+    prompt = plain["usage"]["prompt_tokens"]
+    assert cached == ([0, (prompt - 1) // 16 * 16] if speculative else [0, 0])
     fields = set(plain["usage"]["diffusion"])
     assert fields & ISD_FIELDS == (ISD_FIELDS if speculative else set())
     assert None not in plain["usage"]["diffusion"].values()

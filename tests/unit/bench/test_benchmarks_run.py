@@ -417,3 +417,18 @@ def test_serving_load_fails_when_nothing_answers(
     assert exit_info.value.code == 1
     assert f"cannot reach http://127.0.0.1:{port}" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_prefix_reuse(tmp_path: Path) -> None:
+    out = tmp_path / "prefix_reuse.json"
+    argv = ["--users", "2", "--turns", "2", "--system-tokens", "64", "--max-tokens", "8",
+            "--repeat", "1", "--threads", "1", "--out", str(out)]  # fmt: skip
+    assert load("prefix_reuse").main(argv) == 0
+    report = read(out)
+    assert report["same_answers"] and report["system_prompt_tokens"] >= 64
+    on, off = report["on"], report["off"]
+    assert on["prompt_tokens"] == off["prompt_tokens"] and on["requests"] == off["requests"] == 4
+    assert off["prefill_tokens"] == off["prompt_tokens"] and off["hit_rate"] == 0.0
+    # Hits skip exactly their prefill: what the model is fed drops by the tokens reused.
+    assert on["prefill_tokens"] == on["prompt_tokens"] - on["cached_tokens"] < off["prefill_tokens"]
+    assert off["forward_tokens"] - on["forward_tokens"] == on["cached_tokens"] > 0

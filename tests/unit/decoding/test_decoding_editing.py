@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.blocks import BlockDiffusionDecoder, BlockState
 from dllm_serve.decoding.commit_rules import joint_threshold_commit_rows
 from dllm_serve.decoding.params import DecodingParams
@@ -200,7 +201,13 @@ def test_engine_equals_the_joint_threshold_loop(
     b = reference_model.block_size
     assert b is not None
     edits = 0
-    with LLM(str(llada2_dir), device="cpu", dtype="float32") as llm:
+    # Forward counts are compared with the cache off (a prompt that shares another's whole
+    # blocks skips its prefill); with it on (the default) the answers are the same.
+    no_cache = EngineConfig(enable_prefix_caching=False)
+    with (
+        LLM(str(llada2_dir), device="cpu", dtype="float32", engine_config=no_cache) as llm,
+        LLM(str(llada2_dir), device="cpu", dtype="float32") as cached,
+    ):
         for prompt in prompts(b):
             (got,) = llm.generate_ids([prompt], [params])
             want, forwards, made = joint_threshold_loop(reference_model, prompt, params)
@@ -210,6 +217,7 @@ def test_engine_equals_the_joint_threshold_loop(
             prefill = 1 if len(prompt) >= b else 0
             assert got.nfe == prefill + sum(forwards)
             assert max(forwards) <= b + params.max_post_edit_steps + 1
+            assert cached.generate_ids([prompt], [params])[0].text == got.text
     assert edits > 0  # the rule was exercised: tokens were rewritten
 
 
@@ -239,7 +247,8 @@ def test_batched_mixed_rules_equal_each_alone(
         DecodingParams(gen_length=10, steps=64, **SETTINGS["budget-2"]),
     ]
     batch = [prompts(b)[i % 4] for i in range(len(settings))]
-    with LLM(str(llada2_dir), device="cpu", dtype="float32") as llm:
+    no_cache = EngineConfig(enable_prefix_caching=False)  # forward counts: no prefill skipped
+    with LLM(str(llada2_dir), device="cpu", dtype="float32", engine_config=no_cache) as llm:
         together = llm.generate_ids(batch, settings)
         alone = [llm.generate_ids([p], [s])[0] for p, s in zip(batch, settings, strict=True)]
     assert [c.text for c in together] == [c.text for c in alone]
@@ -322,8 +331,6 @@ def test_params_refuse_contradictions(fields: dict[str, object], message: str) -
 
 
 def test_decoding_algorithm_presets_start_only_where_they_apply(tmp_path: Path) -> None:
-    from dllm_serve.config import EngineConfig
-
     sdar = write_tiny_sdar(tmp_path / "sdar")
     with pytest.raises(ValueError, match=r"s_mode: token editing applies to LLaDA2\.x"):
         LLM(str(sdar), device="cpu", dtype="float32",
@@ -338,7 +345,6 @@ def test_decoding_algorithm_presets_start_only_where_they_apply(tmp_path: Path) 
 def test_an_editing_checkpoint_decodes_by_its_preset(tmp_path: Path) -> None:
     """make-tiny --family llada2 --editing writes generation_config.json decoding_algorithm
     s_mode: requests that choose no rule decode by LLaDA2.1's S mode; the flag overrides it."""
-    from dllm_serve.config import EngineConfig
     from dllm_serve_train.tiny_checkpoints import main
 
     out = tmp_path / "llada21"

@@ -17,6 +17,7 @@ import pytest
 import torch
 from fastdllm_reference import reference
 
+from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.blocks import BlockState
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.outputs import RequestOutput
@@ -45,7 +46,9 @@ def reference_model(fastdllm_dir: Path) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def llm(fastdllm_dir: Path) -> Iterator[LLM]:
-    with LLM(str(fastdllm_dir), device="cpu", dtype="float32") as llm:
+    # Forward by forward as the official loop: no prefix cache (its prompts share prefixes).
+    config = EngineConfig(enable_prefix_caching=False)
+    with LLM(str(fastdllm_dir), device="cpu", dtype="float32", engine_config=config) as llm:
         assert llm.engine.decoding_mode == "block_diffusion"
         yield llm
 

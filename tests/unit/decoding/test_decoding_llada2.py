@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.commit_rules import uniform_schedule
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM
@@ -112,7 +113,9 @@ def test_engine_equals_the_official_loop(
     b = reference_model.block_size
     assert b is not None
     commits: list[int] = []
-    with LLM(str(llada2_dir), device="cpu", dtype="float32") as llm:
+    # Forward by forward as the official loop: no prefix cache (its prompts share prefixes).
+    config = EngineConfig(enable_prefix_caching=False)
+    with LLM(str(llada2_dir), device="cpu", dtype="float32", engine_config=config) as llm:
         assert llm.engine.decoding_mode == "block_diffusion"
         fed: list[int] = []
         real_run = llm.engine.runner.run
@@ -162,7 +165,10 @@ def test_batched_requests_equal_each_alone(llada2_dir: Path, reference_model: Lo
     settings[4] = DecodingParams(gen_length=10, steps=64, temperature=0.9, seed=5)
     all_prompts = prompts(reference_model.block_size or 1)
     batch = [all_prompts[i % len(all_prompts)] for i in range(len(settings))]
-    with LLM(str(llada2_dir), device="cpu", dtype="float32") as llm:
+    # Without the prefix cache: each request alone would hit the batch's cached prompts and
+    # skip their prefill forwards (the same texts, fewer forwards).
+    config = EngineConfig(enable_prefix_caching=False)
+    with LLM(str(llada2_dir), device="cpu", dtype="float32", engine_config=config) as llm:
         together = llm.generate_ids(batch, settings)
         alone = [llm.generate_ids([p], [s])[0] for p, s in zip(batch, settings, strict=True)]
         assert llm.engine.kv_cache_bytes == 0
