@@ -247,6 +247,18 @@ class RenoiseDecoder:
         # write their throw-away K/V there), so the reservation covers them all.
         return prompt_len + self.canvases(params) * self.canvas_length
 
+    # Prefix reuse (protocol.PrefixReuse): the encoder is causal, so the K/V of the prompt and
+    # of every committed canvas depend on the tokens up to them only.
+    prefix_alignment = 1
+
+    def prefix_limit(self, prompt_len: int, params: DecodingParams) -> int:
+        """All of the prompt but its last token, whose encoder pass starts the first canvas."""
+        return prompt_len - 1
+
+    def reuse_prefix(self, state: RenoiseState, tokens: int) -> None:
+        """The prefill forwards the prompt past the cached ``tokens`` only."""
+        assert state.kv is not None and state.kv.length == tokens and state.phase == PREFILL
+
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
     ) -> RenoiseState:
@@ -279,9 +291,12 @@ class RenoiseDecoder:
         if state.finished or state.kv is None:
             raise RuntimeError("prepare() called on a finished request (or one without KV)")
         kv, c = state.kv, self.canvas_length
-        if state.phase == PREFILL:
+        if state.phase == PREFILL:  # the prompt past what a prefix-cache hit holds
+            cached = kv.length
             p = len(state.prompt)
-            return RowSpec(state.prompt, 0, [p - 1], AttentionKind.CAUSAL, kv)
+            return RowSpec(
+                state.prompt[cached:], cached, [p - 1 - cached], AttentionKind.CAUSAL, kv
+            )
         start = kv.length  # the committed prefix: prompt and every emitted canvas
         if state.phase == COMMIT:
             return RowSpec(state.argmax, start, [c - 1], AttentionKind.CAUSAL, kv)

@@ -339,3 +339,27 @@ def test_the_flags_are_vllms() -> None:
     assert parse_config([]).engine.enable_prefix_caching is None  # on where exact
     assert parse_config(["--enable-prefix-caching"]).engine.enable_prefix_caching is True
     assert parse_config(["--no-enable-prefix-caching"]).engine.enable_prefix_caching is False
+
+
+def test_diffusion_gemma_reuses_its_causal_encoders_prompt(tmp_path: Path) -> None:
+    """DiffusionGemma's encoder is causal: requests sharing a system prompt take its K/V from
+    the cache and answer (seeded) exactly as without it, fed exactly the hit fewer tokens."""
+    from dllm_serve_train.tiny_checkpoints import write_tiny_diffusion_gemma
+
+    path = write_tiny_diffusion_gemma(tmp_path / "dg", canvas_length=16, seed=2)
+    loaded = load_model(str(path), device="cpu", dtype="float32")
+    rng = random.Random(5)
+    system = tokens(rng, SHARED)
+    prompts = [[*system, 200 + i, *tokens(rng, 4)] for i in range(4)]
+    every = [DecodingParams(gen_length=20, steps=6, seed=50 + i) for i in range(4)]
+    got = {}
+    for on in (False, True):
+        engine, counts = hand_engine(loaded, enable_prefix_caching=on)
+        first = run(engine, prompts[:1], every[:1], prefix="a")
+        rest = run(engine, prompts[1:], every[1:], prefix="b")
+        got[on] = (answers(first + rest), counts, [r.cached_tokens for r in first + rest])
+        idle(engine)
+    assert got[True][0] == got[False][0]
+    assert got[True][2] == [0, SHARED, SHARED, SHARED]
+    saved = got[False][1].forward_tokens - got[True][1].forward_tokens
+    assert saved == got[True][1].hits == 3 * SHARED
