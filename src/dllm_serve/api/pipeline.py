@@ -247,6 +247,7 @@ def _spec(
             req = model.with_default_rule(req)
         check_editing(req, model)
         model.check_logprobs(req)
+        model.check_response_format(req)
     # After the mode rules: a local_leap_* field on a model without diffusion decoding is
     # not_applicable, not a hint to set use_local_leap.
     check_commit_rule(req)
@@ -462,6 +463,7 @@ class ModelFacts:
             infilling=engine.infilling,
             default_rule=tuple(engine.default_commit_rule.items()),
             logprobs=engine.logprobs,
+            structured_refusal=engine.structured_refusal,
             canvas_length=getattr(engine.algorithm, "canvas_length", None),
             max_denoising_steps=getattr(settings, "max_denoising_steps", None),
         )

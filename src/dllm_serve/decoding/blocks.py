@@ -59,6 +59,7 @@ from dllm_serve.decoding.commit_rules import (
     threshold_commit_rows,
     topk_commit_rows,
 )
+from dllm_serve.decoding.grammar import Constraint, TokenGrammar
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
 from dllm_serve.decoding.protocol import (
     AttentionKind,
@@ -76,6 +77,7 @@ from dllm_serve.decoding.sampler import (
     seed_tokens,
     select_rows,
     target_probs,
+    writable,
 )
 from dllm_serve.models.attention import host_to_device, to_device
 from dllm_serve.models.kv_pool import KVPages
@@ -132,6 +134,9 @@ class DenoiseState:
     # Requests with logprobs: per answer position, the committing forward's entry, on the
     # device (engine/logprobs.py); None until the first commit.
     logprob_buffer: torch.Tensor | None = None
+    # Structured output: the matcher of the committed answer prefix (decoding/grammar.py);
+    # None: free text. A constrained row commits only a left-to-right run of its active block.
+    constraint: Constraint | None = None
 
     @property
     def canvas(self) -> torch.Tensor:
@@ -224,6 +229,9 @@ class BlockDecoder(ABC):
             raise ValueError("the mask id cannot be a stop id")
         self.mask_id = mask_id
         self.stop_ids = tuple(stop_ids)
+        # Structured output (set by the registry for the decoders that enforce it): compiles
+        # each request's grammar against the model's tokenizer. None: response_format refused.
+        self.grammar: TokenGrammar | None = None
 
     def _new_state(
         self,
@@ -235,14 +243,24 @@ class BlockDecoder(ABC):
         **fields: Any,
     ) -> Any:
         """A state of ``state_type`` whose canvas is ``prompt`` then masks up to
-        ``canvas_length``, with the request's stop ids and generator."""
+        ``canvas_length``, with the request's stop ids, generator and (structured output)
+        grammar matcher."""
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
+        constraint = None
+        if params.grammar is not None:
+            if self.grammar is None:
+                raise ValueError("this decoder does not enforce structured output")
+            if not stop_ids:
+                raise ValueError("structured output needs a stop id to end the answer")
+            constraint = self.grammar.constraint(params.grammar, stop_ids)
         return state_type(
             tokens=prompt + [self.mask_id] * (canvas_length - len(prompt)),
             prompt_len=len(prompt),
             params=params,
             generator=new_generator(params, device),
             mask_id=self.mask_id,
-            stop_ids=request_stop_ids(self.mask_id, self.stop_ids, params),
+            stop_ids=stop_ids,
+            constraint=constraint,
             **fields,
         )
 
@@ -271,6 +289,12 @@ class BlockDecoder(ABC):
         ragged = any(c != width for c in counts)
         valid = torch.arange(width, device=device)[None, :] < count[:, None] if ragged else None
 
+        # Structured output: each constrained row's first masked position (the first position
+        # of its answer not yet committed) may only propose what its grammar allows next.
+        constrained = [r for r, s in enumerate(states) if s.constraint is not None and counts[r]]
+        if constrained:
+            logits = _mask_to_grammar(states, logits, constrained)
+
         metrics = [_metric(s.params) for s in states]
         # A zero-commit step draws no noise, so the generator stays in step.
         draws = {
@@ -283,6 +307,13 @@ class BlockDecoder(ABC):
             score = score.masked_fill(~valid, float("-inf"))
 
         commit = _commit_by_row_rule(states, score, k, device)
+        if constrained:
+            # A constrained row always commits its first masked position (a grammar-allowed
+            # token), so it advances at least one token per step whatever its rule picked;
+            # the host keeps the valid left-to-right run from there (_commit_masked).
+            first = torch.zeros_like(commit)
+            first[to_device(constrained, device, torch.long), 0] = True
+            commit |= first
         if valid is not None:
             commit &= valid
         out = torch.where(commit, x0, self.mask_id)
@@ -338,6 +369,8 @@ class BlockDecoder(ABC):
         and count the step. Returns how many positions were committed."""
         mask_id, tokens, masked = self.mask_id, state.tokens, state.masked
         row = row[: len(masked)]
+        if state.constraint is not None and masked:
+            row = _grammar_run(state, row, mask_id)
         # ``compress`` walks the row in C; the Python loop only runs over this step's commits.
         still = list(compress(masked, map(mask_id.__eq__, row)))
         for pos, token in compress(zip(masked, row, strict=True), map(mask_id.__ne__, row)):
@@ -346,6 +379,14 @@ class BlockDecoder(ABC):
         state.masked = still
         state.committed += committed
         state.step += 1
+        if state.constraint is not None and still and state.params.mode == "topk":
+            # A constrained step commits its valid run, not the schedule's count: spread the
+            # masks left over the block's remaining steps (at least one per step).
+            steps_left = max(1, len(state.schedule) - state.step)
+            state.schedule = block_schedule(
+                state.params.block_schedule, len(still), min(steps_left, len(still))
+            )
+            state.step = 0
         return committed
 
     @staticmethod
@@ -376,6 +417,50 @@ def _metric(params: DecodingParams) -> str:
     """The confidence a row is scored by: the entropy rules read entropies (from
     ``entropy_inverse`` = exp(−H)), every other rule the request's metric."""
     return "entropy_inverse" if params.mode in ENTROPY_RULES else params.confidence_metric
+
+
+def _mask_to_grammar(
+    states: Sequence[DenoiseState], logits: StepLogits, rows: Sequence[int]
+) -> StepLogits:
+    """``logits`` with each of ``rows``' first requested position restricted to the tokens its
+    grammar allows next (the others at −inf). One host→device copy of the packed bitmasks;
+    the bits are unpacked on the device."""
+    if logits.flat is None:
+        raise RuntimeError("structured output is not enforced on vocabulary-sharded logits")
+    logits = writable(logits)
+    flat = logits.flat
+    assert flat is not None
+    device, vocab = flat.device, flat.shape[-1]
+    masks = [states[r].constraint.allowed_bits() for r in rows]  # type: ignore[union-attr]
+    width = len(masks[0])
+    packed = host_to_device(torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8), device)
+    shifts = torch.arange(8, device=device, dtype=torch.uint8)
+    bits = (packed.view(len(rows), width, 1) >> shifts) & 1  # little-endian bit order
+    allowed = bits.view(len(rows), width * 8).bool()
+    if allowed.shape[1] < vocab:  # an LM head wider than the model's vocabulary
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    at = to_device([logits.offsets[r] for r in rows], device, torch.long)
+    flat[at] = flat[at].masked_fill(~allowed[:, :vocab], float("-inf"))
+    return logits
+
+
+def _grammar_run(state: DenoiseState, row: Sequence[int], mask_id: int) -> list[int]:
+    """A constrained row's commits cut to what its grammar accepts: the run of committed
+    tokens from the first masked position (contiguous: a constrained row's masks are always
+    the tail of its block), up to the first token that could not continue to a valid string.
+    The matcher consumes the kept tokens; everything else stays masked for later steps."""
+    assert state.constraint is not None
+    run: list[int] = []
+    for token in row:
+        if token == mask_id:
+            break
+        run.append(token)
+    kept = state.constraint.accept(run)
+    if not kept:
+        # The first position was proposed under the grammar's mask, so this is a bug; never
+        # commit text the grammar rejects.
+        raise RuntimeError("structured output: the grammar rejected the masked proposal")
+    return run[:kept] + [mask_id] * (len(row) - kept)
 
 
 def _finish(state: DenoiseState, committed: int, reason: str, new: int) -> StepResult:

@@ -35,6 +35,7 @@ from dllm_serve.decoding.blocks import BlockDiffusionDecoder
 from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.causal_blocks import CausalBlockDiffusionDecoder
 from dllm_serve.decoding.fast_dllm import FastDLLMDecoder
+from dllm_serve.decoding.grammar import TokenGrammar
 from dllm_serve.decoding.linear_spec import LinearSpecDecoder
 from dllm_serve.decoding.params import (
     AR,
@@ -106,6 +107,11 @@ def algorithm_for(
             )
     _check_flags_apply(loaded.name, algorithm.decoding_mode, config)
     _check_decoding_algorithm(loaded.name, algorithm, config.decoding_algorithm)
+    if type(algorithm) in STRUCTURED_DECODERS and loaded.parallel is None:
+        # Structured output: the grammar is compiled against the model's own tokenizer.
+        assert isinstance(algorithm, LLaDADenoiser | BlockDiffusionDecoder)
+        vocab = loaded.vocab_size or len(loaded.tokenizer)
+        algorithm.grammar = TokenGrammar(loaded.tokenizer, vocab, loaded.stop_ids)
     return algorithm
 
 
@@ -278,8 +284,44 @@ def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingPara
             f"a suffix (infilling) needs a model whose canvas attends to the text after it; "
             f"model {model!r} reads its prompt causally"
         )
+    if params.grammar is not None:
+        check_structured(algorithm, model, params)
     if params.answer_limit is not None and algorithm.decoding_mode != "diffusion":
         raise ValueError(f"answer_limit applies to canvas denoising, not {algorithm.decoding_mode}")
+
+
+# The decoders that enforce response_format (structured output; decoding/grammar.py): those
+# whose committed text grows as a left-to-right run per step (blocks.BlockDecoder.sample).
+STRUCTURED_DECODERS = (LLaDADenoiser, BlockDiffusionDecoder)
+
+
+def supports_structured_output(algorithm: DecodingAlgorithm) -> bool:
+    """Whether requests may set ``response_format`` on ``algorithm`` (it has a grammar
+    compiler: canvas denoising and block diffusion, one rank)."""
+    return getattr(algorithm, "grammar", None) is not None
+
+
+def structured_output_refusal(algorithm: DecodingAlgorithm) -> str | None:
+    """Why ``algorithm`` does not enforce ``response_format`` (None: it does)."""
+    if supports_structured_output(algorithm):
+        return None
+    if type(algorithm) in STRUCTURED_DECODERS:
+        return "it is not enforced under tensor parallelism yet (the vocabulary is sharded)"
+    mode = algorithm.decoding_mode
+    return (
+        f"it is enforced for canvas denoising (LLaDA, Dream) and block diffusion (SDAR, "
+        f"LLaDA2.x); this model decodes by {mode}, whose verify/seed step does not apply a "
+        "grammar yet"
+    )
+
+
+def check_structured(algorithm: DecodingAlgorithm, model: str, params: DecodingParams) -> None:
+    """A ``response_format`` the decoder cannot enforce is a ValueError (never free text)."""
+    why = structured_output_refusal(algorithm)
+    if why is not None:
+        raise ValueError(f"response_format on model {model!r}: {why}")
+    if params.mode == "joint_threshold":
+        raise ValueError("response_format cannot be combined with token editing (edit_threshold)")
 
 
 def supports_logprobs(algorithm: DecodingAlgorithm) -> bool:
