@@ -1,0 +1,97 @@
+"""response_format through a real server and the openai SDK on demo-llada: the SDK's
+``chat.completions.parse`` with a pydantic model gets a parsed, valid object; streaming gives
+the same text; a schema the grammar library cannot compile is a 400 naming the keyword."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from remote_server import RemoteServer
+
+QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+class Sum(BaseModel):
+    sum: int
+
+
+class BoundedSum(BaseModel):
+    sum: int = Field(ge=0, le=99)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    log = tmp_path_factory.mktemp("structured") / "server.log"
+    server = RemoteServer.start(["--log-level", "warning"], log, pin_model=False)
+    yield server
+    server.stop()
+
+
+def test_parse_with_a_pydantic_model(demo: RemoteServer) -> None:
+    """``{"sum": integer}`` as the SDK sends it (strict, additionalProperties false)."""
+    client = demo.client()
+    reply = client.chat.completions.parse(
+        model="any", messages=QUESTION, response_format=BoundedSum, max_tokens=32
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    parsed = choice.message.parsed
+    assert isinstance(parsed, BoundedSum)
+    assert json.loads(choice.message.content) == parsed.model_dump()
+
+
+def test_unbounded_integer_parses_or_reports_length(demo: RemoteServer) -> None:
+    """The plain ``sum: int`` schema: an answer that ends parses; one that spends max_tokens
+    first ends with finish_reason "length" (the SDK raises LengthFinishReasonError, as it does
+    against OpenAI), never with invalid JSON and "stop"."""
+    client = demo.client()
+    try:
+        reply = client.chat.completions.parse(
+            model="any", messages=QUESTION, response_format=Sum, max_tokens=32
+        )
+    except openai.LengthFinishReasonError as exc:
+        text = exc.completion.choices[0].message.content
+        assert text.startswith('{"sum":')
+        return
+    assert isinstance(reply.choices[0].message.parsed, Sum)
+
+
+def test_stream_equals_json(demo: RemoteServer) -> None:
+    client = demo.client()
+    rf = {
+        "type": "json_schema",
+        "json_schema": {"name": "s", "schema": BoundedSum.model_json_schema(), "strict": True},
+    }
+    reply = client.chat.completions.create(
+        model="any", messages=QUESTION, response_format=rf, max_tokens=32
+    )
+    chunks = client.chat.completions.create(
+        model="any", messages=QUESTION, response_format=rf, max_tokens=32, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content
+    BoundedSum.model_validate_json(streamed)
+
+
+def test_json_object_and_refusals(demo: RemoteServer) -> None:
+    client = demo.client()
+    reply = client.chat.completions.create(
+        model="any", messages=QUESTION, response_format={"type": "json_object"}, max_tokens=32
+    )
+    assert reply.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="any",
+            messages=QUESTION,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}},
+            },
+        )
+    error = info.value.body
+    assert error["param"] == "response_format"
+    assert "not" in error["message"]
