@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any
 
+import numpy as np
 import torch
 
 from dllm_serve.decoding.commit_rules import (
@@ -292,8 +293,15 @@ class BlockDecoder(ABC):
         # Structured output: each constrained row's first masked position (the first position
         # of its answer not yet committed) may only propose what its grammar allows next.
         constrained = [r for r, s in enumerate(states) if s.constraint is not None and counts[r]]
+        lookahead: list[int] = []
         if constrained:
             logits = _mask_to_grammar(states, logits, constrained)
+            # Greedy rows with a second masked position choose their first token by a
+            # two-position lookahead (read before propose, which consumes the logits).
+            lookahead = [
+                r for r in constrained if counts[r] > 1 and states[r].params.temperature == 0
+            ]
+            firsts = _lookahead_first(states, logits, lookahead, self.mask_id)
 
         metrics = [_metric(s.params) for s in states]
         # A zero-commit step draws no noise, so the generator stays in step.
@@ -303,6 +311,8 @@ class BlockDecoder(ABC):
             if s.params.temperature > 0 and topk[r] != 0
         }
         x0, score = propose(logits, self.mask_id, counts, draws, metrics)
+        if lookahead:
+            x0[to_device(lookahead, device, torch.long), 0] = to_device(firsts, device, x0.dtype)
         if valid is not None:
             score = score.masked_fill(~valid, float("-inf"))
 
@@ -442,6 +452,105 @@ def _mask_to_grammar(
     at = to_device([logits.offsets[r] for r in rows], device, torch.long)
     flat[at] = flat[at].masked_fill(~allowed[:, :vocab], float("-inf"))
     return logits
+
+
+# The lookahead's window (masked positions), beam width and candidates per beam and position.
+LOOKAHEAD_DEPTH, LOOKAHEAD_BEAMS, LOOKAHEAD_CANDIDATES = 8, 4, 4
+LOOKAHEAD_ALL_BELOW = 32  # a position allowing at most this many tokens weighs them all
+
+
+def _lookahead_first(
+    states: Sequence[DenoiseState], logits: StepLogits, rows: Sequence[int], mask_id: int
+) -> list[int]:
+    """The first token of each greedy constrained row in ``rows``: the first token of the
+    most probable grammar-valid fill of its next ``D`` masked positions (a beam-searched
+    DINGO MAP over the block window; docs/structured-output.md).
+
+    With ``log pⱼ`` the model's log-probabilities at the row's ``j``-th masked position (mask
+    id excluded), a fill ``t₀ … t_m`` scores ``Σⱼ log pⱼ(tⱼ)``; every ``tⱼ`` must be allowed by
+    the grammar after ``t₀ … tⱼ₋₁``, and a stop id (allowed only where the text is complete)
+    ends the fill: the positions after it are padding and cost nothing. Fills are searched
+    position by position, keeping the :data:`LOOKAHEAD_BEAMS` best prefixes and expanding
+    each by its :data:`LOOKAHEAD_CANDIDATES` most probable allowed tokens; scores only fall as
+    a fill grows, so a prefix below the best finished fill is dropped. Plain masking takes
+    ``argmax p₀`` instead: a model that wants to end (``p₁`` ≈ EOS) but may not yet keeps
+    extending an open number or string until ``max_tokens``; the window sees that closing it
+    (``}`` then EOS) beats ``D`` more digits. Only ``t₀`` is used (the later positions are
+    committed by the row's rule and checked by the matcher), and ``t₀`` is allowed by the
+    grammar, so the guarantee is that of plain masking. One device→host copy of the window's
+    log-probabilities for these rows (none on CPU).
+    """
+    if not rows:
+        return []
+    flat = logits.flat
+    assert flat is not None
+    device = flat.device
+    depths = [min(LOOKAHEAD_DEPTH, logits.counts[r]) for r in rows]
+    at = [logits.offsets[r] + j for r, d in zip(rows, depths, strict=True) for j in range(d)]
+    z = flat.index_select(0, to_device(at, device, torch.long)).float()
+    z[:, mask_id] = float("-inf")
+    log_p = torch.log_softmax(z, dim=-1).cpu().numpy()
+    chosen, start = [], 0
+    for r, depth in zip(rows, depths, strict=True):
+        state = states[r]
+        assert state.constraint is not None
+        chosen.append(_beam_first(state.constraint, log_p[start : start + depth], state.stop_ids))
+        start += depth
+    return chosen
+
+
+def _beam_first(constraint: Constraint, log_p: np.ndarray, stop_ids: Sequence[int]) -> int:
+    """:func:`_lookahead_first` for one row: ``log_p`` ``[D, V]``.
+
+    A beam expands by its most probable allowed tokens and, where the grammar allows few
+    tokens (structure: ``,``, ``}``, digits), by all of them; any token after which the text is
+    complete also scores the fill that ends with a stop id at the next position, so a closing
+    token the model finds unlikely still competes through the end it enables.
+    """
+    depth, vocab = log_p.shape
+    stops = [t for t in stop_ids if t < vocab]
+    done_score, done_first = float("-inf"), -1
+    beams: list[tuple[float, int, Constraint]] = [(0.0, -1, constraint)]
+    for j in range(depth):
+        expansions: list[tuple[float, int, int, Constraint]] = []
+        for score, first, matcher in beams:
+            bits = np.frombuffer(matcher.allowed_bits(), dtype=np.uint8)
+            allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[:vocab])
+            row = log_p[j, allowed]
+            if allowed.size > LOOKAHEAD_ALL_BELOW:
+                top = np.argsort(-row, kind="stable")[:LOOKAHEAD_CANDIDATES]
+                allowed, row = allowed[top], row[top]
+            for token, lp in zip(allowed.tolist(), row.tolist(), strict=True):
+                total = score + lp
+                head = token if first < 0 else first
+                if token in stops or total <= done_score:
+                    if token in stops and total > done_score:
+                        done_score, done_first = total, head
+                    continue
+                if j + 1 < depth and matcher.completes_with(token):
+                    ended = total + float(log_p[j + 1, stops].max())
+                    if ended > done_score:
+                        done_score, done_first = ended, head
+                expansions.append((total, head, token, matcher))
+        expansions.sort(key=lambda e: -e[0])
+        kept = [e for e in expansions[:LOOKAHEAD_BEAMS] if e[0] > done_score]
+        if not kept or j == depth - 1:
+            # Scores only fall as a fill grows: an open fill at the window's end competes
+            # with the best ended one as it stands.
+            if kept and kept[0][0] > done_score:
+                return kept[0][1]
+            break
+        beams = []
+        for total, head, token, matcher in kept:
+            twin = matcher.fork()
+            twin.accept([token])
+            beams.append((total, head, twin))
+    if done_first >= 0:
+        return done_first
+    # Nothing scored above -inf (cannot happen: the first position has an allowed token).
+    bits = np.frombuffer(constraint.allowed_bits(), dtype=np.uint8)
+    allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[:vocab])
+    return int(allowed[np.argmax(log_p[0, allowed])])
 
 
 def _grammar_run(state: DenoiseState, row: Sequence[int], mask_id: int) -> list[int]:

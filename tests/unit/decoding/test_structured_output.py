@@ -193,3 +193,35 @@ def test_self_speculation_refuses(tmp_path: Path) -> None:
             llm.chat([CONVERSATION], response_format={"type": "json_object"})
         assert info.value.code == "not_applicable"
         assert info.value.param == "response_format"
+
+
+def test_lookahead_closes_what_masking_would_extend(tmp_path: Path) -> None:
+    """The beam over the block window (blocks._beam_first) on synthetic log-probabilities:
+    after ``{"sum":4`` position 0 prefers a digit and ``}`` is unlikely, but every later
+    position wants the stop id. Plain masking (argmax at position 0) takes the digit; the
+    lookahead takes ``}``, because ``}`` then EOS beats eight more unlikely digits. With a
+    window of one position it is plain masking again."""
+    import numpy as np
+
+    from dllm_serve.decoding.blocks import _beam_first
+
+    llm = LLM(str(ASSETS / "demo-llada"), device="cpu", dtype="float32")
+    try:
+        tokenizer, vocab = llm.loaded.tokenizer, llm.loaded.vocab_size
+        stop = llm.loaded.stop_ids[0]
+        grammar = TokenGrammar(tokenizer, vocab, llm.loaded.stop_ids)
+        text = response_format_grammar(response_format("sum"))
+        assert text is not None
+        constraint = grammar.constraint(text, (stop,))
+        prefix = tokenizer.encode('{"sum":4', add_special_tokens=False)
+        assert constraint.accept(prefix) == len(prefix)
+        nine, close = tokenizer.convert_tokens_to_ids("9"), tokenizer.convert_tokens_to_ids("}")
+        log_p = np.full((8, vocab), -30.0, dtype=np.float32)
+        log_p[0, nine], log_p[0, close] = -0.1, -12.0
+        log_p[1:, stop] = -0.01
+        log_p[1:, nine] = -5.0
+        assert _beam_first(constraint, log_p, (stop,)) == close
+        assert _beam_first(constraint, log_p[:1], (stop,)) == nine
+        assert constraint.consumed == len(prefix)  # the request's matcher is untouched
+    finally:
+        llm.close()
