@@ -463,7 +463,7 @@ class ModelFacts:
             infilling=engine.infilling,
             default_rule=tuple(engine.default_commit_rule.items()),
             logprobs=engine.logprobs,
-            structured_refusal=engine.structured_refusal,
+            structured_refusals=tuple(engine.structured_refusals.items()),
             canvas_length=getattr(engine.algorithm, "canvas_length", None),
             max_denoising_steps=getattr(settings, "max_denoising_steps", None),
         )

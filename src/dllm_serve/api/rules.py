@@ -288,8 +288,9 @@ class ModelDecoding:
     token_editing: bool = False  # requests may ask for JointThreshold (LLaDA2.x)
     infilling: bool = False  # /v1/completions suffix (bidirectional canvas denoising)
     logprobs: bool = True  # the engine records logprobs for this model (engine/logprobs.py)
-    # Why response_format is not enforced on this model (None: it is; decoding/grammar.py).
-    structured_refusal: str | None = None
+    # (request mode, why response_format is not enforced there) for the modes that refuse it
+    # (decoding/grammar.py); empty: every mode enforces it.
+    structured_refusals: tuple[tuple[str, str], ...] = ()
     # --decoding-algorithm: the rule fields of requests that set none of RULE_FIELDS.
     default_rule: tuple[tuple[str, float], ...] = ()
 
@@ -311,9 +312,10 @@ class ModelDecoding:
         grammar = response_format_grammar_of(req)
         if grammar is None:
             return None
-        if self.structured_refusal is not None:
+        refusal = dict(self.structured_refusals).get(req.decoding_mode or self.default_mode or "")
+        if refusal is not None:
             raise invalid(
-                f"response_format is not enforced on this model: {self.structured_refusal}. "
+                f"response_format is not enforced on this model: {refusal}. "
                 'Omit it (or send {"type": "text"}).',
                 "response_format",
                 code="not_applicable",

@@ -74,11 +74,11 @@ from dllm_serve.decoding.sampler import (
     dense_rows,
     new_generator,
     propose,
+    restrict_to_bitmasks,
     sample_inverse_cdf,
     seed_tokens,
     select_rows,
     target_probs,
-    writable,
 )
 from dllm_serve.models.attention import host_to_device, to_device
 from dllm_serve.models.kv_pool import KVPages
@@ -433,25 +433,9 @@ def _mask_to_grammar(
     states: Sequence[DenoiseState], logits: StepLogits, rows: Sequence[int]
 ) -> StepLogits:
     """``logits`` with each of ``rows``' first requested position restricted to the tokens its
-    grammar allows next (the others at −inf). One host→device copy of the packed bitmasks;
-    the bits are unpacked on the device."""
-    if logits.flat is None:
-        raise RuntimeError("structured output is not enforced on vocabulary-sharded logits")
-    logits = writable(logits)
-    flat = logits.flat
-    assert flat is not None
-    device, vocab = flat.device, flat.shape[-1]
+    grammar allows next (the others at −inf)."""
     masks = [states[r].constraint.allowed_bits() for r in rows]  # type: ignore[union-attr]
-    width = len(masks[0])
-    packed = host_to_device(torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8), device)
-    shifts = torch.arange(8, device=device, dtype=torch.uint8)
-    bits = (packed.view(len(rows), width, 1) >> shifts) & 1  # little-endian bit order
-    allowed = bits.view(len(rows), width * 8).bool()
-    if allowed.shape[1] < vocab:  # an LM head wider than the model's vocabulary
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    at = to_device([logits.offsets[r] for r in rows], device, torch.long)
-    flat[at] = flat[at].masked_fill(~allowed[:, :vocab], float("-inf"))
-    return logits
+    return restrict_to_bitmasks(logits, [logits.offsets[r] for r in rows], masks)
 
 
 # The lookahead's window (masked positions), beam width and candidates per beam and position.

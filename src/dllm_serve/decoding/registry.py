@@ -107,12 +107,22 @@ def algorithm_for(
             )
     _check_flags_apply(loaded.name, algorithm.decoding_mode, config)
     _check_decoding_algorithm(loaded.name, algorithm, config.decoding_algorithm)
-    if type(algorithm) in STRUCTURED_DECODERS and loaded.parallel is None:
-        # Structured output: the grammar is compiled against the model's own tokenizer.
-        assert isinstance(algorithm, LLaDADenoiser | BlockDiffusionDecoder)
+    if loaded.parallel is None:
+        # Structured output: one grammar compiler (the model's own tokenizer, a cache of
+        # compiled schemas) shared by every mode that enforces it.
         vocab = loaded.vocab_size or len(loaded.tokenizer)
-        algorithm.grammar = TokenGrammar(loaded.tokenizer, vocab, loaded.stop_ids)
+        grammar = TokenGrammar(loaded.tokenizer, vocab, loaded.stop_ids)
+        for mode in _modes(algorithm).values():
+            if type(mode) in STRUCTURED_DECODERS:
+                mode.grammar = grammar  # type: ignore[attr-defined]
     return algorithm
+
+
+def _modes(algorithm: DecodingAlgorithm) -> dict[str, DecodingAlgorithm]:
+    """Request mode → the algorithm that decodes it (one entry for a single-mode model)."""
+    if isinstance(algorithm, TriModeDecoder):
+        return dict(algorithm.modes)
+    return {model_mode(algorithm.decoding_mode): algorithm}
 
 
 def _check_decoding_algorithm(name: str, algorithm: DecodingAlgorithm, preset: str) -> None:
@@ -291,33 +301,41 @@ def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingPara
 
 
 # The decoders that enforce response_format (structured output; decoding/grammar.py): those
-# whose committed text grows as a left-to-right run per step (blocks.BlockDecoder.sample).
-STRUCTURED_DECODERS = (LLaDADenoiser, BlockDiffusionDecoder)
+# whose answer grows as a left-to-right run per step: canvas denoising and block diffusion
+# (blocks.BlockDecoder.sample), and the causal verify of self-speculation (ISD, tri-mode ar and
+# linear_spec: selfspec.constrain_verify_rows).
+STRUCTURED_DECODERS = (LLaDADenoiser, BlockDiffusionDecoder, ISDecoder, LinearSpecDecoder)
 
 
-def supports_structured_output(algorithm: DecodingAlgorithm) -> bool:
-    """Whether requests may set ``response_format`` on ``algorithm`` (it has a grammar
-    compiler: canvas denoising and block diffusion, one rank)."""
-    return getattr(algorithm, "grammar", None) is not None
-
-
-def structured_output_refusal(algorithm: DecodingAlgorithm) -> str | None:
-    """Why ``algorithm`` does not enforce ``response_format`` (None: it does)."""
-    if supports_structured_output(algorithm):
-        return None
-    if type(algorithm) in STRUCTURED_DECODERS:
-        return "it is not enforced under tensor parallelism yet (the vocabulary is sharded)"
-    mode = algorithm.decoding_mode
-    return (
-        f"it is enforced for canvas denoising (LLaDA, Dream) and block diffusion (SDAR, "
-        f"LLaDA2.x); this model decodes by {mode}, whose verify/seed step does not apply a "
-        "grammar yet"
-    )
+def structured_output_refusals(algorithm: DecodingAlgorithm) -> dict[str, str]:
+    """Request mode → why ``response_format`` is refused there, for the modes that do not
+    enforce it (empty: every mode does)."""
+    refusals = {}
+    for mode, decoder in _modes(algorithm).items():
+        if getattr(decoder, "grammar", None) is not None:
+            continue
+        if type(decoder) in STRUCTURED_DECODERS:
+            refusals[mode] = (
+                "it is not enforced under tensor parallelism yet (the vocabulary is sharded)"
+            )
+        else:
+            refusals[mode] = (
+                f"it is enforced for canvas denoising (LLaDA, Dream), block diffusion (SDAR "
+                f"format, LLaDA2.x) and self-speculation (I-DLM, tri-mode ar / linear_spec); "
+                f"decoding_mode {mode!r} here ({type(decoder).__name__}) does not apply a "
+                "grammar to its seed or renoise steps yet"
+            )
+    return refusals
 
 
 def check_structured(algorithm: DecodingAlgorithm, model: str, params: DecodingParams) -> None:
     """A ``response_format`` the decoder cannot enforce is a ValueError (never free text)."""
-    why = structured_output_refusal(algorithm)
+    mode = (
+        algorithm.mode_of(params)
+        if isinstance(algorithm, TriModeDecoder)
+        else default_mode(algorithm)
+    )
+    why = structured_output_refusals(algorithm).get(mode)
     if why is not None:
         raise ValueError(f"response_format on model {model!r}: {why}")
     if params.mode == "joint_threshold":

@@ -38,7 +38,7 @@ from dllm_serve.decoding.registry import (
     algorithm_for,
     check_request,
     default_mode,
-    structured_output_refusal,
+    structured_output_refusals,
     supports_editing,
     supports_infilling,
     supports_logprobs,
@@ -122,8 +122,8 @@ class AsyncEngine:
         self.infilling = supports_infilling(self.algorithm)
         # Whether answer-token logprobs are recorded for this model (engine/logprobs.py).
         self.logprobs = supports_logprobs(self.algorithm)
-        # Why response_format is not enforced for this model (None: it is; decoding/grammar.py).
-        self.structured_refusal = structured_output_refusal(self.algorithm)
+        # Request mode → why response_format is not enforced there (decoding/grammar.py).
+        self.structured_refusals = structured_output_refusals(self.algorithm)
         # --decoding-algorithm: the commit rule (request fields) of requests that choose none.
         self.decoding_algorithm = self.config.decoding_algorithm
         self.default_commit_rule = dict(DECODING_ALGORITHMS[self.decoding_algorithm])

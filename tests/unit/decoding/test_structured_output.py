@@ -25,6 +25,7 @@ from dllm_serve_train.tiny_checkpoints import (
     write_tiny_idlm,
     write_tiny_llada,
     write_tiny_llada2,
+    write_tiny_nemotron,
 )
 
 ASSETS = Path(__file__).resolve().parents[3] / "src" / "dllm_serve" / "assets"
@@ -185,43 +186,138 @@ def test_api_refusals(tmp_path: Path) -> None:
             llm.chat([CONVERSATION], response_format={"type": "json_object"}, ignore_eos=True)
 
 
-def test_self_speculation_refuses(tmp_path: Path) -> None:
-    """I-DLM self-speculation does not apply a grammar yet: a 400, never free text."""
-    path = write_tiny_idlm(tmp_path / "m")
+# ---- self-speculation: the causal verify under the grammar ------------------------------------
+
+
+@pytest.fixture(scope="module", params=["isd", "ar", "linear_spec"])
+def selfspec(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LLM, dict]]:
+    """A tiny random I-DLM checkpoint (ISD, stride 4) and a tiny tri-mode one decoding by
+    ``ar`` or ``linear_spec`` (block 8): the modes whose verify step is causal."""
+    root = Path(tmp_path_factory.mktemp(request.param))
+    if request.param == "isd":
+        path, fields = write_tiny_idlm(root / "m"), {}
+    else:
+        path = write_tiny_nemotron(root / "m", block_size=8, seed=1)
+        fields = {"decoding_mode": request.param}
+    with LLM(str(path), device="cpu", dtype="float32") as model:
+        yield model, fields
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_self_speculation_answers_validate(selfspec: tuple[LLM, dict], temperature: float) -> None:
+    llm, fields = selfspec
+    for name, schema in SCHEMAS.items():
+        out = llm.chat(
+            [CONVERSATION],
+            response_format=response_format(name),
+            max_tokens=MAX_TOKENS,
+            temperature=temperature,
+            seed=5,
+            **fields,
+        )[0]
+        assert out.finish_reason == "stop", (name, out.text)
+        check_valid(out.text, schema)
+
+
+def test_self_speculation_batched_equals_solo(selfspec: tuple[LLM, dict]) -> None:
+    from dllm_serve.api.pipeline import chat_request
+    from dllm_serve.offline_batch import run_together
+
+    llm, extra = selfspec
+    names = ["nested", "pattern", None, "array_of_objects"]
+    fields = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 11, **extra}
+
+    def request(name: str | None) -> tuple:
+        rf = {} if name is None else {"response_format": response_format(name)}
+        body = json.dumps({"messages": CONVERSATION, **fields, **rf}).encode()
+        spec, ids = chat_request(llm._facts, body, "application/json")
+        return ids, spec.params, spec.stop, spec.include_stop_str
+
+    solo = [run_together(llm.engine, [request(n)])[0].text for n in names]
+    assert [c.text for c in run_together(llm.engine, [request(n) for n in names])] == solo
+
+
+def test_constrained_self_speculation_is_constrained_ar(tmp_path: Path) -> None:
+    """Exactness survives the grammar: greedy, constrained ISD at stride 4 answers token for
+    token what stride 1 (plain AR under the grammar mask) answers — with drafts that are the
+    AR answer's own next tokens except the last of each round (so drafts are accepted, and
+    rejected where a wrong draft meets the mask) — and tri-mode ``linear_spec`` answers what
+    ``ar`` answers."""
+    from dllm_serve.config import EngineConfig
+    from dllm_serve.decoding.selfspec import ISDecoder, ISDState
+
+    idlm = write_tiny_idlm(tmp_path / "idlm")
+    reference: dict[str, list[str]] = {}
+    with LLM(str(idlm), device="cpu", dtype="float32",
+             engine_config=EngineConfig(isd_stride=1)) as llm:  # fmt: skip
+        for name in SCHEMAS:
+            out = llm.chat([CONVERSATION], response_format=response_format(name), max_tokens=48)
+            reference[name] = [out[0].text]
+    oracle: dict[str, list[int]] = {}
+
+    def record(decoder: ISDecoder, state: ISDState, verdict: list[int]) -> object:
+        result = ISDecoder._commit_row(decoder, state, verdict)
+        if state.finished:
+            oracle[state.params.grammar or ""] = [*state.emitted, state.stop_ids[0]]
+        return result
+
+    with LLM(str(idlm), device="cpu", dtype="float32",
+             engine_config=EngineConfig(isd_stride=1)) as llm:  # fmt: skip
+        decoder = llm.engine.algorithm
+        decoder._commit_row = lambda s, v: record(decoder, s, v)  # type: ignore[method-assign]
+        for name in SCHEMAS:
+            llm.chat([CONVERSATION], response_format=response_format(name), max_tokens=48)
+
+    def drafts(state: ISDState, proposed: list[int]) -> list[int]:
+        answer = oracle[state.params.grammar or ""]
+        done = len(state.emitted)
+        forced = answer[done : done + len(proposed)]
+        forced += proposed[len(forced) :]
+        if len(forced) > 1:
+            forced[-1] = proposed[-1] if proposed[-1] != forced[-1] else forced[0]
+        return forced
+
+    with LLM(str(idlm), device="cpu", dtype="float32",
+             engine_config=EngineConfig(isd_stride=4)) as llm:  # fmt: skip
+        llm.engine.algorithm.draft_hook = drafts
+        outs = {
+            n: llm.chat([CONVERSATION], response_format=response_format(n), max_tokens=48)[0]
+            for n in SCHEMAS
+        }
+    assert {n: [o.text] for n, o in outs.items()} == reference
+    accepted = sum(o.accepted_drafts for o in outs.values())
+    drafted = sum(o.drafted for o in outs.values())
+    assert 0 < accepted < drafted, (accepted, drafted)
+
+    tri = write_tiny_nemotron(tmp_path / "tri", block_size=8, seed=1)
+    with LLM(str(tri), device="cpu", dtype="float32") as llm:
+        by_mode = {}
+        for mode in ("ar", "linear_spec"):
+            by_mode[mode] = [
+                llm.chat(
+                    [CONVERSATION],
+                    response_format=response_format(n),
+                    max_tokens=48,
+                    decoding_mode=mode,
+                )[0].text
+                for n in SCHEMAS
+            ]
+    assert by_mode["ar"] == by_mode["linear_spec"]
+
+
+def test_modes_without_a_grammar_refuse(tmp_path: Path) -> None:
+    """A tri-mode model's ``diffusion`` mode (seeded block decoding) does not apply a grammar
+    yet: a 400 naming the mode, never free text; its ``ar`` mode on the same server enforces."""
+    path = write_tiny_nemotron(tmp_path / "m", block_size=8, seed=1)
     with LLM(str(path), device="cpu", dtype="float32") as llm:
-        with pytest.raises(InvalidRequestError, match="self_speculation") as info:
-            llm.chat([CONVERSATION], response_format={"type": "json_object"})
-        assert info.value.code == "not_applicable"
-        assert info.value.param == "response_format"
-
-
-def test_lookahead_closes_what_masking_would_extend(tmp_path: Path) -> None:
-    """The beam over the block window (blocks._beam_first) on synthetic log-probabilities:
-    after ``{"sum":4`` position 0 prefers a digit and ``}`` is unlikely, but every later
-    position wants the stop id. Plain masking (argmax at position 0) takes the digit; the
-    lookahead takes ``}``, because ``}`` then EOS beats eight more unlikely digits. With a
-    window of one position it is plain masking again."""
-    import numpy as np
-
-    from dllm_serve.decoding.blocks import _beam_first
-
-    llm = LLM(str(ASSETS / "demo-llada"), device="cpu", dtype="float32")
-    try:
-        tokenizer, vocab = llm.loaded.tokenizer, llm.loaded.vocab_size
-        stop = llm.loaded.stop_ids[0]
-        grammar = TokenGrammar(tokenizer, vocab, llm.loaded.stop_ids)
-        text = response_format_grammar(response_format("sum"))
-        assert text is not None
-        constraint = grammar.constraint(text, (stop,))
-        prefix = tokenizer.encode('{"sum":4', add_special_tokens=False)
-        assert constraint.accept(prefix) == len(prefix)
-        nine, close = tokenizer.convert_tokens_to_ids("9"), tokenizer.convert_tokens_to_ids("}")
-        log_p = np.full((8, vocab), -30.0, dtype=np.float32)
-        log_p[0, nine], log_p[0, close] = -0.1, -12.0
-        log_p[1:, stop] = -0.01
-        log_p[1:, nine] = -5.0
-        assert _beam_first(constraint, log_p, (stop,)) == close
-        assert _beam_first(constraint, log_p[:1], (stop,)) == nine
-        assert constraint.consumed == len(prefix)  # the request's matcher is untouched
-    finally:
-        llm.close()
+        with pytest.raises(InvalidRequestError, match="'diffusion'") as info:
+            llm.chat(
+                [CONVERSATION], response_format={"type": "json_object"}, decoding_mode="diffusion"
+            )
+        assert (info.value.code, info.value.param) == ("not_applicable", "response_format")
+        out = llm.chat([CONVERSATION], response_format=response_format("sum"), decoding_mode="ar")[
+            0
+        ]
+        check_valid(out.text, SCHEMAS["sum"])
