@@ -16,7 +16,9 @@ Reported per variant: forwards (NFE) per answer token, milliseconds of wall time
 the host-side matcher), answers ending with ``stop``, and answers that parse as JSON and
 validate. Models: demo-llada (trained; "What is a + b?" with ``{"sum": integer}``) and, for
 block diffusion, a tiny random LLaDA2.x checkpoint (block 8; gibberish weights, so its free
-answers never parse) with a nested schema and 64 tokens (its tokens are short pieces).
+answers never parse) with a nested schema and 64 tokens (its tokens are short pieces); for
+self-speculation, demo-idlm (ISD, stride 4) with ``{"sum": integer 0–9999}`` (free and
+constrained only: causal decoding has no lookahead window).
 Writes ``benchmarks/results/constrained.json``.
 """
 
@@ -68,6 +70,14 @@ NESTED = {
     "required": ["user", "tags"],
     "additionalProperties": False,
 }
+# demo-idlm decodes causally (ISD): no later position's distribution to look ahead with, so an
+# unbounded integer runs on; its schema bounds the sum (four digits at most).
+BOUNDED_SUM = {
+    "type": "object",
+    "properties": {"sum": {"type": "integer", "minimum": 0, "maximum": 9999}},
+    "required": ["sum"],
+    "additionalProperties": False,
+}
 ADDITIONS = [(2, 2), (123, 456), (7, 5), (40, 2), (250, 250), (19, 23), (8, 8), (301, 99)]
 RULES: dict[str, dict[str, Any]] = {"top-k": {}, "threshold 0.9": {"confidence_threshold": 0.9}}
 
@@ -95,7 +105,12 @@ def _run(llm: LLM, conversation: list, fields: dict[str, Any]) -> tuple[Any, flo
 
 
 def measure(
-    model: str, schema: dict[str, Any], conversations: list, max_tokens: int, device: str
+    model: str,
+    schema: dict[str, Any],
+    conversations: list,
+    max_tokens: int,
+    device: str,
+    variants: tuple[str, ...] = ("free", "constrained", "masked only"),
 ) -> dict[str, Any]:
     """Every rule × variant's totals for one model."""
     response_format = {
@@ -106,9 +121,10 @@ def measure(
     rows = []
     with LLM(model, device=device, dtype="float32") as llm:
         llm.chat([conversations[0]], response_format=response_format, max_tokens=max_tokens)
-        for rule, setting in RULES.items():
+        rules = RULES if llm.engine.decoding_mode != "self_speculation" else {"ISD": {}}
+        for rule, setting in rules.items():
             totals = {v: {"nfe": 0, "tokens": 0, "seconds": 0.0, "stop": 0, "valid": 0}
-                      for v in ("free", "constrained", "masked only")}  # fmt: skip
+                      for v in variants}  # fmt: skip
             for conversation in conversations:
                 for variant in totals:
                     fields = {"max_tokens": max_tokens, **setting}
@@ -169,6 +185,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "models": [
             measure("demo-llada", SUM, additions, args.max_tokens, args.device),
             measure(str(tiny), NESTED, questions, args.tiny_max_tokens, args.device),
+            measure(
+                "demo-idlm",
+                BOUNDED_SUM,
+                additions,
+                args.max_tokens,
+                args.device,
+                variants=("free", "constrained"),
+            ),
         ],
         "machine": machine_info(),
     }

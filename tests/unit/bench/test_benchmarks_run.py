@@ -130,11 +130,11 @@ def test_constrained(tmp_path: Path) -> None:
     out = tmp_path / "constrained.json"
     load("constrained").main(["--prompts", "1", "--threads", "1", "--out", str(out)])
     report = read(out)
-    demo, tiny = report["models"]
-    assert (demo["model"], tiny["family"]) == ("demo-llada", "llada2")
-    for model in (demo, tiny):
+    demo, tiny, idlm = report["models"]
+    assert (demo["model"], tiny["family"], idlm["model"]) == ("demo-llada", "llada2", "demo-idlm")
+    for model, count in ((demo, 6), (tiny, 6), (idlm, 2)):
         variants = {(r["rule"], r["variant"]) for r in model["rows"]}
-        assert len(variants) == 6
+        assert len(variants) == count
         for row in model["rows"]:
             assert row["nfe"] > 0 and row["ms_per_forward"] > 0
             if row["variant"] == "constrained":  # enforced: every answer parses
