@@ -93,3 +93,20 @@ def test_json_object_and_refusals(demo: RemoteServer) -> None:
     error = info.value.body
     assert error["param"] == "response_format"
     assert "not" in error["message"]
+
+
+def test_n_choices_each_validate(demo: RemoteServer) -> None:
+    """n = 3 sampled choices: each its own matcher, each a valid object."""
+    reply = demo.client().chat.completions.parse(
+        model="any",
+        messages=QUESTION,
+        response_format=BoundedSum,
+        max_tokens=32,
+        n=3,
+        temperature=0.8,
+        seed=4,
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, BoundedSum)

@@ -25,6 +25,7 @@ mode in ``state.params.decoding_mode``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -111,7 +112,9 @@ def algorithm_for(
         # Structured output: one grammar compiler (the model's own tokenizer, a cache of
         # compiled schemas) shared by every mode that enforces it.
         vocab = loaded.vocab_size or len(loaded.tokenizer)
-        grammar = TokenGrammar(loaded.tokenizer, vocab, loaded.stop_ids)
+        # Its own copy of the tokenizer: it is read on the engine thread (at the first
+        # constrained admission) while the API's threads tokenize with theirs.
+        grammar = TokenGrammar(copy.deepcopy(loaded.tokenizer), vocab, loaded.stop_ids)
         for mode in _modes(algorithm).values():
             if type(mode) in STRUCTURED_DECODERS:
                 mode.grammar = grammar  # type: ignore[attr-defined]
