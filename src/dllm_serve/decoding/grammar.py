@@ -22,6 +22,7 @@ Three pieces:
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -88,7 +89,18 @@ def response_format_grammar(response_format: Any) -> str | None:
 def schema_grammar(schema: dict[str, Any]) -> str:
     """llguidance's grammar text for a JSON ``schema`` (compact whitespace), validated: a
     schema keyword it does not implement raises :class:`GrammarError` with its message (for
-    example ``Unimplemented keys: ["not"]``)."""
+    example ``Unimplemented keys: ["not"]``). Cached by the schema's text, so the API's checks
+    and the request's parameters validate a schema once."""
+    try:
+        key = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise GrammarError(f"the JSON schema cannot be read: {exc}") from exc
+    return _schema_grammar(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_grammar(key: str) -> str:
+    schema = json.loads(key)
     try:
         # Our whitespace option goes in unless the schema sets its own x-guidance options.
         own = dict(schema)
