@@ -321,3 +321,55 @@ def test_modes_without_a_grammar_refuse(tmp_path: Path) -> None:
             0
         ]
         check_valid(out.text, SCHEMAS["sum"])
+
+
+# ---- the pieces --------------------------------------------------------------------------------
+
+
+def test_restrict_to_bitmasks_masks_exactly_the_unset_bits() -> None:
+    """Little-endian bits of 32-bit words: token t is bit t % 8 of byte t // 8; positions not
+    listed are untouched; a head wider than the mask's vocabulary is masked past it."""
+    import torch
+
+    from dllm_serve.decoding.protocol import StepLogits
+    from dllm_serve.decoding.sampler import restrict_to_bitmasks
+
+    vocab = 40
+    logits = StepLogits.padded(torch.zeros(2, 2, vocab))
+    allowed = [{0, 9, 31}, {3, 32}]
+    masks = []
+    for tokens in allowed:
+        bits = bytearray(4)  # one 32-bit word: covers tokens 0-31 only
+        for t in tokens:
+            if t < 32:
+                bits[t >> 3] |= 1 << (t & 7)
+        masks.append(bytes(bits))
+    out = restrict_to_bitmasks(logits, [0, 3], masks)
+    assert out.flat is not None
+    finite = [set(torch.isfinite(out.flat[i]).nonzero().flatten().tolist()) for i in range(4)]
+    assert finite == [{0, 9, 31}, set(range(vocab)), set(range(vocab)), {3}]
+
+
+def test_constraint_accepts_the_longest_valid_prefix_and_stops_only_when_complete() -> None:
+    llm = LLM(str(ASSETS / "demo-llada"), device="cpu", dtype="float32")
+    try:
+        tokenizer, vocab = llm.loaded.tokenizer, llm.loaded.vocab_size
+        stop = llm.loaded.stop_ids[0]
+        text = response_format_grammar(response_format("enum"))
+        assert text is not None
+        grammar = TokenGrammar(tokenizer, vocab, llm.loaded.stop_ids)
+        constraint = grammar.constraint(text, (stop,))
+        good = tokenizer.encode('{"color":"re', add_special_tokens=False)
+        bad = tokenizer.encode("x", add_special_tokens=False)
+        assert not constraint.allows(stop)  # an open object cannot end
+        assert constraint.accept([*good, *bad, *good]) == len(good)
+        assert constraint.accept([stop]) == 0  # still open: the stop id is refused
+        rest = tokenizer.encode('d"}', add_special_tokens=False)
+        assert constraint.accept([*rest, stop, *bad]) == len(rest) + 1  # ends at the stop id
+        assert constraint.done and constraint.accept(good) == 0
+        # A second request of the same schema reuses the compiled matcher.
+        before = grammar.compiles
+        grammar.constraint(text, (stop,))
+        assert grammar.compiles == before == 1
+    finally:
+        llm.close()
