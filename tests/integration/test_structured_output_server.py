@@ -110,3 +110,20 @@ def test_n_choices_each_validate(demo: RemoteServer) -> None:
     for choice in reply.choices:
         assert choice.finish_reason == "stop"
         assert isinstance(choice.message.parsed, BoundedSum)
+
+
+def test_structured_requests_are_counted(demo: RemoteServer) -> None:
+    def count() -> float:
+        text = demo.http().get("/metrics").text
+        line = next(
+            x for x in text.splitlines() if x.startswith("dllm:structured_output_requests_total")
+        )
+        return float(line.split()[-1])
+
+    before = count()
+    client = demo.client()
+    client.chat.completions.create(
+        model="any", messages=QUESTION, response_format={"type": "json_object"}, max_tokens=8
+    )
+    client.chat.completions.create(model="any", messages=QUESTION, max_tokens=8)
+    assert count() == before + 1
