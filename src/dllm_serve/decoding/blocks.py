@@ -348,6 +348,15 @@ class BlockDecoder(ABC):
         logits = as_step_logits(logits)
         if not any(seeding):
             return BlockDecoder.sample(self, states, logits)
+        # Structured output: a seed is the answer's next token (every earlier one is committed
+        # and consumed by the matcher), so it is drawn under the grammar's mask.
+        grammar_seeds = [r for r, s in enumerate(states) if seeding[r] and s.constraint is not None]
+        if grammar_seeds:
+            logits = restrict_to_bitmasks(
+                logits,
+                [logits.offsets[r] for r in grammar_seeds],
+                [states[r].constraint.allowed_bits() for r in grammar_seeds],  # type: ignore[union-attr]
+            )
         seeds = seed_tokens(logits, self.mask_id)
         if sampled:
             hot = [r for r, s in enumerate(states) if seeding[r] and s.params.temperature > 0]
@@ -398,6 +407,12 @@ class BlockDecoder(ABC):
             )
             state.step = 0
         return committed
+
+    @staticmethod
+    def _accept_seed(state: DenoiseState, token: int) -> None:
+        """A constrained row's seed (drawn under its grammar mask) goes to its matcher."""
+        if state.constraint is not None and state.constraint.accept([token]) != 1:
+            raise RuntimeError("structured output: the grammar rejected the masked seed")
 
     @staticmethod
     def _finish_or_continue(state: DenoiseState, committed: int) -> StepResult:

@@ -304,10 +304,18 @@ def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingPara
 
 
 # The decoders that enforce response_format (structured output; decoding/grammar.py): those
-# whose answer grows as a left-to-right run per step: canvas denoising and block diffusion
-# (blocks.BlockDecoder.sample), and the causal verify of self-speculation (ISD, tri-mode ar and
-# linear_spec: selfspec.constrain_verify_rows).
-STRUCTURED_DECODERS = (LLaDADenoiser, BlockDiffusionDecoder, ISDecoder, LinearSpecDecoder)
+# whose answer grows as a left-to-right run per step: canvas denoising and block diffusion,
+# seeded ones included (Fast-dLLM v2, tri-mode diffusion: blocks.BlockDecoder.sample and
+# _sample_seeded), and the causal verify of self-speculation (ISD, tri-mode ar and
+# linear_spec: selfspec.constrain_verify_rows). DiffusionGemma's renoise sampler is not.
+STRUCTURED_DECODERS = (
+    LLaDADenoiser,
+    BlockDiffusionDecoder,
+    FastDLLMDecoder,
+    CausalBlockDiffusionDecoder,
+    ISDecoder,
+    LinearSpecDecoder,
+)
 
 
 def structured_output_refusals(algorithm: DecodingAlgorithm) -> dict[str, str]:
@@ -321,12 +329,15 @@ def structured_output_refusals(algorithm: DecodingAlgorithm) -> dict[str, str]:
             refusals[mode] = (
                 "it is not enforced under tensor parallelism yet (the vocabulary is sharded)"
             )
+        elif isinstance(decoder, RenoiseDecoder):
+            refusals[mode] = (
+                "it is enforced for masked diffusion (canvas and block models) and "
+                "self-speculation; DiffusionGemma's renoise sampler re-draws every "
+                "uncommitted position each step and does not apply a grammar yet"
+            )
         else:
             refusals[mode] = (
-                f"it is enforced for canvas denoising (LLaDA, Dream), block diffusion (SDAR "
-                f"format, LLaDA2.x) and self-speculation (I-DLM, tri-mode ar / linear_spec); "
-                f"decoding_mode {mode!r} here ({type(decoder).__name__}) does not apply a "
-                "grammar to its seed or renoise steps yet"
+                f"decoding_mode {mode!r} ({type(decoder).__name__}) does not apply a grammar"
             )
     return refusals
 

@@ -22,6 +22,7 @@ from dllm_serve.decoding.grammar import (
 from dllm_serve.llm import LLM, InvalidRequestError
 from dllm_serve_train.tiny_checkpoints import (
     write_tiny_dream,
+    write_tiny_fastdllm,
     write_tiny_idlm,
     write_tiny_llada,
     write_tiny_llada2,
@@ -33,18 +34,27 @@ CONVERSATION = [{"role": "user", "content": "Answer in JSON."}]
 MAX_TOKENS = 64  # every schema here has a valid answer far shorter than this
 
 
-@pytest.fixture(scope="module", params=["llada", "dream", "llada2", "demo-llada"])
+@pytest.fixture(
+    scope="module",
+    params=["llada", "dream", "llada2", "fastdllm", "trimode-diffusion", "demo-llada"],
+)
 def llm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
-    """A tiny random checkpoint of each enforcing mode (LLaDA and Dream: canvas denoising;
-    LLaDA2.x, block 8: block diffusion) and the trained demo-llada."""
+    """A tiny random checkpoint of each masked-diffusion mode — LLaDA and Dream (canvas
+    denoising), LLaDA2.x block 8 (block diffusion), Fast-dLLM v2 (seeded sub-blocks), a tri-mode
+    model's ``diffusion`` mode (seeded causal blocks, block 8) — and the trained demo-llada."""
+    from dllm_serve.config import EngineConfig
+
     root = Path(tmp_path_factory.mktemp(request.param))
     path = {
         "llada": lambda: write_tiny_llada(root / "m"),
         "dream": lambda: write_tiny_dream(root / "m"),
         "llada2": lambda: write_tiny_llada2(root / "m", block_size=8, seed=3),
+        "fastdllm": lambda: write_tiny_fastdllm(root / "m"),
+        "trimode-diffusion": lambda: write_tiny_nemotron(root / "m", block_size=8, seed=1),
         "demo-llada": lambda: ASSETS / "demo-llada",
     }[request.param]()
-    with LLM(str(path), device="cpu", dtype="float32") as model:
+    config = EngineConfig(decoding_mode="diffusion" if request.param.startswith("tri") else None)
+    with LLM(str(path), device="cpu", dtype="float32", engine_config=config) as model:
         model.test_name = request.param  # type: ignore[attr-defined]
         yield model
 
@@ -89,10 +99,10 @@ def test_runs_commit_several_tokens_per_forward(llm: LLM, monkeypatch: pytest.Mo
     )[0]
     check_valid(out.text, SCHEMAS["nested"])
     assert all(n >= 1 for _, n in kept)
-    if llm.test_name != "llada2":  # type: ignore[attr-defined]
-        # Parallel commits survive inside the grammar. (The tiny LLaDA2's unconstrained
-        # proposals are mostly control bytes, never valid inside JSON, so there every run is
-        # cut to its first, grammar-masked token: the guarantee holds, the parallelism not.)
+    if llm.test_name in ("llada", "dream", "demo-llada"):  # type: ignore[attr-defined]
+        # Parallel commits survive inside the grammar. (The tiny block models' unconstrained
+        # proposals are mostly control bytes, never valid inside JSON, so there runs are cut
+        # to their first, grammar-masked token: the guarantee holds, the parallelism not.)
         assert max(n for _, n in kept) > 1, kept
     assert any(n < offered for offered, n in kept), kept  # and invalid tails are cut
 
@@ -143,7 +153,8 @@ def test_unconstrained_answers_do_not_parse(llm: LLM) -> None:
 
 
 def test_schema_compiled_once(llm: LLM) -> None:
-    grammar = llm.engine.algorithm.grammar
+    algorithm = llm.engine.algorithm
+    grammar = getattr(algorithm, "modes", {}).get("diffusion", algorithm).grammar
     assert isinstance(grammar, TokenGrammar)
     rf = response_format("any_of")
     llm.chat([CONVERSATION], response_format=rf, max_tokens=MAX_TOKENS)
@@ -308,19 +319,15 @@ def test_constrained_self_speculation_is_constrained_ar(tmp_path: Path) -> None:
 
 
 def test_modes_without_a_grammar_refuse(tmp_path: Path) -> None:
-    """A tri-mode model's ``diffusion`` mode (seeded block decoding) does not apply a grammar
-    yet: a 400 naming the mode, never free text; its ``ar`` mode on the same server enforces."""
-    path = write_tiny_nemotron(tmp_path / "m", block_size=8, seed=1)
+    """DiffusionGemma's renoise sampler (every uncommitted position re-drawn each step) does
+    not apply a grammar yet: a 400 naming why, never free text."""
+    from dllm_serve_train.tiny_checkpoints import write_tiny_diffusion_gemma
+
+    path = write_tiny_diffusion_gemma(tmp_path / "dg", canvas_length=16)
     with LLM(str(path), device="cpu", dtype="float32") as llm:
-        with pytest.raises(InvalidRequestError, match="'diffusion'") as info:
-            llm.chat(
-                [CONVERSATION], response_format={"type": "json_object"}, decoding_mode="diffusion"
-            )
+        with pytest.raises(InvalidRequestError, match="renoise") as info:
+            llm.chat([CONVERSATION], response_format={"type": "json_object"})
         assert (info.value.code, info.value.param) == ("not_applicable", "response_format")
-        out = llm.chat([CONVERSATION], response_format=response_format("sum"), decoding_mode="ar")[
-            0
-        ]
-        check_valid(out.text, SCHEMAS["sum"])
 
 
 # ---- the pieces --------------------------------------------------------------------------------
