@@ -153,7 +153,7 @@ class ChatCompletionRequest(_GenerationRequest):
         None,
         description='{"type": "text"} (default), {"type": "json_object"} or {"type": '
         '"json_schema", "json_schema": {"name", "schema", "strict"}}: enforced while decoding '
-        "(canvas, block-diffusion and self-speculative models; docs/structured-output.md).",
+        "(every mode but DiffusionGemma's; docs/structured-output.md).",
     )
     logprobs: bool | None = Field(
         None,
