@@ -30,6 +30,12 @@ and a decode step forwards only the active block against the cached prefix. Per 
    and the next block's see the prefix and both. That saves one forward per block (tested:
    the same tokens as the unfused loop and as the no-cache reference).
 
+**Structured output** (``response_format``; ``docs/structured-output.md``): a constrained
+row's first masked position is restricted to its grammar's next tokens and always committed
+(greedy rows choose that token by a lookahead over the block window, :func:`_lookahead_first`),
+and the host keeps only the valid left-to-right run of the row's commits from there
+(:func:`_grammar_run`), so the committed answer is always a prefix of a valid string.
+
 The answer is the committed canvas after the prompt, cut at ``max_tokens`` and before the
 first stop id; a request ends as soon as the contiguous committed answer holds a stop id
 (exact: committed tokens never change) or reaches ``max_tokens``. Blocks past the answer budget
@@ -470,9 +476,13 @@ def _lookahead_first(
     the grammar after ``t₀ … tⱼ₋₁``, and a stop id (allowed only where the text is complete)
     ends the fill: the positions after it are padding and cost nothing. Fills are searched
     position by position, keeping the :data:`LOOKAHEAD_BEAMS` best prefixes and expanding
-    each by its :data:`LOOKAHEAD_CANDIDATES` most probable allowed tokens; scores only fall as
-    a fill grows, so a prefix below the best finished fill is dropped. Plain masking takes
-    ``argmax p₀`` instead: a model that wants to end (``p₁`` ≈ EOS) but may not yet keeps
+    each by its :data:`LOOKAHEAD_CANDIDATES` most probable allowed tokens (all of them where
+    at most :data:`LOOKAHEAD_ALL_BELOW` are allowed: structure such as ``,`` ``}`` digits);
+    a token after which the text is complete also scores the fill that ends with a stop id
+    right after it, so an unlikely closing token competes through the end it enables. Scores
+    only fall as a fill grows, so a prefix below the best finished fill is dropped. Plain
+    masking takes ``argmax p₀`` instead: a model that wants to end (``p₁`` ≈ EOS) but may not
+    yet keeps
     extending an open number or string until ``max_tokens``; the window sees that closing it
     (``}`` then EOS) beats ``D`` more digits. Only ``t₀`` is used (the later positions are
     committed by the row's rule and checked by the matcher), and ``t₀`` is allowed by the

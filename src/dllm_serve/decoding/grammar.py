@@ -233,18 +233,6 @@ class Constraint:
         finally:
             self._m.rollback(1)
 
-    def allowed_after(self, token: int) -> bytes:
-        """:meth:`allowed_bits` of the position after ``token`` (which must be allowed now);
-        the matcher is left as it was. A stop id ends the answer: nothing is allowed after."""
-        if token in self.stop_ids or token in self._ends:
-            return bytes(len(self._m.compute_bitmask()))
-        if not self._m.consume_token(int(token)):
-            raise RuntimeError(f"grammar matcher rejected token {token}: {self._m.get_error()}")
-        try:
-            return self.allowed_bits()
-        finally:
-            self._m.rollback(1)
-
     def accept(self, run: Sequence[int]) -> int:
         """Consume the longest valid prefix of ``run`` (a stop id is valid where the prefix
         is complete, and ends the answer); returns how many tokens were kept."""
