@@ -482,12 +482,11 @@ def _lookahead_first(
     right after it, so an unlikely closing token competes through the end it enables. Scores
     only fall as a fill grows, so a prefix below the best finished fill is dropped. Plain
     masking takes ``argmax p₀`` instead: a model that wants to end (``p₁`` ≈ EOS) but may not
-    yet keeps
-    extending an open number or string until ``max_tokens``; the window sees that closing it
-    (``}`` then EOS) beats ``D`` more digits. Only ``t₀`` is used (the later positions are
-    committed by the row's rule and checked by the matcher), and ``t₀`` is allowed by the
-    grammar, so the guarantee is that of plain masking. One device→host copy of the window's
-    log-probabilities for these rows (none on CPU).
+    yet keeps extending an open number or string until ``max_tokens``; the window sees that
+    closing it (``}`` then EOS) beats ``D`` more digits. Only ``t₀`` is used (the later
+    positions are committed by the row's rule and checked by the matcher), and ``t₀`` is
+    allowed by the grammar, so the guarantee is that of plain masking. One device→host copy
+    of the window's log-probabilities for these rows (none on CPU).
     """
     if not rows:
         return []
