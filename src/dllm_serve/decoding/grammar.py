@@ -151,7 +151,12 @@ class TokenGrammar:
         if self._ll is None:
             import llguidance.hf
 
-            self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
+            try:
+                self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
+            except Exception as exc:  # e.g. a tokenizer whose decoder it cannot classify
+                raise GrammarError(
+                    f"structured output: llguidance cannot read this model's tokenizer: {exc}"
+                ) from exc
         return self._ll
 
     def constraint(self, grammar: str, stop_ids: Sequence[int]) -> Constraint:
