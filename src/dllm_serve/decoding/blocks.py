@@ -32,9 +32,10 @@ and a decode step forwards only the active block against the cached prefix. Per 
 
 **Structured output** (``response_format``; ``docs/structured-output.md``): a constrained
 row's first masked position is restricted to its grammar's next tokens and always committed
-(greedy rows choose that token by a lookahead over the block window, :func:`_lookahead_first`),
-and the host keeps only the valid left-to-right run of the row's commits from there
-(:func:`_grammar_run`), so the committed answer is always a prefix of a valid string.
+(greedy rows take their proposals from the most probable valid fill of the block window,
+:func:`_lookahead_fill`), and the host keeps only the valid left-to-right run of the row's
+commits from there (:func:`_grammar_run`), so the committed answer is always a prefix of a
+valid string.
 
 The answer is the committed canvas after the prompt, cut at ``max_tokens`` and before the
 first stop id; a request ends as soon as the contiguous committed answer holds a stop id
@@ -302,12 +303,13 @@ class BlockDecoder(ABC):
         lookahead: list[int] = []
         if constrained:
             logits = _mask_to_grammar(states, logits, constrained)
-            # Greedy rows with a second masked position choose their first token by a
-            # two-position lookahead (read before propose, which consumes the logits).
+            # Greedy rows with a second masked position take their proposals from the most
+            # probable valid fill of the block window (read before propose, which consumes
+            # the logits).
             lookahead = [
                 r for r in constrained if counts[r] > 1 and states[r].params.temperature == 0
             ]
-            firsts = _lookahead_first(states, logits, lookahead, self.mask_id)
+            fills = _lookahead_fill(states, logits, lookahead, self.mask_id)
 
         metrics = [_metric(s.params) for s in states]
         # A zero-commit step draws no noise, so the generator stays in step.
@@ -318,7 +320,14 @@ class BlockDecoder(ABC):
         }
         x0, score = propose(logits, self.mask_id, counts, draws, metrics)
         if lookahead:
-            x0[to_device(lookahead, device, torch.long), 0] = to_device(firsts, device, x0.dtype)
+            # The fill's tokens replace the proposals at its positions (DINGO: the positions
+            # the rule commits take their tokens from the MAP fill); one host→device copy.
+            at_rows = [r for r, fill in zip(lookahead, fills, strict=True) for _ in fill]
+            at_cols = [j for fill in fills for j in range(len(fill))]
+            values = to_device(at_rows + at_cols + [t for fill in fills for t in fill], device,
+                               torch.long)  # fmt: skip
+            n = len(at_rows)
+            x0[values[:n], values[n : 2 * n]] = values[2 * n :].to(x0.dtype)
         if valid is not None:
             score = score.masked_fill(~valid, float("-inf"))
 
@@ -464,12 +473,12 @@ LOOKAHEAD_DEPTH, LOOKAHEAD_BEAMS, LOOKAHEAD_CANDIDATES = 8, 4, 4
 LOOKAHEAD_ALL_BELOW = 32  # a position allowing at most this many tokens weighs them all
 
 
-def _lookahead_first(
+def _lookahead_fill(
     states: Sequence[DenoiseState], logits: StepLogits, rows: Sequence[int], mask_id: int
-) -> list[int]:
-    """The first token of each greedy constrained row in ``rows``: the first token of the
-    most probable grammar-valid fill of its next ``D`` masked positions (a beam-searched
-    DINGO MAP over the block window; docs/structured-output.md).
+) -> list[list[int]]:
+    """For each greedy constrained row in ``rows``: the most probable grammar-valid fill of
+    its next ``D`` masked positions (a beam-searched DINGO MAP over the block window;
+    docs/structured-output.md), as the tokens those positions propose.
 
     With ``log pⱼ`` the model's log-probabilities at the row's ``j``-th masked position (mask
     id excluded), a fill ``t₀ … t_m`` scores ``Σⱼ log pⱼ(tⱼ)``; every ``tⱼ`` must be allowed by
@@ -480,13 +489,16 @@ def _lookahead_first(
     at most :data:`LOOKAHEAD_ALL_BELOW` are allowed: structure such as ``,`` ``}`` digits);
     a token after which the text is complete also scores the fill that ends with a stop id
     right after it, so an unlikely closing token competes through the end it enables. Scores
-    only fall as a fill grows, so a prefix below the best finished fill is dropped. Plain
-    masking takes ``argmax p₀`` instead: a model that wants to end (``p₁`` ≈ EOS) but may not
-    yet keeps extending an open number or string until ``max_tokens``; the window sees that
-    closing it (``}`` then EOS) beats ``D`` more digits. Only ``t₀`` is used (the later
-    positions are committed by the row's rule and checked by the matcher), and ``t₀`` is
-    allowed by the grammar, so the guarantee is that of plain masking. One device→host copy
-    of the window's log-probabilities for these rows (none on CPU).
+    only fall as a fill grows, so a prefix below the best finished fill is dropped.
+
+    Why: plain masking takes ``argmax p₀``, and a model that wants to end (``p₁`` ≈ EOS) but
+    may not yet keeps extending an open number or string until ``max_tokens``; the window
+    sees that closing it (``}`` then EOS) beats ``D`` more digits. As in DINGO, the row's rule
+    still picks which positions commit; the committed ones take the fill's tokens, so a valid
+    run of several positions commits in one step. The fill is valid by construction, and the
+    host's run check (:func:`_grammar_run`) still guards every commit, so the guarantee is
+    unchanged. One device→host copy of the window's log-probabilities for these rows (none
+    on CPU).
     """
     if not rows:
         return []
@@ -502,13 +514,14 @@ def _lookahead_first(
     for r, depth in zip(rows, depths, strict=True):
         state = states[r]
         assert state.constraint is not None
-        chosen.append(_beam_first(state.constraint, log_p[start : start + depth], state.stop_ids))
+        chosen.append(_beam_fill(state.constraint, log_p[start : start + depth], state.stop_ids))
         start += depth
     return chosen
 
 
-def _beam_first(constraint: Constraint, log_p: np.ndarray, stop_ids: Sequence[int]) -> int:
-    """:func:`_lookahead_first` for one row: ``log_p`` ``[D, V]``.
+def _beam_fill(constraint: Constraint, log_p: np.ndarray, stop_ids: Sequence[int]) -> list[int]:
+    """:func:`_lookahead_fill` for one row (``log_p`` ``[D, V]``): the best fill's tokens, at
+    most ``D`` of them, ending with a stop id where the best fill ends the answer.
 
     A beam expands by its most probable allowed tokens and, where the grammar allows few
     tokens (structure: ``,``, ``}``, digits), by all of them; any token after which the text is
@@ -517,11 +530,11 @@ def _beam_first(constraint: Constraint, log_p: np.ndarray, stop_ids: Sequence[in
     """
     depth, vocab = log_p.shape
     stops = [t for t in stop_ids if t < vocab]
-    done_score, done_first = float("-inf"), -1
-    beams: list[tuple[float, int, Constraint]] = [(0.0, -1, constraint)]
+    done_score, done_fill = float("-inf"), None
+    beams: list[tuple[float, tuple[int, ...], Constraint]] = [(0.0, (), constraint)]
     for j in range(depth):
-        expansions: list[tuple[float, int, int, Constraint]] = []
-        for score, first, matcher in beams:
+        expansions: list[tuple[float, tuple[int, ...], Constraint]] = []
+        for score, fill, matcher in beams:
             bits = np.frombuffer(matcher.allowed_bits(), dtype=np.uint8)
             allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[:vocab])
             row = log_p[j, allowed]
@@ -530,35 +543,35 @@ def _beam_first(constraint: Constraint, log_p: np.ndarray, stop_ids: Sequence[in
                 allowed, row = allowed[top], row[top]
             for token, lp in zip(allowed.tolist(), row.tolist(), strict=True):
                 total = score + lp
-                head = token if first < 0 else first
                 if token in stops or total <= done_score:
                     if token in stops and total > done_score:
-                        done_score, done_first = total, head
+                        done_score, done_fill = total, (*fill, token)
                     continue
                 if j + 1 < depth and matcher.completes_with(token):
-                    ended = total + float(log_p[j + 1, stops].max())
+                    stop = stops[int(np.argmax(log_p[j + 1, stops]))]
+                    ended = total + float(log_p[j + 1, stop])
                     if ended > done_score:
-                        done_score, done_first = ended, head
-                expansions.append((total, head, token, matcher))
+                        done_score, done_fill = ended, (*fill, token, stop)
+                expansions.append((total, (*fill, token), matcher))
         expansions.sort(key=lambda e: -e[0])
         kept = [e for e in expansions[:LOOKAHEAD_BEAMS] if e[0] > done_score]
         if not kept or j == depth - 1:
             # Scores only fall as a fill grows: an open fill at the window's end competes
             # with the best ended one as it stands.
             if kept and kept[0][0] > done_score:
-                return kept[0][1]
+                return list(kept[0][1])
             break
         beams = []
-        for total, head, token, matcher in kept:
+        for total, fill, matcher in kept:
             twin = matcher.fork()
-            twin.accept([token])
-            beams.append((total, head, twin))
-    if done_first >= 0:
-        return done_first
+            twin.accept([fill[-1]])
+            beams.append((total, fill, twin))
+    if done_fill is not None:
+        return list(done_fill)
     # Nothing scored above -inf (cannot happen: the first position has an allowed token).
     bits = np.frombuffer(constraint.allowed_bits(), dtype=np.uint8)
     allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[:vocab])
-    return int(allowed[np.argmax(log_p[0, allowed])])
+    return [int(allowed[np.argmax(log_p[0, allowed])])]
 
 
 def _grammar_run(state: DenoiseState, row: Sequence[int], mask_id: int) -> list[int]:

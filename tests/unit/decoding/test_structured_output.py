@@ -380,3 +380,36 @@ def test_constraint_accepts_the_longest_valid_prefix_and_stops_only_when_complet
         assert grammar.compiles == before == 1
     finally:
         llm.close()
+
+
+def test_lookahead_closes_what_masking_would_extend(tmp_path: Path) -> None:
+    """The beam over the block window (blocks._beam_fill) on synthetic log-probabilities:
+    after ``{"sum":4`` position 0 prefers a digit and ``}`` is unlikely, but every later
+    position wants the stop id. Plain masking (argmax at position 0) takes the digit; the
+    lookahead fills ``}`` then EOS, which beats eight more unlikely digits. With a window of
+    one position it is plain masking again."""
+    import numpy as np
+
+    from dllm_serve.decoding.blocks import _beam_fill
+
+    llm = LLM(str(ASSETS / "demo-llada"), device="cpu", dtype="float32")
+    try:
+        tokenizer, vocab = llm.loaded.tokenizer, llm.loaded.vocab_size
+        stop = llm.loaded.stop_ids[0]
+        grammar = TokenGrammar(tokenizer, vocab, llm.loaded.stop_ids)
+        text = response_format_grammar(response_format("sum"))
+        assert text is not None
+        constraint = grammar.constraint(text, (stop,))
+        prefix = tokenizer.encode('{"sum":4', add_special_tokens=False)
+        assert constraint.accept(prefix) == len(prefix)
+        nine, close = tokenizer.convert_tokens_to_ids("9"), tokenizer.convert_tokens_to_ids("}")
+        log_p = np.full((8, vocab), -30.0, dtype=np.float32)
+        log_p[0, nine], log_p[0, close] = -0.1, -12.0
+        log_p[1:, stop] = -0.01
+        log_p[1:, nine] = -5.0
+        # The fill: ``}`` then the stop id (its tokens are what those positions propose).
+        assert _beam_fill(constraint, log_p, (stop,)) == [close, stop]
+        assert _beam_fill(constraint, log_p[:1], (stop,)) == [nine]
+        assert constraint.consumed == len(prefix)  # the request's matcher is untouched
+    finally:
+        llm.close()
