@@ -203,6 +203,22 @@ def test_langchain_invoke_stream_batch(demo: RemoteServer, tokenizer_model: Load
     assert [a.content for a in answers] == [ANSWER, "250 + 250 = 500"]
 
 
+def test_langchain_with_structured_output(demo: RemoteServer) -> None:
+    """``with_structured_output(Model)`` (its default json_schema method): the schema is
+    enforced while decoding, so the demo's answer parses into the model."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Sum(BaseModel):
+        sum: int
+
+    llm = ChatOpenAI(
+        model=MODEL, base_url=f"{demo.url}/v1", api_key="unused",  # type: ignore[arg-type]
+        max_retries=0, timeout=60,
+    )  # fmt: skip
+    assert llm.with_structured_output(Sum).invoke("What is 2 + 2?") == Sum(sum=4)
+
+
 # ---- llama-index -------------------------------------------------------------------------------
 def test_llama_index_openai_like_defaults(demo: RemoteServer) -> None:
     from llama_index.llms.openai_like import OpenAILike

@@ -105,6 +105,8 @@ def install_completion_routes(
         # A JSON answer is read whole: the engine decodes it once, at the end (unless it
         # matches stop strings, which it does step by step).
         streams = submit_choices(request_id, spec, prompt_ids, final_only=not spec.stream)
+        if spec.params.grammar is not None:
+            metrics.structured.inc()
         if spec.stream:
             chunks = (chat_chunks if kind == "chat" else text_chunks)(
                 merged(streams),

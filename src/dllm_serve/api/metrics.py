@@ -72,6 +72,11 @@ class Metrics:
         self.rejected = Counter(
             "dllm:requests_rejected", "Requests refused before running.", ["reason"], registry=r
         )
+        self.structured = Counter(
+            "dllm:structured_output_requests",
+            "Requests whose response_format (json_object / json_schema) is enforced.",
+            registry=r,
+        )
         self.prompt_tokens = Counter("dllm:prompt_tokens", "Prompt tokens.", registry=r)
         self.generation_tokens = Counter(
             "dllm:generation_tokens", "Answer tokens (no canvas padding).", registry=r

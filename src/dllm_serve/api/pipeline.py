@@ -253,6 +253,7 @@ def _spec(
             req = model.with_default_rule(req)
         check_editing(req, model)
         model.check_logprobs(req)
+        model.check_response_format(req)
     # After the mode rules: a local_leap_* field on a model without diffusion decoding is
     # not_applicable, not a hint to set use_local_leap.
     check_commit_rule(req)
@@ -468,6 +469,7 @@ class ModelFacts:
             infilling=engine.infilling,
             default_rule=tuple(engine.default_commit_rule.items()),
             logprob_modes=engine.logprob_modes,
+            structured_refusals=tuple(engine.structured_refusals.items()),
             canvas_length=getattr(engine.algorithm, "canvas_length", None),
             max_denoising_steps=getattr(settings, "max_denoising_steps", None),
         )

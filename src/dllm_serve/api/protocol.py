@@ -150,7 +150,12 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
-    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description='{"type": "text"} (default), {"type": "json_object"} or {"type": '
+        '"json_schema", "json_schema": {"name", "schema", "strict"}}: enforced while decoding '
+        "(every mode but DiffusionGemma's; docs/structured-output.md).",
+    )
     logprobs: bool | None = Field(
         None,
         description="Each answer token's log-probability from the forward that committed "

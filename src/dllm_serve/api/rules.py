@@ -24,6 +24,7 @@ from typing import Any
 from dllm_serve.api.errors import CONTRACT_REF, APIError, invalid
 from dllm_serve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from dllm_serve.api.tools import assistant_tool_calls
+from dllm_serve.decoding.grammar import GrammarError, response_format_grammar
 from dllm_serve.decoding.params import (
     DEFAULT_STEPS,
     DESCRIPTIONS,
@@ -148,13 +149,6 @@ def reject_noop_fields(req: Request) -> None:
 
 
 def reject_unavailable_fields(req: Request) -> None:
-    response_format = getattr(req, "response_format", None)  # chat only
-    if response_format is not None and response_format != {"type": "text"}:
-        raise invalid(
-            f'Only response_format {{"type": "text"}} is supported; structured output {NOT_YET}.',
-            "response_format",
-            code="not_available_yet",
-        )
     if req.attention_backend == "fa2":
         raise invalid(
             "attention_backend 'fa2' is deferred until an FA2 build is in CI; 'sdpa' is the "
@@ -295,6 +289,9 @@ class ModelDecoding:
     infilling: bool = False  # /v1/completions suffix (bidirectional canvas denoising)
     # The request modes whose logprobs the engine records (engine/logprobs.py); None: all.
     logprob_modes: tuple[str, ...] | None = None
+    # (request mode, why response_format is not enforced there) for the modes that refuse it
+    # (decoding/grammar.py); empty: every mode enforces it.
+    structured_refusals: tuple[tuple[str, str], ...] = ()
     # --decoding-algorithm: the rule fields of requests that set none of RULE_FIELDS.
     default_rule: tuple[tuple[str, float], ...] = ()
 
@@ -319,6 +316,36 @@ class ModelDecoding:
                 "logprobs",
                 code="not_applicable",
             )
+
+    def check_response_format(self, req: Request) -> str | None:
+        """The grammar of a chat request's ``response_format`` (None: free text); a format
+        that cannot be enforced on this model, or not at all, is a 400 (never free text)."""
+        grammar = response_format_grammar_of(req)
+        if grammar is None:
+            return None
+        refusal = dict(self.structured_refusals).get(req.decoding_mode or self.default_mode or "")
+        if refusal is not None:
+            raise invalid(
+                f"response_format is not enforced on this model: {refusal}. "
+                'Omit it (or send {"type": "text"}).',
+                "response_format",
+                code="not_applicable",
+            )
+        if req.edit_threshold is not None:
+            raise invalid(
+                "response_format cannot be combined with token editing (edit_threshold): an "
+                "edit could rewrite text the grammar has already accepted.",
+                "response_format",
+                code="not_applicable",
+            )
+        if req.ignore_eos:
+            raise invalid(
+                "response_format with ignore_eos: a structured answer ends with the model's "
+                "stop id once it is complete; ignore_eos would forbid that end.",
+                "response_format",
+                code="not_applicable",
+            )
+        return grammar
 
     def with_default_rule(self, req: Request) -> Request:
         """``req`` with the server's default commit rule when it chose none (a denoising
@@ -692,6 +719,15 @@ def recommended_block(gen_length: int, block: int) -> int | None:
     return None
 
 
+def response_format_grammar_of(req: Request) -> str | None:
+    """The grammar text of a chat request's ``response_format`` (None: plain text, and for
+    /v1/completions, which has no such field); a malformed or uncompilable one is a 400."""
+    try:
+        return response_format_grammar(getattr(req, "response_format", None))
+    except GrammarError as exc:
+        raise invalid(f"response_format: {exc}", "response_format") from None
+
+
 def _build_params(
     req: GenerationRequest,
     gen_length: int,
@@ -721,6 +757,7 @@ def _build_params(
         ignore_eos=bool(req.ignore_eos),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         logprobs=logprob_count(req),
+        grammar=response_format_grammar_of(req),
         decoding_mode=req.decoding_mode,
         **local_leap_settings(req),
     )

@@ -162,7 +162,10 @@ class LLaDADenoiser(BlockDecoder):
         committed = self._commit_masked(state, row)
         # The schedule sums to the block's mask count and each step commits exactly its entry,
         # so the masks left always cover it.
-        assert scheduled in (None, committed), "schedule out of sync with the canvas"
+        # A constrained row (structured output) commits its valid run instead and reschedules.
+        assert state.constraint is not None or scheduled in (None, committed), (
+            "schedule out of sync with the canvas"
+        )
         state.nfe += 1
         after_step(state, self._shift)
         # Exact early stop: the answer is the canvas cut before its first stop id. Every

@@ -139,6 +139,7 @@ class CausalBlockDiffusionDecoder(BlockDecoder):
             lo, _ = state.active_block
             state.kv.length = lo
             state.tokens[lo] = int(row[0])
+            self._accept_seed(state, int(row[0]))
             state.committed += 1
             result = self._finish_or_continue(state, 1)
             if not result.finished:

@@ -161,6 +161,7 @@ class FastDLLMDecoder(BlockDiffusionDecoder):
             self._start_block(state)
             return StepResult(committed=0, finished=False)
         state.tokens[state.active_block[0]] = row[0]
+        self._accept_seed(state, int(row[0]))
         state.seeds = False
         state.committed += 1
         return self._after_commit(state, 1, block_done=False)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm_serve.decoding.grammar import TokenGrammar
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
 from dllm_serve.decoding.protocol import (
     AttentionKind,
@@ -58,7 +59,12 @@ from dllm_serve.decoding.sampler import (
     target_probs,
     writable,
 )
-from dllm_serve.decoding.selfspec import SelfSpecState, accepted_prefix
+from dllm_serve.decoding.selfspec import (
+    SelfSpecState,
+    accepted_prefix,
+    constrain_verify_rows,
+    request_constraint,
+)
 
 PREFILL, DRAFT, VERIFY = "prefill", "draft", "verify"
 
@@ -127,6 +133,9 @@ class LinearSpecDecoder:
         self.block_size = block_size
         self.block_for = block_for
         self.max_block = max(block_size, max_block or block_size)
+        # Structured output (set by the registry): the verify and prefill positions are
+        # masked by the grammar along the drafts (selfspec.constrain_verify_rows).
+        self.grammar: TokenGrammar | None = None
 
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
@@ -141,6 +150,7 @@ class LinearSpecDecoder:
             generator=new_generator(params, device),
             stop_ids=stop_ids,
             max_block=self.max_block,
+            constraint=request_constraint(self.grammar, params, stop_ids),
         )
 
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
@@ -191,6 +201,9 @@ class LinearSpecDecoder:
         causal positions of rows at T > 0 are exact samples instead. ``logits`` are consumed
         (the mask id's entries are overwritten in place)."""
         logits = writable(as_step_logits(logits))  # greedy_tokens writes in place
+        # Structured output: the causal positions (prefill seed, verify) under the grammar
+        # along the drafts; draft rows stay free (a draft is checked when verified).
+        logits = constrain_verify_rows(states, logits)
         sampling = [
             r for r, s in enumerate(states) if s.params.temperature > 0 and s.phase != DRAFT
         ]

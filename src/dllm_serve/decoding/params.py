@@ -169,6 +169,9 @@ class DecodingParams:
     # Log-probabilities of the answer tokens from their committing forwards, with this many
     # alternatives each (0-20); None: off (engine/logprobs.py).
     logprobs: int | None = None
+    # Structured output (response_format): llguidance grammar text the answer must match
+    # (decoding/grammar.py); None: free text.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # Whole numbers only: 16.0 would pass every range check and fail deep in a decoder.

@@ -25,6 +25,7 @@ mode in ``state.params.decoding_mode``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -35,6 +36,7 @@ from dllm_serve.decoding.blocks import BlockDiffusionDecoder
 from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.causal_blocks import CausalBlockDiffusionDecoder
 from dllm_serve.decoding.fast_dllm import FastDLLMDecoder
+from dllm_serve.decoding.grammar import TokenGrammar
 from dllm_serve.decoding.linear_spec import LinearSpecDecoder
 from dllm_serve.decoding.params import (
     AR,
@@ -108,6 +110,16 @@ def algorithm_for(
             )
     _check_flags_apply(loaded.name, algorithm.decoding_mode, config)
     _check_decoding_algorithm(loaded.name, algorithm, decoding_algorithm(loaded, config))
+    if loaded.parallel is None:
+        # Structured output: one grammar compiler (the model's own tokenizer, a cache of
+        # compiled schemas) shared by every mode that enforces it.
+        vocab = loaded.vocab_size or len(loaded.tokenizer)
+        # Its own copy of the tokenizer: it is read on the engine thread (at the first
+        # constrained admission) while the API's threads tokenize with theirs.
+        grammar = TokenGrammar(copy.deepcopy(loaded.tokenizer), vocab, loaded.stop_ids)
+        for mode in _modes(algorithm).values():
+            if type(mode) in STRUCTURED_DECODERS:
+                mode.grammar = grammar  # type: ignore[attr-defined]
     return algorithm
 
 
@@ -124,6 +136,13 @@ def decoding_algorithm(loaded: LoadedModel, config: DecodingFlags) -> str:
             f"of {', '.join(DECODING_ALGORITHMS)}"
         )
     return preset
+
+
+def _modes(algorithm: DecodingAlgorithm) -> dict[str, DecodingAlgorithm]:
+    """Request mode → the algorithm that decodes it (one entry for a single-mode model)."""
+    if isinstance(algorithm, TriModeDecoder):
+        return dict(algorithm.modes)
+    return {model_mode(algorithm.decoding_mode): algorithm}
 
 
 def _check_decoding_algorithm(name: str, algorithm: DecodingAlgorithm, preset: str) -> None:
@@ -296,6 +315,8 @@ def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingPara
             f"a suffix (infilling) needs a model whose canvas attends to the text after it; "
             f"model {model!r} reads its prompt causally"
         )
+    if params.grammar is not None:
+        check_structured(algorithm, model, params)
     if params.answer_limit is not None and algorithm.decoding_mode != "diffusion":
         raise ValueError(f"answer_limit applies to canvas denoising, not {algorithm.decoding_mode}")
 
@@ -320,6 +341,59 @@ def logprob_modes(algorithm: DecodingAlgorithm) -> tuple[str, ...]:
     if isinstance(algorithm, TriModeDecoder):
         return tuple(m for m in algorithm.modes if supports_logprobs(algorithm, m))
     return (default_mode(algorithm),) if supports_logprobs(algorithm) else ()
+
+
+# The decoders that enforce response_format (structured output; decoding/grammar.py): those
+# whose answer grows as a left-to-right run per step: canvas denoising and block diffusion,
+# seeded ones included (Fast-dLLM v2, tri-mode diffusion: blocks.BlockDecoder.sample and
+# _sample_seeded), and the causal verify of self-speculation (ISD, tri-mode ar and
+# linear_spec: selfspec.constrain_verify_rows). DiffusionGemma's renoise sampler is not.
+STRUCTURED_DECODERS = (
+    LLaDADenoiser,
+    BlockDiffusionDecoder,
+    FastDLLMDecoder,
+    CausalBlockDiffusionDecoder,
+    ISDecoder,
+    LinearSpecDecoder,
+)
+
+
+def structured_output_refusals(algorithm: DecodingAlgorithm) -> dict[str, str]:
+    """Request mode → why ``response_format`` is refused there, for the modes that do not
+    enforce it (empty: every mode does)."""
+    refusals = {}
+    for mode, decoder in _modes(algorithm).items():
+        if getattr(decoder, "grammar", None) is not None:
+            continue
+        if type(decoder) in STRUCTURED_DECODERS:
+            refusals[mode] = (
+                "it is not enforced under tensor parallelism yet (the vocabulary is sharded)"
+            )
+        elif isinstance(decoder, RenoiseDecoder):
+            refusals[mode] = (
+                "it is enforced for masked diffusion (canvas and block models) and "
+                "self-speculation; DiffusionGemma's renoise sampler re-draws every "
+                "uncommitted position each step and does not apply a grammar yet"
+            )
+        else:
+            refusals[mode] = (
+                f"decoding_mode {mode!r} ({type(decoder).__name__}) does not apply a grammar"
+            )
+    return refusals
+
+
+def check_structured(algorithm: DecodingAlgorithm, model: str, params: DecodingParams) -> None:
+    """A ``response_format`` the decoder cannot enforce is a ValueError (never free text)."""
+    mode = (
+        algorithm.mode_of(params)
+        if isinstance(algorithm, TriModeDecoder)
+        else default_mode(algorithm)
+    )
+    why = structured_output_refusals(algorithm).get(mode)
+    if why is not None:
+        raise ValueError(f"response_format on model {model!r}: {why}")
+    if params.mode == "joint_threshold":
+        raise ValueError("response_format cannot be combined with token editing (edit_threshold)")
 
 
 def supports_infilling(algorithm: DecodingAlgorithm) -> bool:

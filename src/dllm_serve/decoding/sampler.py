@@ -336,3 +336,33 @@ def seed_tokens(logits: StepLogits, mask_id: int) -> torch.Tensor:
     first = logits.flat.index_select(0, logits.index[:, 0]).float()
     first[:, mask_id] = float("-inf")
     return argmax(first).to(logits.flat.device)
+
+
+# ---- structured output -------------------------------------------------------------------------
+
+
+def restrict_to_bitmasks(
+    logits: StepLogits, at: Sequence[int], masks: Sequence[bytes]
+) -> StepLogits:
+    """``logits`` with flat position ``at[i]`` restricted to the tokens set in ``masks[i]`` (a
+    little-endian bitmask over the vocabulary, 32-bit words: decoding/grammar.py), the others
+    at −inf. One host→device copy of the packed masks; the bits are unpacked on the device.
+    Dense logits only (structured output is refused under tensor parallelism)."""
+    if logits.flat is None:
+        raise RuntimeError("structured output is not enforced on vocabulary-sharded logits")
+    if not at:
+        return logits
+    logits = writable(logits)
+    flat = logits.flat
+    assert flat is not None
+    device, vocab, n = flat.device, flat.shape[-1], len(at)
+    width = len(masks[0])
+    packed = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8)
+    packed = packed.to(device, non_blocking=True)
+    shifts = torch.arange(8, device=device, dtype=torch.uint8)
+    allowed = ((packed.view(n, width, 1) >> shifts) & 1).view(n, width * 8).bool()
+    if allowed.shape[1] < vocab:  # an LM head wider than the model's vocabulary
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    index = to_device(list(at), device, torch.long)
+    flat[index] = flat[index].masked_fill(~allowed[:, :vocab], float("-inf"))
+    return logits

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dllm_serve.decoding.grammar import Constraint, TokenGrammar
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
 from dllm_serve.decoding.protocol import (
     AttentionKind,
@@ -70,6 +71,7 @@ from dllm_serve.decoding.sampler import (
     dense_rows,
     greedy_tokens,
     new_generator,
+    restrict_to_bitmasks,
     sample,
     target_probs,
     writable,
@@ -116,6 +118,8 @@ class SelfSpecState:
     # and this forward's candidates (the specs' and each row's own token's) until the commit.
     logprob_buffer: torch.Tensor | None = None
     logprob_staged: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Structured output: the matcher of the emitted answer (decoding/grammar.py); None: free.
+    constraint: Constraint | None = None
 
     @property
     def step(self) -> int:
@@ -157,11 +161,40 @@ class SelfSpecState:
     def end_round(self, emitted: list[int], accepted: int) -> StepResult:
         """Emit a verified round's tokens (:meth:`emit`) and count its ``accepted`` drafts:
         only those the answer used, none past a stop id or max tokens."""
+        if self.constraint is not None:
+            # Every verified token was drawn under its grammar mask (grammar_masks), so the
+            # matcher takes them all, up to and including a stop id.
+            ends = [i for i, t in enumerate(emitted) if t in self.stop_ids]
+            run = emitted[: ends[0] + 1] if ends else emitted
+            kept = self.constraint.accept(run)
+            if kept != len(run):
+                raise RuntimeError("structured output: a verified token broke the grammar")
         before = len(self.emitted)
         committed = self.emit(emitted)
         self.accepted_drafts += min(accepted, committed)
         new = len(self.emitted) - before
         return StepResult(committed, self.finished, self.finish_reason, new_tokens=new)
+
+
+def grammar_masks(
+    constraint: Constraint, specs: Sequence[int], stop_ids: Sequence[int]
+) -> list[bytes]:
+    """The grammar's allowed-token bitmasks along a chain of drafts: entry ``i`` is what may
+    follow the emitted answer and ``specs[:i]``, for the verify position of ``spec_i`` (and,
+    at ``i = len(specs)``, the clean token after them all). The chain stops after the first
+    spec the grammar rejects or a stop id: verification rejects that spec (its target
+    probability is 0 under the mask) or ends the answer there, so no later position is used.
+    The request's matcher is left as it was."""
+    masks = [constraint.allowed_bits()]
+    twin: Constraint | None = None
+    for spec in specs:
+        bits = masks[-1]
+        if spec in stop_ids or not (spec >> 3 < len(bits) and bits[spec >> 3] >> (spec & 7) & 1):
+            break
+        twin = twin or constraint.fork()
+        twin.accept([spec])
+        masks.append(twin.allowed_bits())
+    return masks
 
 
 def accepted_prefix(specs: Sequence[int], targets: Sequence[int]) -> int:
@@ -206,6 +239,46 @@ def verify_row(
     total = r.sum(dim=-1, keepdim=True)
     corrections = sample(torch.where(total > 0, r / total.clamp_min(1e-300), p), generator)
     return accepted, corrections
+
+
+# ---- structured output -------------------------------------------------------------------------
+
+
+def request_constraint(
+    grammar: TokenGrammar | None, params: DecodingParams, stop_ids: Sequence[int]
+) -> Constraint | None:
+    """A request's grammar matcher (None for free text); a decoder without a grammar
+    compiler, or a request with no stop id to end on, cannot enforce one."""
+    if params.grammar is None:
+        return None
+    if grammar is None:
+        raise ValueError("this decoder does not enforce structured output")
+    if not stop_ids:
+        raise ValueError("structured output needs a stop id to end the answer")
+    return grammar.constraint(params.grammar, tuple(stop_ids))
+
+
+def constrain_verify_rows(states: Sequence[SelfSpecState], logits: StepLogits) -> StepLogits:
+    """Each constrained row's verify positions (and its clean position) restricted to what its
+    grammar allows after the answer and the drafts before them (:func:`grammar_masks`).
+
+    Verification then runs against the grammar-masked target p: at T = 0 a spec is accepted
+    iff it is the masked argmax (so a spec the grammar rejects never is, and the correction is
+    the masked argmax); at T > 0 speculative sampling against the renormalised masked p is
+    exact for it (p = 0 on a rejected spec, and max(0, p − q) keeps p's support), so every
+    emitted token is a valid continuation. Draft positions stay unmasked: a draft is only a
+    proposal, checked when it is verified.
+    """
+    at: list[int] = []
+    masks: list[bytes] = []
+    for r, state in enumerate(states):
+        if state.constraint is None or state.finished or getattr(state, "phase", "") == "draft":
+            continue  # a LinearSpec draft row proposes only
+        k, _ = getattr(state, "round_shape", (len(state.specs), 1))
+        chain = grammar_masks(state.constraint, state.specs[:k], state.stop_ids)
+        at.extend(logits.offsets[r] + i for i in range(len(chain)))
+        masks.extend(chain)
+    return restrict_to_bitmasks(logits, at, masks) if at else logits
 
 
 # ---- ISD ---------------------------------------------------------------------------------------
@@ -290,6 +363,9 @@ class ISDecoder:
         self.stride_for = stride_for
         self.max_stride = max(stride, max_stride or stride)
         self.draft_hook = draft_hook
+        # Structured output (set by the registry): compiles each request's grammar. None:
+        # response_format refused.
+        self.grammar: TokenGrammar | None = None
 
     def init_state(
         self, prompt_ids: Sequence[int], params: DecodingParams, device: torch.device | str
@@ -310,6 +386,7 @@ class ISDecoder:
             pending=list(prompt),
             device=torch.device(device),
             max_stride=self.max_stride,
+            constraint=request_constraint(self.grammar, params, stop_ids),
         )
 
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
@@ -360,6 +437,7 @@ class ISDecoder:
         """Every row's verdict material ``[R, 1 + M]`` (see the class docstring); ``logits``
         are consumed (the mask id's entries are overwritten in place)."""
         logits = writable(as_step_logits(logits))  # greedy_tokens writes in place
+        logits = constrain_verify_rows(states, logits)
         rows = logits.rows
         # The rows that sample need the whole distribution (gathered when sharded).
         full = dense_rows(logits, [r for r, s in enumerate(states) if s.params.temperature > 0])

@@ -41,6 +41,7 @@ from dllm_serve.decoding.registry import (
     decoding_algorithm,
     default_mode,
     logprob_modes,
+    structured_output_refusals,
     supports_editing,
     supports_infilling,
 )
@@ -126,6 +127,8 @@ class AsyncEngine:
         self.infilling = supports_infilling(self.algorithm)
         # The request modes whose answer-token logprobs are recorded (engine/logprobs.py).
         self.logprob_modes = logprob_modes(self.algorithm)
+        # Request mode → why response_format is not enforced there (decoding/grammar.py).
+        self.structured_refusals = structured_output_refusals(self.algorithm)
         # --decoding-algorithm: the commit rule (request fields) of requests that choose none.
         self.decoding_algorithm = decoding_algorithm(loaded, self.config)
         self.default_commit_rule = dict(DECODING_ALGORITHMS[self.decoding_algorithm])

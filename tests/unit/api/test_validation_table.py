@@ -146,11 +146,23 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
     ("stop-empty", body(stop=["ok", ""]), JSON, "stop[1]", "must not be empty"),
     ("stop-int", body(stop=5), JSON, "stop", "Invalid value for 'stop'"),
     (
-        "json-mode",
-        body(response_format={"type": "json_object"}),
+        "response-format-type",
+        body(response_format={"type": "yaml"}),
         JSON,
         "response_format",
-        "not available yet",
+        "use 'text', 'json_object' or 'json_schema'",
+    ),
+    (
+        "json-schema-unimplemented-keyword",
+        body(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}},
+            }
+        ),
+        JSON,
+        "response_format",
+        'Unimplemented keys: ["not"]',
     ),
     (
         "stream-options-no-stream",
@@ -483,11 +495,11 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
     ),
     ("function-call-auto", body(function_call="auto"), JSON, "function_call", CONTRACT),
     (
-        "json-schema",
+        "json-schema-without-schema",
         body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
         JSON,
         "response_format",
-        "not available yet",
+        "'json_schema.schema' must be a JSON Schema object",
     ),
     ("messages-null", body(messages=None), JSON, "messages", "valid array"),
     (
@@ -923,13 +935,18 @@ def test_client_steps_must_still_divide_into_the_default_blocks() -> None:
 
 
 @pytest.mark.parametrize(
-    "response_format",
-    [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}],
+    ("response_format", "grammar"),
+    [
+        ({"type": "text"}, False),
+        ({"type": "json_object"}, True),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}, True),
+    ],
 )
-def test_structured_output_is_not_available_yet(response_format: dict[str, Any]) -> None:
-    with pytest.raises(APIError) as info:
-        parse_chat_request(body(response_format=response_format), JSON)
-    assert (info.value.param, info.value.code) == ("response_format", "not_available_yet")
+def test_response_format_becomes_a_grammar(response_format: dict[str, Any], grammar: bool) -> None:
+    """json_object / json_schema reach the decoder as a grammar (enforced there,
+    tests/unit/decoding/test_structured_output.py); text as none."""
+    spec = parse_chat_request(body(response_format=response_format), JSON)
+    assert (spec.params.grammar is not None) is grammar
 
 
 # (id, fields, expected (canvas, steps, block, answer_limit)) with the model's block of 32, for a

@@ -126,6 +126,21 @@ def test_engine_overhead_random_llada2_mini_shape_tiny(tmp_path: Path) -> None:
         load("engine_overhead").main(["--random-8b", "--random-llada2-mini", "--tiny"])
 
 
+def test_constrained(tmp_path: Path) -> None:
+    out = tmp_path / "constrained.json"
+    load("constrained").main(["--prompts", "1", "--threads", "1", "--out", str(out)])
+    report = read(out)
+    demo, tiny, idlm = report["models"]
+    assert (demo["model"], tiny["family"], idlm["model"]) == ("demo-llada", "llada2", "demo-idlm")
+    for model, count in ((demo, 6), (tiny, 6), (idlm, 2)):
+        variants = {(r["rule"], r["variant"]) for r in model["rows"]}
+        assert len(variants) == count
+        for row in model["rows"]:
+            assert row["nfe"] > 0 and row["ms_per_forward"] > 0
+            if row["variant"] == "constrained":  # enforced: every answer parses
+                assert row["valid_json"] == row["stopped"] == row["requests"]
+
+
 def test_block_diffusion(tmp_path: Path) -> None:
     out = tmp_path / "block_diffusion.json"
     load("block_diffusion").main(
