@@ -134,7 +134,7 @@ def install_completion_routes(
                     content, calls = parse_calls(text, spec.tools)
                     if calls:
                         message |= {"content": content, "tool_calls": calls}
-                        reason = "tool_calls"
+                        reason = "tool_calls" if reason == "stop" else reason
                 choice: dict[str, Any] = {
                     "index": index,
                     "message": message,

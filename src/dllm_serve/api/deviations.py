@@ -18,7 +18,7 @@ DEVIATIONS_TABLE = """\
 | `model` | Accepted and ignored: one server serves one model. |
 | `top_p`, `top_k`, `best_of`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `functions`, `function_call`, `reasoning_effort`, `audio`, `prediction`, `min_tokens`, `echo` | **400**, except their no-op values (`top_p: 1`, `best_of: 1`, `functions: []`, …). |
 | `logprobs`, `top_logprobs` | Each answer token's logprob from the forward that committed (or verified) it. |
-| `tools`, `tool_choice`, `parallel_tool_calls` | The model's chat template renders the tools; `auto` answers are parsed for calls. |
+| `tools`, `tool_choice`, `parallel_tool_calls` | Template-rendered tools; `auto` answers parsed, `required`/named calls decoded under their schema. |
 | `stop` | Up to 4 strings; the answer ends before the first occurrence. |
 | `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` | vLLM extensions, honoured (`ignore_eos`: the whole canvas is returned). |
 | `stream_options.continuous_usage_stats` | vLLM extension, honoured: the cumulative `usage` on every chunk. |

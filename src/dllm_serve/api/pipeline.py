@@ -157,6 +157,15 @@ def parse_chat_request(
     tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls)
     if trace and tools is not None:
         raise invalid("The trace endpoint traces text answers: omit 'tools'.", "tools")
+    if tools is not None and tools.forced:
+        # The call is decoded under the structured-output grammar of its schema.
+        if req.response_format not in (None, {"type": "text"}):
+            raise invalid(
+                "'response_format' and a forced tool call ('tool_choice' 'required' or a named "
+                "function) both constrain the answer; send one of them.",
+                "response_format",
+            )
+        req = req.model_copy(update={"response_format": tools.response_format()})
     spec = _spec(
         req, default_gen_length, default_block_length, round_canvas, model, messages=messages
     )
@@ -553,6 +562,10 @@ def _tool_format(spec: RequestSpec, prompt_ids: list[int], engine: AsyncEngine) 
     chat template does not render tools (they would be silently ignored) or no parser knows
     its call format."""
     assert spec.tools is not None and spec.messages is not None
+    if spec.tools.forced:
+        # The grammar makes the call; a template that renders no tools only means the model
+        # does not read their descriptions.
+        return spec.tools
     if engine.chat_prompt_ids(spec.messages) == prompt_ids:
         raise invalid(
             "This model's chat template does not render tools, so the model would never see "

@@ -233,7 +233,7 @@ def chat_chunks(
             "logprobs": None,
             "finish_reason": None,
         },
-        tools=tools if tools is not None and tools.parse else None,
+        tools=tools if tools is not None and (tools.parse or tools.forced) else None,
     )
 
 
@@ -336,7 +336,7 @@ async def _chunks(
                     deltas = [{"index": j, **call} for j, call in enumerate(calls)]
                     yield chunk({"index": index, "delta": {"tool_calls": deltas},
                                  "logprobs": None, "finish_reason": None})  # fmt: skip
-                    reason = "tool_calls"
+                    reason = "tool_calls" if reason == "stop" else reason
             yield chunk(choice("", reason, index, None))
             finished += 1
             if finished == n and include_usage:

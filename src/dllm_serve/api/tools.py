@@ -13,8 +13,11 @@ the template's format:
 
 A diffusion answer is only known to hold a call once it is whole, so with tools the answer
 comes as one piece at its end (streamed: one content or tool-call chunk, then the finish).
-``tool_choice: "required"`` or a named function needs the call to be constrained to the
-function's schema (structured output), which is not available yet: a 400 says so.
+
+``tool_choice: "required"`` and a named function are enforced with the structured-output
+grammar (decoding/grammar.py), as vLLM does: a named function's answer is its arguments, a
+JSON value of its ``parameters`` schema; ``required``'s is ``{"name": ..., "arguments": ...}``
+for one of the tools. Either answer becomes one tool call.
 """
 
 from __future__ import annotations
@@ -38,14 +41,39 @@ class ToolSpec:
     may come back, and the parser of the model's format (set once the template is known)."""
 
     tools: list[dict[str, Any]]
-    choice: str  # "none" | "auto"
+    choice: str  # "none" | "auto" | "required" | "named"
     parallel: bool = True
     parser: str | None = None
+    function: str | None = None  # the named function
 
     @property
     def parse(self) -> bool:
-        """Whether the answer is parsed for calls (``tool_choice`` ``auto``)."""
+        """Whether the answer is parsed for calls in the model's format (``auto``)."""
         return self.choice == "auto"
+
+    @property
+    def forced(self) -> bool:
+        """Whether the answer is a call constrained by the grammar (``required``, named)."""
+        return self.choice in ("required", "named")
+
+    def response_format(self) -> dict[str, Any]:
+        """The structured-output format a forced call is decoded under."""
+        by_name = {t["function"]["name"]: t["function"] for t in self.tools}
+
+        def parameters(name: str) -> dict[str, Any]:
+            return by_name[name].get("parameters") or {"type": "object"}
+
+        if self.choice == "named":
+            assert self.function is not None
+            schema = parameters(self.function)
+        else:
+            schema = {"anyOf": [
+                {"type": "object", "properties": {"name": {"const": name},
+                                                  "arguments": parameters(name)},
+                 "required": ["name", "arguments"], "additionalProperties": False}
+                for name in by_name
+            ]}  # fmt: skip
+        return {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema}}
 
 
 def tool_spec(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolSpec | None:
@@ -72,16 +100,8 @@ def tool_spec(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) ->
                 '{"type": "function", "function": {"name": <one of the tools>}}.',
                 "tool_choice",
             )
-        choice = "named"
-    if choice in ("required", "named"):
-        raise invalid(
-            "'tool_choice' 'required' or a named function needs the call constrained to the "
-            "function's JSON schema (structured output), which is not available yet in this "
-            "server version; use 'auto' (the model decides, its answer is parsed).",
-            "tool_choice",
-            code="not_available_yet",
-        )
-    if choice not in ("none", "auto"):
+        return ToolSpec(tools, "named", parallel_tool_calls is not False, function=name)
+    if choice not in ("none", "auto", "required"):
         raise invalid(
             "'tool_choice' must be 'none', 'auto', 'required' or a named function.", "tool_choice"
         )
@@ -167,6 +187,8 @@ def parse_calls(text: str, spec: ToolSpec) -> tuple[str | None, list[dict[str, A
     """(content, tool_calls) of a finished answer: the calls in the parser's format (at most
     one without ``parallel_tool_calls``), the rest as content (None when nothing is left). A
     block that is not a valid call stays in the content."""
+    if spec.forced:
+        return _forced_call(text, spec)
     if not spec.parse or spec.parser != "hermes":
         return text, []
     calls: list[dict[str, Any]] = []
@@ -186,6 +208,29 @@ def parse_calls(text: str, spec: ToolSpec) -> tuple[str | None, list[dict[str, A
     return (content or None), calls
 
 
+def _forced_call(text: str, spec: ToolSpec) -> tuple[str | None, list[dict[str, Any]]]:
+    """The one call of a forced answer: the grammar made it JSON of the right shape. Cut by
+    ``max_tokens`` first, a named call keeps its arguments as decoded so far (as OpenAI
+    returns a cut call, with ``finish_reason`` length); a ``required`` answer that does not
+    name its function yet stays text."""
+    if spec.choice == "named":
+        assert spec.function is not None
+        return None, [_call(spec.function, text)]
+    try:
+        value = json.loads(text)
+        return None, [_call(value["name"], json.dumps(value["arguments"], ensure_ascii=False))]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return text, []
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
 def _hermes_call(body: str) -> dict[str, Any] | None:
     try:
         value = json.loads(body)
@@ -194,8 +239,4 @@ def _hermes_call(body: str) -> dict[str, Any] | None:
     if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
-    }
+    return _call(value["name"], json.dumps(arguments, ensure_ascii=False))

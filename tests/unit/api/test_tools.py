@@ -149,7 +149,8 @@ def test_a_chat_with_tools_answers_through_the_server(dream: AsyncEngine) -> Non
     ("model", "extra", "param", "code"),
     [
         ("tiny-llada", {}, "tools", "not_applicable"),  # its template renders no tools
-        ("dream", {"tool_choice": "required"}, "tool_choice", "not_available_yet"),
+        ("dream", {"tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format", None),
         ("dream", {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice", None),
         ("dream", {"tools": [{"type": "function", "function": {"name": "a b"}}]},
@@ -170,3 +171,45 @@ def test_tool_requests_this_server_cannot_honour_are_400s(
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert (error["param"], error["code"]) == (param, code)
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_call_is_decoded_under_its_schema(dream_path: Path, choice: str) -> None:
+    """tool_choice required / a named function: the grammar makes the answer one call whose
+    arguments validate against the function's parameters, even from a random model."""
+    jsonschema = pytest.importorskip("jsonschema")
+    # Bounded numbers and strings: a random model would extend an unbounded one to max_tokens.
+    small = {"type": "integer", "minimum": 0, "maximum": 99}
+    get_sum = {"type": "function", "function": {"name": "get_sum", "parameters": {
+        "type": "object", "properties": {"a": small, "b": small}, "required": ["a", "b"],
+        "additionalProperties": False}}}  # fmt: skip
+    other = {"type": "function", "function": {"name": "echo", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "maxLength": 5}},
+        "required": ["text"], "additionalProperties": False}}}  # fmt: skip
+    tool_choice = {"type": "function", "function": {"name": "get_sum"}} if choice == "named" else (
+        "required"
+    )  # fmt: skip
+    body = {"messages": QUESTION, "tools": [get_sum, other], "tool_choice": tool_choice,
+            "max_tokens": 48}  # fmt: skip
+    engine = AsyncEngine(load_model(str(dream_path), device="cpu", dtype="float32"))
+    with TestClient(build_app(engine, ServerConfig())) as client:
+        reply = client.post("/v1/chat/completions", json=body)
+        streamed = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+    assert reply.status_code == 200, reply.text
+    choice_body = reply.json()["choices"][0]
+    assert choice_body["finish_reason"] == "tool_calls", choice_body
+    (call,) = choice_body["message"]["tool_calls"]
+    assert choice_body["message"]["content"] is None
+    schemas = {"get_sum": get_sum, "echo": other}
+    name = call["function"]["name"]
+    assert name == "get_sum" if choice == "named" else name in schemas
+    params = schemas[name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+    deltas = [
+        c["choices"][0]["delta"]
+        for c in (json.loads(line[5:]) for line in streamed.splitlines()
+                  if line.startswith("data:") and line != "data: [DONE]")
+        if c["choices"]
+    ]  # fmt: skip
+    (streamed_calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert streamed_calls[0]["function"]["arguments"] == call["function"]["arguments"]
