@@ -219,6 +219,39 @@ def test_langchain_with_structured_output(demo: RemoteServer) -> None:
     assert llm.with_structured_output(Sum).invoke("What is 2 + 2?") == Sum(sum=4)
 
 
+def test_langchain_bind_tools_and_function_calling(demo: RemoteServer) -> None:
+    """``bind_tools(..., tool_choice=<name>)`` and ``with_structured_output(method=
+    "function_calling")``: a forced call decoded under the tool's schema (bounded numbers: an
+    unbounded integer may run to max_tokens), then a tool round trip with the ToolMessage."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class GetSum(BaseModel):
+        """Add two whole numbers."""
+
+        a: int = Field(ge=0, le=999)
+        b: int = Field(ge=0, le=999)
+
+    class Sum(BaseModel):
+        sum: int = Field(ge=0, le=1998)
+
+    llm = ChatOpenAI(
+        model=MODEL, base_url=f"{demo.url}/v1", api_key="unused",  # type: ignore[arg-type]
+        max_retries=0, timeout=60, max_tokens=48,
+    )  # fmt: skip
+    question = HumanMessage("What is 2 + 2?")
+    reply = llm.bind_tools([GetSum], tool_choice="GetSum").invoke([question])
+    (call,) = reply.tool_calls
+    assert call["name"] == "GetSum"
+    args = GetSum(**call["args"])  # validates: the grammar kept the bounds
+    result = ToolMessage(str(args.a + args.b), tool_call_id=call["id"])
+    after = llm.invoke([question, reply, result])
+    assert isinstance(after.content, str)
+    structured = llm.with_structured_output(Sum, method="function_calling").invoke("2 + 2?")
+    assert isinstance(structured, Sum)
+
+
 # ---- llama-index -------------------------------------------------------------------------------
 def test_llama_index_openai_like_defaults(demo: RemoteServer) -> None:
     from llama_index.llms.openai_like import OpenAILike
