@@ -252,6 +252,28 @@ def test_langchain_bind_tools_and_function_calling(demo: RemoteServer) -> None:
     assert isinstance(structured, Sum)
 
 
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_tools_and_json_schema_modes(demo: RemoteServer, mode: str) -> None:
+    """instructor's TOOLS mode (a named tool call) and JSON_SCHEMA mode (response_format):
+    both are decoded under the model's schema, so the demo's answer validates."""
+    import instructor
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Sum(BaseModel):
+        sum: int = Field(ge=0, le=1998)
+
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=f"{demo.url}/v1", api_key="unused", max_retries=0),
+        mode=getattr(instructor.Mode, mode),
+    )
+    answer = client.chat.completions.create(
+        model=MODEL, response_model=Sum, max_retries=0, max_tokens=32,
+        messages=[{"role": "user", "content": "What is 2 + 2?"}],
+    )  # fmt: skip
+    assert isinstance(answer, Sum)
+
+
 # ---- llama-index -------------------------------------------------------------------------------
 def test_llama_index_openai_like_defaults(demo: RemoteServer) -> None:
     from llama_index.llms.openai_like import OpenAILike
