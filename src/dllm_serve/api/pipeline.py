@@ -322,7 +322,7 @@ def _prompt(prompt: Any) -> tuple[str | list[int], str]:
     if batched and not unwrapped:  # a nested list inside the one prompt is just invalid
         raise invalid(
             f"'prompt' holds {len(prompt)} prompts; one prompt per request is supported "
-            "(batched prompts are deferred, like n > 1).",
+            "(batched prompts are deferred; n gives several choices of one prompt).",
             "prompt",
             code="unsupported_parameter",
         )
