@@ -487,11 +487,14 @@ BAD: list[tuple[str, bytes, str | None, str | None, str]] = [
         "valid string",
     ),
     (
-        "tool-choice-required",
-        body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"),
+        "tool-choice-unknown-function",
+        body(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
         JSON,
         "tool_choice",
-        "not available yet",
+        "one of the tools",
     ),
     ("function-call-auto", body(function_call="auto"), JSON, "function_call", CONTRACT),
     (
