@@ -271,6 +271,8 @@ def test_launcher_environment_joins_ranks_started_apart(tmp_path: Path) -> None:
             rank1.kill()
 
 
+# Slow (excluded by default; `pytest -m slow`): keeps the default suite near 10 minutes on 2 cores.
+@pytest.mark.slow
 def test_an_idle_server_notices_a_launched_rank_that_died(tmp_path: Path) -> None:
     """No request is sent: the heartbeat alone (engine/parallel/group.py) finds the dead rank 1,
     which rank 0 cannot watch as a child, and fails rank 0 visibly: 503, then status 1."""
@@ -292,6 +294,8 @@ def test_an_idle_server_notices_a_launched_rank_that_died(tmp_path: Path) -> Non
             rank1.kill()
 
 
+# Slow (excluded by default; `pytest -m slow`): keeps the default suite near 10 minutes on 2 cores.
+@pytest.mark.slow
 def test_a_launched_rank_exits_when_rank_0_freezes(tmp_path: Path) -> None:
     """Rank 0 stopped (SIGSTOP: alive, silent, its sockets open): rank 1 would wait on its
     control channel forever; the heartbeat store stops answering and rank 1 exits with 1."""
@@ -390,6 +394,8 @@ def test_a_worker_that_dies_before_joining_fails_rank_0_at_once(tmp_path: Path) 
     assert 'needs `if __name__ == "__main__":`' in done.stderr
 
 
+# Slow (excluded by default; `pytest -m slow`): keeps the default suite near 10 minutes on 2 cores.
+@pytest.mark.slow
 def test_a_frozen_worker_does_not_outlive_the_server(tmp_path: Path) -> None:
     """Found by QA: rank 0 exited 1 as documented, but a SIGSTOPped worker stayed behind,
     adopted by init (on a GPU, still holding its memory)."""

@@ -40,6 +40,8 @@ def read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+# Slow (excluded by default; `pytest -m slow`): keeps the default suite near 10 minutes on 2 cores.
+@pytest.mark.slow
 def test_serving_load_sweep(tmp_path: Path) -> None:
     out = tmp_path / "serving_load.json"
     load("serving_load").main(
@@ -258,6 +260,8 @@ def test_gpu_moe_layer_refuses_without_gpu(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+# Slow (excluded by default; `pytest -m slow`): keeps the default suite near 10 minutes on 2 cores.
+@pytest.mark.slow
 def test_demo_ablation(tmp_path: Path) -> None:
     out = tmp_path / "demo_ablation.json"
     bench = load("demo_ablation")
@@ -306,6 +310,8 @@ def test_tensor_parallel(tmp_path: Path) -> None:
     assert sampler > 0 and 40 * sampler < gather
 
 
+# Slow (excluded by default; `pytest -m slow`): keeps the default suite near 10 minutes on 2 cores.
+@pytest.mark.slow
 def test_trimode_modes(tmp_path: Path) -> None:
     out = tmp_path / "trimode.json"
     load("trimode_modes").main(["--n", "1", "--n-other", "1", "--workers", "2", "--out", str(out)])
