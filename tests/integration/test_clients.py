@@ -285,6 +285,8 @@ def test_llama_index_openai_like_defaults(demo: RemoteServer) -> None:
 
 
 # ---- aiperf: a 20-request streaming benchmark -------------------------------------------------
+# Slow (excluded by default; `pytest -m slow`): keeps the default suite near 10 minutes on 2 cores.
+@pytest.mark.slow
 def test_aiperf_streaming_run(demo: RemoteServer, tmp_path: Path) -> None:
     """aiperf, unmodified, with ignore_eos (fixed-length runs): 20 streamed requests, every
     answer the whole 32-token canvas."""

@@ -240,6 +240,8 @@ def _start_ranks_apart(tmp_path: Path) -> tuple[subprocess.Popen, RemoteServer]:
     return rank1, server
 
 
+# Slow (excluded by default; `pytest -m slow`): keeps the default suite near 10 minutes on 2 cores.
+@pytest.mark.slow
 def test_launcher_environment_joins_ranks_started_apart(tmp_path: Path) -> None:
     """torchrun-style: each rank is its own `dllm-serve` with WORLD_SIZE/RANK/MASTER_*; rank 0
     serves, rank 1 only runs forwards. A dead rank 1 fails rank 0 at its next step: 503,
@@ -429,6 +431,8 @@ def test_a_frozen_worker_does_not_outlive_the_server(tmp_path: Path) -> None:
         server.stop()
 
 
+# Slow (excluded by default; `pytest -m slow`): keeps the default suite near 10 minutes on 2 cores.
+@pytest.mark.slow
 def test_a_refused_engine_stops_its_workers(tmp_path: Path) -> None:
     """Found by QA: a config the engine refused left the workers and the process group up, so
     every later LLM(tensor_parallel_size=2) in the process failed ("initialize the default

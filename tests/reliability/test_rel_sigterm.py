@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from rel_support import CHAT, assert_envelope, metric, sse_events
 from remote_server import RemoteServer
 
@@ -65,6 +66,8 @@ def wait_running(url: str, count: int, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+# Slow (excluded by default; `pytest -m slow`): keeps the default suite near 10 minutes on 2 cores.
+@pytest.mark.slow
 def test_sigterm_during_streaming_ends_every_request_cleanly(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     server = RemoteServer.start(["--shutdown-timeout", str(DRAIN_S)], log)
