@@ -36,12 +36,11 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm_serve.decoding.block_diffusion import BlockDiffusionDecoder, BlockState
 from dllm_serve.decoding.blocks import (
     DECODE,
     PREFILL,
     WRITE,
-    BlockDiffusionDecoder,
-    BlockState,
 )
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.protocol import (

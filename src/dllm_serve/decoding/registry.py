@@ -5,7 +5,7 @@ decodes it: adding a decoding algorithm is one module plus one line here.
 family                              algorithm
 ==================================  ============================================================
 LLaDA, Dream, LLaDA-MoE (canvas)    :class:`~dllm_serve.decoding.canvas.LLaDADenoiser`
-SDAR/TraDo, LLaDA2.x (blocks)       :class:`~dllm_serve.decoding.blocks.BlockDiffusionDecoder`
+SDAR/TraDo, LLaDA2.x (blocks)       :class:`~.block_diffusion.BlockDiffusionDecoder`
 Fast-dLLM v2                        :class:`~dllm_serve.decoding.fast_dllm.FastDLLMDecoder`
 I-DLM                               :class:`~dllm_serve.decoding.selfspec.ISDecoder`
 tri-mode (Nemotron-Labs-Diffusion)  :class:`TriModeDecoder` over ``ar`` (ISD at stride 1),
@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dllm_serve.decoding.blocks import BlockDiffusionDecoder
+from dllm_serve.decoding.block_diffusion import BlockDiffusionDecoder
 from dllm_serve.decoding.canvas import LLaDADenoiser
 from dllm_serve.decoding.causal_blocks import CausalBlockDiffusionDecoder
 from dllm_serve.decoding.fast_dllm import FastDLLMDecoder

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.blocks import BlockDiffusionDecoder, BlockState
+from dllm_serve.decoding.block_diffusion import BlockDiffusionDecoder, BlockState
 from dllm_serve.decoding.commit_rules import joint_threshold_commit_rows
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.decoding.protocol import AttentionKind, RowSpec

@@ -18,7 +18,7 @@ import torch
 from fastdllm_reference import reference
 
 from dllm_serve.config import EngineConfig
-from dllm_serve.decoding.blocks import BlockState
+from dllm_serve.decoding.block_diffusion import BlockState
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.engine.outputs import RequestOutput
 from dllm_serve.llm import LLM
