@@ -75,8 +75,10 @@ model: it answers the kinds of question below, and little else.
 - Objective: {objective}
 - Shape: d_model {d}, {layers}, {report["parameters"]:,} parameters, stored in bf16
   ({size_mb:.1f} MB). Real chat template, tokenizer and special tokens of the format (see
-  `docs/models.md`){spelling_text(report)}; `generation_config.json` sets `max_new_tokens`
-  {canvas}, the server's default canvas for this model{_lookahead(family, canvas)}.
+  `docs/models.md`; the template also renders tools, hermes-style, which the demo was not
+  trained on: with `tool_choice` `auto` it answers in text){spelling_text(report)};
+  `generation_config.json` sets `max_new_tokens` {canvas}, the server's default canvas for
+  this model{_lookahead(family, canvas)}.
 - Training: {_training(report)}
 """
     (out / "README.md").write_text(text)
@@ -520,6 +522,8 @@ same answers (LinearSpec's verify is exact at temperature 0).
   {config["head_dim"]}), MLP {config["intermediate_size"]}, {report["parameters"]:,}
   parameters, bf16; RoPE theta {config["rope_parameters"]["rope_theta"]:g} (32-dimensional
   heads need turning frequencies at these lengths); mask id {config["mask_token_id"]}.
+- Chat template: the format's, which also renders tools (hermes-style `<tool_call>` blocks);
+  the demo was not trained on tools: with `tool_choice` `auto` it answers in text.
 - Stage 1: {report["steps"]} steps of {report["batch_size"]} examples, AdamW, warm-up then
   cosine, {report["cpu_seconds"] / 60:.0f} CPU-minutes on {report["machine"]}.
 {lora_line}

@@ -77,6 +77,7 @@ def write_skeleton(
     extra = {"block_size": block_size} if family == "nemotron" and block_size else {}
     write_tiny(family, out, seed=seed, **size, **extra)
     without_remote_code(out)
+    with_tool_template(out, family)
     if rope_theta:
         config_path = out / "config.json"
         config = json.loads(config_path.read_text())
@@ -114,6 +115,94 @@ def without_remote_code(out: Path) -> None:
         if any(key in data for key in REMOTE_CODE_KEYS):
             kept = {k: v for k, v in data.items() if k not in REMOTE_CODE_KEYS}
             path.write_text(json.dumps(kept, indent=2, ensure_ascii=False) + "\n")
+
+
+# How each demo format writes one turn, as Jinja expressions of ``role`` and ``text``
+# (``first``: the conversation's first turn), and what opens the answer.
+_TURNS = {
+    "idlm": (
+        "'<|im_start|>' + role + '\\n' + text + '<|im_end|>' + '\\n'",
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    ),
+    "llada": (
+        "(bos_token if first else '') + '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n'"
+        " + text | trim + '<|eot_id|>'",
+        "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}",
+    ),
+    "nemotron": (
+        "(bos_token if first else '') + ('[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]'"
+        " if role == 'system' else '[INST]' + text + '[/INST]' if role == 'user'"
+        " else text + eos_token)",
+        "",
+    ),
+}
+
+# Hermes-style tool instructions (Qwen2.5's wording), which the server's ``hermes`` parser
+# reads back: each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+_TOOLS_TEXT = (
+    "{%- set ns = namespace(text='# Tools\\n\\nYou may call one or more functions to assist "
+    "with the user query.\\n\\nYou are provided with function signatures within <tools>"
+    "</tools> XML tags:\\n<tools>') %}"
+    "{%- for tool in tools %}{%- set ns.text = ns.text + '\\n' + (tool | tojson) %}{%- endfor %}"
+    "{%- set tools_text = ns.text + '\\n</tools>\\n\\nFor each function call, return a json "
+    "object with function name and arguments within <tool_call></tool_call> XML tags:\\n"
+    '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n'
+    "</tool_call>' %}"
+)
+
+
+def tool_template(format_template: str, family: str) -> str:
+    """The demo's chat template: the format's own when a request has no tools (the prompt
+    the demo was trained on, byte for byte), and with tools the same turns carrying the
+    hermes tool instructions in the system turn, the assistant's earlier calls as
+    ``<tool_call>`` blocks and tool results as ``<tool_response>`` user turns.
+
+    The released formats the demos copy render no tools, so a request with ``tool_choice:
+    "auto"`` would be refused by the server (the model would never see its tools) and agent
+    frameworks, whose later turns are ``auto``, could not run on the demos. The demos were
+    not trained on tools: with ``auto`` they answer in text; ``required`` or a named
+    function is decoded under the tool's schema by the server.
+    """
+    turn, answer = _TURNS[family]
+    block = (
+        "{%- macro turn(role, text, first) %}{{- "
+        + turn
+        + " }}{%- endmacro %}"
+        + _TOOLS_TEXT
+        + "{%- if messages and messages[0]['role'] == 'system' %}"
+        "{{- turn('system', messages[0]['content'] + '\\n\\n' + tools_text, true) }}"
+        "{%- set rest = messages[1:] %}"
+        "{%- else %}{{- turn('system', tools_text, true) }}{%- set rest = messages %}{%- endif %}"
+        "{%- for message in rest %}"
+        "{%- if message['role'] == 'tool' %}"
+        "{{- turn('user', '<tool_response>\\n' + message['content'] + '\\n</tool_response>',"
+        " false) }}"
+        "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+        "{%- set ns = namespace(text=message['content'] or '') %}"
+        "{%- for call in message['tool_calls'] %}"
+        "{%- set call = call['function'] if call['function'] is defined else call %}"
+        "{%- set ns.text = ns.text + ('\\n' if ns.text else '') + '<tool_call>\\n{\"name\": \"'"
+        " + call['name'] + '\", \"arguments\": ' + (call['arguments'] | tojson) + '}\\n"
+        "</tool_call>' %}"
+        "{%- endfor %}"
+        "{{- turn('assistant', ns.text, false) }}"
+        "{%- else %}{{- turn(message['role'], message['content'], false) }}{%- endif %}"
+        "{%- endfor %}" + answer
+    )
+    return "{%- if tools %}" + block + "{%- else %}" + format_template + "{% endif %}"
+
+
+def with_tool_template(out: Path, family: str) -> None:
+    """Replaces the format's chat template (``chat_template.jinja`` or ``tokenizer_config.json``
+    ``chat_template``) with :func:`tool_template`'s."""
+    jinja = out / "chat_template.jinja"
+    if jinja.is_file():
+        jinja.write_text(tool_template(jinja.read_text(), family))
+        return
+    path = out / "tokenizer_config.json"
+    data = json.loads(path.read_text())
+    data["chat_template"] = tool_template(data["chat_template"], family)
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 # Room kept for the evaluation's templated prompts (the longest is under 100 tokens) and for
