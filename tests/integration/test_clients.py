@@ -320,6 +320,33 @@ def test_openai_agents_tool_round_trip(demo: RemoteServer) -> None:
     assert "tool_call_item" not in kinds[2:] and isinstance(result.final_output, str)
 
 
+# ---- pydantic-ai -------------------------------------------------------------------------------
+def test_pydantic_ai_output_type_and_tools(demo: RemoteServer) -> None:
+    """pydantic-ai, unmodified: ``output_type`` (its final-result tool, a forced call) gives a
+    validated model; an agent with a plain tool sends it with ``auto`` and ends on the demo's
+    text answer (the demo was not trained on tools)."""
+    from pydantic import BaseModel
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class Sum(BaseModel):
+        sum: int = Field(ge=0, le=1998)
+
+    client = openai.AsyncOpenAI(base_url=f"{demo.url}/v1", api_key="unused", max_retries=0)
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=client))
+    structured = Agent(model, output_type=Sum, model_settings={"max_tokens": 64})
+    assert isinstance(structured.run_sync("What is 2 + 2?").output, Sum)
+    with_tool = Agent(model, model_settings={"max_tokens": 48})
+
+    @with_tool.tool_plain
+    def get_sum(a: int, b: int) -> int:
+        """Add two whole numbers."""
+        return a + b
+
+    assert isinstance(with_tool.run_sync("What is 2 + 2?").output, str)
+
+
 # ---- llama-index -------------------------------------------------------------------------------
 def test_llama_index_openai_like_defaults(demo: RemoteServer) -> None:
     from llama_index.llms.openai_like import OpenAILike

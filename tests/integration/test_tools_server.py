@@ -64,7 +64,7 @@ def test_tools_and_a_round_trip_through_the_sdk(tmp_path: Path) -> None:
 
 
 def test_a_named_tool_call_on_the_demo_through_the_sdk(tmp_path: Path) -> None:
-    """demo-llada's template renders no tools, but a named (or required) call is decoded
+    """demo-llada was not trained on tools, but a named (or required) call is decoded
     under the function's schema: the SDK gets a call whose arguments validate, and the tool
     round trip goes on."""
     jsonschema = pytest.importorskip("jsonschema")

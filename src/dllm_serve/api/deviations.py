@@ -9,7 +9,7 @@ tests/unit/api/test_docs_consistency.py checks that README.md carries this exact
 DEVIATIONS_TABLE = """\
 | OpenAI field / behaviour | dllm-serve (diffusion) semantics |
 |---|---|
-| `POST /v1/completions` | Raw `prompt` (one per request), no chat template; `suffix` infills (LLaDA, Dream); `logprobs`, `echo: true` are a 400. |
+| `POST /v1/completions` | Raw `prompt` (one per request), no chat template; `suffix` infills (LLaDA, Dream, LLaDA-MoE); `logprobs` as on chat; `echo: true` is a 400. |
 | `stream: true` | SSE deltas are **spans of text, one per denoising step**, not single tokens; they join to the non-streamed answer. |
 | `max_tokens` / `max_completion_tokens` | The **canvas length** (default: the model's `max_new_tokens`, 32 for the demos, else 128); a long canvas is decoded in blocks. |
 | `finish_reason` | `stop` (EOS/EOT, a `stop` string or a `stop_token_ids` id) or `length` (the canvas filled up). |
@@ -26,7 +26,7 @@ DEVIATIONS_TABLE = """\
 | `store`, `service_tier`, `modalities`, `skip_special_tokens` | Accepted with the values that change nothing (`store: false`, …); others are a 400. |
 | `metadata`, `user`, `prompt_cache_key`, `safety_identifier` | Accepted, informational (logged only with `--log-requests`). |
 | `null` values | The same as leaving the field out. |
-| `messages` | Roles `system`, `developer`, `user`, `assistant`; an assistant message as returned can be sent back. |
+| `messages` | Roles `system`, `developer`, `user`, `assistant`, `tool`; an assistant message as returned (tool calls included) can be sent back. |
 | Unknown fields | **400** (`Unrecognized request argument supplied: …`), never silently ignored. |
 | Validation errors | **400** in the OpenAI error envelope, with `param`; never 422. |
 | `X-Request-ID` | Honoured (else a UUIDv7) and echoed; the completion `id` is `chatcmpl-<X-Request-ID>`. |
