@@ -9,7 +9,7 @@ tests/unit/api/test_docs_consistency.py checks that README.md carries this exact
 DEVIATIONS_TABLE = """\
 | OpenAI field / behaviour | dllm-serve (diffusion) semantics |
 |---|---|
-| `POST /v1/completions` | Raw `prompt` (one per request), no chat template; `suffix` infills (LLaDA, Dream, LLaDA-MoE); `logprobs` as on chat; `echo: true` is a 400. |
+| `POST /v1/completions` | One raw `prompt`, no chat template; `suffix` infills (LLaDA, Dream, LLaDA-MoE); `logprobs` as on chat; `echo` is a 400. |
 | `stream: true` | SSE deltas are **spans of text, one per denoising step**, not single tokens; they join to the non-streamed answer. |
 | `max_tokens` / `max_completion_tokens` | The **canvas length** (default: the model's `max_new_tokens`, 32 for the demos, else 128); a long canvas is decoded in blocks. |
 | `finish_reason` | `stop` (EOS/EOT, a `stop` string or a `stop_token_ids` id) or `length` (the canvas filled up). |
