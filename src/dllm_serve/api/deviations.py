@@ -26,7 +26,7 @@ DEVIATIONS_TABLE = """\
 | `store`, `service_tier`, `modalities`, `skip_special_tokens` | Accepted with the values that change nothing (`store: false`, …); others are a 400. |
 | `metadata`, `user`, `prompt_cache_key`, `safety_identifier` | Accepted, informational (logged only with `--log-requests`). |
 | `null` values | The same as leaving the field out. |
-| `messages` | Roles `system`, `developer`, `user`, `assistant`, `tool`; an assistant message as returned (tool calls included) can be sent back. |
+| `messages` | Roles `system`, `developer`, `user`, `assistant`, `tool`; an assistant message as returned (with its tool calls) goes back. |
 | Unknown fields | **400** (`Unrecognized request argument supplied: …`), never silently ignored. |
 | Validation errors | **400** in the OpenAI error envelope, with `param`; never 422. |
 | `X-Request-ID` | Honoured (else a UUIDv7) and echoed; the completion `id` is `chatcmpl-<X-Request-ID>`. |
