@@ -51,7 +51,7 @@ class EngineConfig:
     cuda_graph: bool = True
     cuda_graph_max_tokens: int = 1024
     attention_backend: str = "auto"  # see ATTENTION_BACKENDS
-    # Prefix reuse across requests (models/kv_pool.py PrefixCache): None (auto) turns it on
+    # Prefix reuse across requests (models/prefix_cache.py): None (auto) turns it on
     # wherever it is exact; True insists (a model where it is not is refused); False: off.
     enable_prefix_caching: bool | None = None
 

@@ -316,7 +316,7 @@ class DecodingAlgorithm(Protocol):
 @runtime_checkable
 class PrefixReuse(Protocol):
     """An algorithm whose requests may start from K/V that another request computed (the
-    engine's prefix cache, ``models/kv_pool.py``): one whose kept K/V at a position depend only
+    engine's prefix cache, ``models/prefix_cache.py``): one whose kept K/V at a position depend only
     on the tokens up to the end of that position's block — causal, or block-causal with final
     blocks — so reusing them is exact. Canvas denoising (bidirectional over the canvas) is not.
 

@@ -74,8 +74,8 @@ from dllm_serve.engine.scheduler import (
 )
 from dllm_serve.engine.tokenizer_pool import TokenizerPool
 from dllm_serve.models.errors import DeviceFault, is_device_fault
-from dllm_serve.models.kv_pool import CachedChunk, PrefixCache
 from dllm_serve.models.loader import LoadedModel, decode_answer
+from dllm_serve.models.prefix_cache import CachedChunk, PrefixCache
 
 logger = logging.getLogger(__name__)
 
