@@ -1,11 +1,12 @@
 """A DiffusionGemma-format checkpoint served by a real dllm-serve on 127.0.0.1, through the
 openai SDK: the engine's answers (the sampler equals transformers' ``generate``,
 tests/unit/decoding/test_decoding_renoise.py), same seed ⇒ same answer, concurrent ==
-alone, streamed == not, answers over several canvases, and the 400s of the fields that do not
-apply to a uniform-state model."""
+alone, streamed == not, answers over several canvases, structured output and a forced tool
+call, and the 400s of the fields that do not apply to a uniform-state model."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,46 @@ def test_stream_equals_json_and_answers_span_canvases(server: Any) -> None:
     wide = chat(client, QUESTIONS[0], seed=1, num_denoising_steps=None, max_tokens=CANVAS,
                 entropy_bound=40.0)  # fmt: skip
     assert default.choices[0].message.content != wide.choices[0].message.content
+
+
+def test_structured_output_and_a_forced_tool_call(server: Any) -> None:
+    """response_format through the SDK's ``parse`` validates on the random model (answers
+    spanning canvases), streamed == not; a named tool call is decoded under its schema."""
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        age: int = Field(ge=0, le=120)
+
+    client = server.client()
+    messages = [{"role": "user", "content": "Describe a person in JSON."}]
+    extra = {"num_denoising_steps": 8, "seed": 4}
+    reply = client.beta.chat.completions.parse(
+        model="m", messages=messages, response_format=Person, max_tokens=3 * CANVAS,
+        extra_body=extra,
+    )  # fmt: skip
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(reply.choices[0].message.parsed, Person)
+    schema = {
+        "type": "json_schema",
+        "json_schema": {"name": "p", "schema": Person.model_json_schema()},
+    }
+    chunks = client.chat.completions.create(
+        model="m", messages=messages, response_format=schema, max_tokens=3 * CANVAS,
+        stream=True, extra_body=extra,
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content
+    get_age = {"type": "function", "function": {"name": "get_age", "parameters": {
+        "type": "object", "properties": {"years": {"type": "integer", "minimum": 0,
+        "maximum": 99}}, "required": ["years"], "additionalProperties": False}}}  # fmt: skip
+    called = client.chat.completions.create(
+        model="m", messages=messages, tools=[get_age], max_tokens=2 * CANVAS, extra_body=extra,
+        tool_choice={"type": "function", "function": {"name": "get_age"}},
+    )  # fmt: skip
+    (call,) = called.choices[0].message.tool_calls or []
+    assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "get_age"
+    assert 0 <= json.loads(call.function.arguments)["years"] <= 99
 
 
 @pytest.mark.parametrize(

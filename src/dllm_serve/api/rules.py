@@ -687,6 +687,7 @@ def _renoise_params(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             decoding_mode=req.decoding_mode,
             entropy_bound=req.entropy_bound,
+            grammar=response_format_grammar_of(req),
         )
     except ValueError as exc:
         raise invalid(f"Invalid decoding parameters: {exc}.") from None

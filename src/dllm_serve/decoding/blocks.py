@@ -492,14 +492,15 @@ def _lookahead_fill(
     for r, depth in zip(rows, depths, strict=True):
         state = states[r]
         assert state.constraint is not None
-        chosen.append(_beam_fill(state.constraint, log_p[start : start + depth], state.stop_ids))
+        chosen.append(beam_fill(state.constraint, log_p[start : start + depth], state.stop_ids))
         start += depth
     return chosen
 
 
-def _beam_fill(constraint: Constraint, log_p: np.ndarray, stop_ids: Sequence[int]) -> list[int]:
-    """:func:`_lookahead_fill` for one row (``log_p`` ``[D, V]``): the best fill's tokens, at
-    most ``D`` of them, ending with a stop id where the best fill ends the answer.
+def beam_fill(constraint: Constraint, log_p: np.ndarray, stop_ids: Sequence[int]) -> list[int]:
+    """:func:`_lookahead_fill` for one row (``log_p`` ``[D, V]``; DiffusionGemma's projection
+    too, decoding/renoise.py): the best fill's tokens, at most ``D`` of them, ending with a
+    stop id where the best fill ends the answer.
 
     A beam expands by its most probable allowed tokens and, where the grammar allows few
     tokens (structure: ``,``, ``}``, digits), by all of them; any token after which the text is

@@ -347,7 +347,8 @@ def logprob_modes(algorithm: DecodingAlgorithm) -> tuple[str, ...]:
 # whose answer grows as a left-to-right run per step: canvas denoising and block diffusion,
 # seeded ones included (Fast-dLLM v2, tri-mode diffusion: blocks.BlockDecoder.sample and
 # _sample_seeded), and the causal verify of self-speculation (ISD, tri-mode ar and
-# linear_spec: selfspec.constrain_verify_rows). DiffusionGemma's renoise sampler is not.
+# linear_spec: selfspec.constrain_verify_rows), and DiffusionGemma's renoise sampler, whose
+# emitted canvases are projected onto the grammar left to right (renoise._grammar_canvas).
 STRUCTURED_DECODERS = (
     LLaDADenoiser,
     BlockDiffusionDecoder,
@@ -355,6 +356,7 @@ STRUCTURED_DECODERS = (
     CausalBlockDiffusionDecoder,
     ISDecoder,
     LinearSpecDecoder,
+    RenoiseDecoder,
 )
 
 
@@ -368,12 +370,6 @@ def structured_output_refusals(algorithm: DecodingAlgorithm) -> dict[str, str]:
         if type(decoder) in STRUCTURED_DECODERS:
             refusals[mode] = (
                 "it is not enforced under tensor parallelism yet (the vocabulary is sharded)"
-            )
-        elif isinstance(decoder, RenoiseDecoder):
-            refusals[mode] = (
-                "it is enforced for masked diffusion (canvas and block models) and "
-                "self-speculation; DiffusionGemma's renoise sampler re-draws every "
-                "uncommitted position each step and does not apply a grammar yet"
             )
         else:
             refusals[mode] = (

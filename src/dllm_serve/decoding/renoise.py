@@ -27,6 +27,19 @@ canvas; then per step the multinomial draw, then the renoise ids — drawn every
 one too), so with the same seed a request gives the answer ``generate`` gives after
 ``torch.manual_seed(seed)`` on the same device, and never depends on its batch-mates.
 
+**Structured output** (``response_format``; decoding/grammar.py). The denoising is the
+model's own; what a constrained request emits is the last step's canvas *projected onto the
+grammar*, left to right: each position keeps its argmax where the grammar allows it and the
+text cannot end there, and otherwise takes the first token of the best grammar-valid fill of
+the next :data:`~dllm_serve.decoding.blocks.LOOKAHEAD_DEPTH` positions under that step's
+log-probabilities (the lookahead of the masked decoders, so a token that completes the text
+competes through the stop id it enables). Every emitted token is consumed by the request's
+matcher before it joins the answer and before its canvas is encoded as context, so the answer
+is always a prefix of a valid string, ended by a stop id only where it is complete, exactly as
+for masked diffusion. The cost: the last step's logits of a constrained row are kept on the
+device until its next step, and each lookahead window (only where the argmax is refused or
+the text could end) is one device→host copy of ``D × V`` log-probabilities.
+
 Rows: a prefill (the prompt) and a commit (the last canvas) are causal encoder rows whose
 logits nobody reads; their sample draws the next canvas. A denoising row is the canvas,
 bidirectional over the cached prefix, with the previous step's soft embedding as its
@@ -41,6 +54,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dllm_serve.decoding.blocks import LOOKAHEAD_DEPTH, beam_fill
+from dllm_serve.decoding.grammar import Constraint, TokenGrammar
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
 from dllm_serve.decoding.protocol import (
     AttentionKind,
@@ -182,6 +197,10 @@ class RenoiseState:
     drafted: int | None = None
     accepted_drafts: int | None = None
     denoise_steps: int = 0  # decoder forwards over all canvases (tokens_per_forward)
+    # Structured output: the matcher of the emitted answer, and the last step's processed
+    # logits ``[C, V]`` (device) that the emitted canvas is projected with.
+    constraint: Constraint | None = None
+    last_logits: torch.Tensor | None = None
 
     @property
     def step(self) -> int:
@@ -236,6 +255,9 @@ class RenoiseDecoder:
         self.soft_embedding = soft_embedding
         self.embedding_dtype = embedding_dtype
         self.mask_id = mask_id  # never drawn on purpose; only a client stop id is refused
+        # Structured output: the model's grammar compiler (decoding/registry.py sets it where
+        # response_format is enforced). None: response_format refused.
+        self.grammar: TokenGrammar | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def canvases(self, params: DecodingParams) -> int:
@@ -275,11 +297,20 @@ class RenoiseDecoder:
         generator = new_generator(_sampling(params), device)
         assert generator is not None
         bound = params.entropy_bound
+        stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
+        constraint = None
+        if params.grammar is not None:
+            if self.grammar is None:
+                raise ValueError("this decoder does not enforce structured output")
+            if not stop_ids:
+                raise ValueError("structured output needs a stop id to end the answer")
+            constraint = self.grammar.constraint(params.grammar, stop_ids)
         return RenoiseState(
             prompt=prompt,
             params=params,
             generator=generator,
-            stop_ids=request_stop_ids(self.mask_id, self.stop_ids, params),
+            constraint=constraint,
+            stop_ids=stop_ids,
             canvas_length=self.canvas_length,
             steps=steps,
             entropy_bound=self.settings.entropy_bound if bound is None else bound,
@@ -347,6 +378,8 @@ class RenoiseDecoder:
             if self.embedding_dtype != torch.float32:
                 probs = torch.softmax(processed.to(self.embedding_dtype), -1, dtype=torch.float32)
             state.soft = self.soft_embedding(probs)
+            if state.constraint is not None:
+                state.last_logits = processed  # the emitted canvas is projected with these
         return out
 
     def _stop(
@@ -396,7 +429,11 @@ class RenoiseDecoder:
 
     def _emit(self, state: RenoiseState) -> StepResult:
         """The canvas is done: its argmax tokens join the answer up to the first stop id and
-        the answer limit; the request ends there, or commits the canvas and goes on."""
+        the answer limit; the request ends there, or commits the canvas and goes on. A
+        constrained request's canvas is first projected onto its grammar (the module
+        docstring); the projection is what the next canvas reads as context."""
+        if state.constraint is not None:
+            state.argmax = _grammar_canvas(state)
         tokens = state.argmax
         budget = state.params.gen_length - len(state.answer)
         stop = next((i for i, t in enumerate(tokens) if t in state.stop_ids), None)
@@ -416,6 +453,34 @@ class RenoiseDecoder:
     def _finish(state: RenoiseState, reason: str, new: int) -> StepResult:
         state.finished, state.finish_reason = True, reason
         return StepResult(committed=new, finished=True, finish_reason=reason, new_tokens=new)
+
+
+def _grammar_canvas(state: RenoiseState) -> list[int]:
+    """The last step's argmax canvas projected onto the request's grammar, left to right:
+    the argmax where the grammar allows it and the text cannot end there, else the first
+    token of the lookahead's best valid fill of the next positions. Every token is consumed
+    by the matcher; the canvas ends at the first stop id (the text is then complete)."""
+    constraint, logits = state.constraint, state.last_logits
+    assert constraint is not None and logits is not None
+    stops = set(state.stop_ids)
+    tokens: list[int] = []
+    for i, token in enumerate(state.argmax):
+        if constraint.done:
+            break
+        decided = constraint.allows(token) and (
+            token in stops or not constraint.completes_with(token)
+        )
+        if not decided:
+            window = logits[i : i + LOOKAHEAD_DEPTH].float()
+            log_p = torch.log_softmax(window, dim=-1).cpu().numpy()
+            token = beam_fill(constraint, log_p, state.stop_ids)[0]
+        if constraint.accept([token]) != 1:
+            raise RuntimeError("structured output: the grammar rejected a projected token")
+        tokens.append(token)
+        if token in stops:
+            break
+    state.last_logits = None
+    return tokens
 
 
 def _sampling(params: DecodingParams) -> DecodingParams:

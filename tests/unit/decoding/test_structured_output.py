@@ -1,7 +1,7 @@
 """Structured output (response_format) is enforced: every answer of a random-weight model parses
-and validates against its schema, in canvas denoising (tiny LLaDA, tiny Dream, demo-llada) and
-block diffusion (tiny LLaDA2.x), under top-k and threshold commits, greedy and sampled;
-batched answers equal solo ones; modes that cannot enforce it refuse it."""
+and validates against its schema, in canvas denoising (tiny LLaDA, tiny Dream, demo-llada),
+block diffusion (tiny LLaDA2.x), self-speculation and DiffusionGemma's renoise sampler, under
+top-k and threshold commits, greedy and sampled; batched answers equal solo ones."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 from structured_schemas import SCHEMAS, response_format
 
 from dllm_serve.decoding.grammar import (
@@ -318,16 +319,93 @@ def test_constrained_self_speculation_is_constrained_ar(tmp_path: Path) -> None:
     assert by_mode["ar"] == by_mode["linear_spec"]
 
 
-def test_modes_without_a_grammar_refuse(tmp_path: Path) -> None:
-    """DiffusionGemma's renoise sampler (every uncommitted position re-drawn each step) does
-    not apply a grammar yet: a 400 naming why, never free text."""
+# ---- DiffusionGemma ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+    """A tiny random DiffusionGemma with 8-token canvases: most answers span several, so the
+    matcher carries over from one projected canvas to the next."""
     from dllm_serve_train.tiny_checkpoints import write_tiny_diffusion_gemma
 
-    path = write_tiny_diffusion_gemma(tmp_path / "dg", canvas_length=16)
-    with LLM(str(path), device="cpu", dtype="float32") as llm:
-        with pytest.raises(InvalidRequestError, match="renoise") as info:
-            llm.chat([CONVERSATION], response_format={"type": "json_object"})
-        assert (info.value.code, info.value.param) == ("not_applicable", "response_format")
+    root = Path(tmp_path_factory.mktemp("dg"))
+    path = write_tiny_diffusion_gemma(root / "m", canvas_length=8)
+    with LLM(str(path), device="cpu", dtype="float32") as model:
+        yield model
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_diffusion_gemma_answers_validate(gemma: LLM, seed: int) -> None:
+    """The renoise sampler's emitted canvases are projected onto the grammar: every schema's
+    answer parses, validates and ends with a stop id the grammar accepted."""
+    for name, schema in SCHEMAS.items():
+        fields = {"max_tokens": MAX_TOKENS, "seed": seed}
+        out = gemma.chat([CONVERSATION], response_format=response_format(name), **fields)[0]
+        assert out.finish_reason == "stop", (name, out.text)
+        check_valid(out.text, schema)
+    free = gemma.chat([CONVERSATION], max_tokens=MAX_TOKENS, seed=seed)[0].text
+    with pytest.raises(ValueError):
+        json.loads(free)  # the random model's own answer is not JSON
+
+
+def test_diffusion_gemma_batched_equals_solo_and_length(gemma: LLM) -> None:
+    """Constrained rows of several schemas and a free row in one batch answer as alone; an
+    answer cut by max_tokens is a valid prefix with finish_reason length."""
+    from dllm_serve.api.pipeline import chat_request
+    from dllm_serve.offline_batch import run_together
+
+    names = ["sum", "nested", "pattern", None]
+
+    def request(name: str | None) -> tuple:
+        extra = {} if name is None else {"response_format": response_format(name)}
+        body = {"messages": CONVERSATION, "max_tokens": MAX_TOKENS, "seed": 3, **extra}
+        spec, ids = chat_request(gemma._facts, json.dumps(body).encode(), "application/json")
+        return ids, spec.params, spec.stop, spec.include_stop_str
+
+    solo = [run_together(gemma.engine, [request(n)])[0].text for n in names]
+    together = [c.text for c in run_together(gemma.engine, [request(n) for n in names])]
+    assert together == solo
+    for text, name in zip(together, names, strict=True):
+        if name is not None:
+            check_valid(text, SCHEMAS[name])
+    cut = gemma.chat([CONVERSATION], response_format=response_format("nested"), max_tokens=4)[0]
+    assert cut.finish_reason == "length" and cut.text.startswith('{"')
+
+
+def test_grammar_canvas_keeps_allowed_argmaxes_and_replaces_the_rest() -> None:
+    """The projection on scripted logits (demo-llada's tokenizer): an argmax the grammar
+    allows where the text cannot end is kept as is; a refused one is replaced by the best
+    allowed token; a closing token goes through the lookahead, which ends the answer with the
+    stop id the next position prefers; the canvas stops there."""
+    from dllm_serve.decoding.params import DecodingParams
+    from dllm_serve.decoding.renoise import RenoiseState, _grammar_canvas
+
+    llm = LLM(str(ASSETS / "demo-llada"), device="cpu", dtype="float32")
+    try:
+        tokenizer, vocab = llm.loaded.tokenizer, llm.loaded.vocab_size
+        stop = llm.loaded.stop_ids[0]
+        grammar = TokenGrammar(tokenizer, vocab, llm.loaded.stop_ids)
+        text = response_format_grammar(response_format("sum"))
+        assert text is not None
+        ids = tokenizer.encode('{"sum":4}', add_special_tokens=False)
+        x = tokenizer.convert_tokens_to_ids("x")
+        argmax = [*ids[:-2], x, ids[-1], x, x]  # the digit refused, the close, junk after it
+        logits = torch.full((len(argmax), vocab), -20.0)
+        for i, token in enumerate(argmax):
+            logits[i, token] = 5.0
+        logits[len(ids) - 2, ids[-2]] = 1.0  # the best token the grammar allows there: ``4``
+        logits[len(ids), stop] = 4.0  # after ``}`` the model would rather end than say x
+        state = RenoiseState(
+            prompt=[1], params=DecodingParams(gen_length=16, steps=1),
+            generator=torch.Generator(), stop_ids=(stop,), canvas_length=len(argmax),
+            steps=1, entropy_bound=0.1, argmax=argmax,
+            constraint=grammar.constraint(text, (stop,)), last_logits=logits,
+        )  # fmt: skip
+        assert _grammar_canvas(state) == [*ids, stop]
+        assert state.constraint is not None and state.constraint.done
+        assert state.last_logits is None
+    finally:
+        llm.close()
 
 
 # ---- the pieces --------------------------------------------------------------------------------
@@ -383,14 +461,14 @@ def test_constraint_accepts_the_longest_valid_prefix_and_stops_only_when_complet
 
 
 def test_lookahead_closes_what_masking_would_extend(tmp_path: Path) -> None:
-    """The beam over the block window (blocks._beam_fill) on synthetic log-probabilities:
+    """The beam over the block window (blocks.beam_fill) on synthetic log-probabilities:
     after ``{"sum":4`` position 0 prefers a digit and ``}`` is unlikely, but every later
     position wants the stop id. Plain masking (argmax at position 0) takes the digit; the
     lookahead fills ``}`` then EOS, which beats eight more unlikely digits. With a window of
     one position it is plain masking again."""
     import numpy as np
 
-    from dllm_serve.decoding.blocks import _beam_fill
+    from dllm_serve.decoding.blocks import beam_fill
 
     llm = LLM(str(ASSETS / "demo-llada"), device="cpu", dtype="float32")
     try:
@@ -408,8 +486,8 @@ def test_lookahead_closes_what_masking_would_extend(tmp_path: Path) -> None:
         log_p[1:, stop] = -0.01
         log_p[1:, nine] = -5.0
         # The fill: ``}`` then the stop id (its tokens are what those positions propose).
-        assert _beam_fill(constraint, log_p, (stop,)) == [close, stop]
-        assert _beam_fill(constraint, log_p[:1], (stop,)) == [nine]
+        assert beam_fill(constraint, log_p, (stop,)) == [close, stop]
+        assert beam_fill(constraint, log_p[:1], (stop,)) == [nine]
         assert constraint.consumed == len(prefix)  # the request's matcher is untouched
     finally:
         llm.close()
