@@ -267,7 +267,7 @@ class BlockDiffusionDecoder(BlockDecoder):
             return samplers[kinds[0]](states, logits)  # type: ignore[operator]
         logits = as_step_logits(logits)
         parts = []
-        for kind in sorted(set(kinds)):
+        for kind in [k for k in samplers if k in kinds]:  # a fixed order: plain rows first
             rows = [r for r, k in enumerate(kinds) if k == kind]
             sub_states = [states[r] for r in rows]
             sub = samplers[kind](sub_states, select_rows(logits, rows))  # type: ignore[operator]

@@ -138,6 +138,8 @@ class AsyncEngine:
         sdpa_only = bool(getattr(loaded.model, "needs_row_inputs", False))
         attention = attention_backend(self.config.attention_backend, loaded.device, sdpa_only)
         graphs = self.config.cuda_graph and loaded.device.type == "cuda" and attention == "flex"
+        # A block-routed MoE (LLaDA2.2) runs eagerly (ModelRunner): no graph memory to set aside.
+        graphs = graphs and not getattr(loaded.model, "routing_block", 0)
         # The graphs' memory is set aside before the KV pool takes its share of what is free.
         reserve = 0
         if graphs:
