@@ -444,11 +444,13 @@ def test_closed_blocks_cache_a_fresh_encode_of_their_final_tokens(
     checked = 0
     with torch.inference_mode():
         while not state.finished:
-            kept = state.kv.length
+            kept, answered = state.kv.length, state.final_len
             logits = runner.run([decoder.prepare(state)])
             decoder.commit([state], decoder.sample([state], logits).tolist())
             if state.kv.length <= max(kept, len(prompt) // b * b):
-                continue  # no block closed in this step
+                # No block closed: nothing of the open block reaches the answer (the stream).
+                assert state.final_len == answered
+                continue
             n = state.kv.length
             assert loaded.mask_id not in state.tokens[:n]
             assert not set(loaded.edit_token_ids or ()) & set(state.tokens[:n])
