@@ -39,7 +39,7 @@ DEVIATIONS_TABLE = """\
 | `force_single_batch` | Extension: forwards of the request's own (reproducible whatever the traffic). |
 | `use_local_leap`, `local_leap_anchor_threshold`, `local_leap_neighbor_threshold`, `local_leap_radius` | Extension: LocalLeap, several commits per step near confident anchors; off by default. |
 | `confidence_threshold`, `entropy_bound`, `entropy_threshold` | Extension, one per request: commit by confidence (Fast-dLLM), by an entropy sum (EB-sampler) or entropy; off by default. |
-| `edit_threshold`, `max_post_edit_steps` | Extension, LLaDA2.x only: token editing (LLaDA2.1's JointThreshold); off by default. |
+| `edit_threshold`, `max_post_edit_steps` | Extension, LLaDA2.x only: token editing (2.1's JointThreshold, 2.2's JointThresholdInDel); off by default. |
 | `decoding_mode` | Extension: `ar`, `diffusion`, `linear_spec` (tri-mode models, per request) or `isd` (I-DLM). |
 | `usage.diffusion` | Extension in responses: `nfe`, `canvas_length`, `committed_tokens`, `tokens_per_forward`, draft counts. |
 """

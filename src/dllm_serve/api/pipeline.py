@@ -475,6 +475,7 @@ class ModelFacts:
             self.block_size,
             self.default_mode,
             token_editing=engine.token_editing,
+            insert_delete=engine.insert_delete,
             infilling=engine.infilling,
             default_rule=tuple(engine.default_commit_rule.items()),
             logprob_modes=engine.logprob_modes,

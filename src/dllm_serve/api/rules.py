@@ -232,13 +232,37 @@ def _check_entropy_and_edit_rules(req: Request) -> None:
 
 
 def check_editing(req: Request, model: ModelDecoding) -> None:
-    """Token editing (``edit_threshold``) only on a model trained to edit (LLaDA2.x)."""
+    """Token editing (``edit_threshold``) only on a model trained to edit (LLaDA2.x); on a
+    LLaDA2.2 checkpoint (insert/delete editing, JointThresholdInDel) greedy and without
+    logprobs (called after the model's default rule is applied, which may have set it)."""
     if req.edit_threshold is not None and not model.token_editing:
         raise invalid(
             "'edit_threshold' (token editing) applies to LLaDA2.x models, which were trained to "
             "rewrite the tokens of the open block; this model was not, and its answers would "
             "only get worse. Omit it.",
             "edit_threshold",
+            code="not_applicable",
+        )
+    if req.edit_threshold is None or not model.insert_delete:
+        return
+    # Stated here again (api/ does not import the decoders): decoding/registry.py's
+    # insert_delete_refusal is the engine's own check of the same two limits.
+    how = (
+        "This model decodes editing requests (edit_threshold, set by the request or by the "
+        "model's default rule) by LLaDA2.2's insert/delete editing (JointThresholdInDel): "
+    )
+    if req.temperature:
+        raise invalid(
+            how + "the rule is greedy, as SGLang's; set temperature 0, or choose another "
+            "commit rule (e.g. confidence_threshold) to sample.",
+            "temperature",
+            code="not_applicable",
+        )
+    if logprob_count(req) is not None:
+        raise invalid(
+            how + "logprobs are not recorded, since DELETE and SPLIT move tokens between "
+            "positions. Omit logprobs, or choose another commit rule.",
+            "logprobs",
             code="not_applicable",
         )
 
@@ -286,6 +310,8 @@ class ModelDecoding:
     canvas_length: int | None = None
     max_denoising_steps: int | None = None
     token_editing: bool = False  # requests may ask for JointThreshold (LLaDA2.x)
+    # Editing requests decode by JointThresholdInDel (LLaDA2.2: DELETE and SPLIT edit tokens).
+    insert_delete: bool = False
     infilling: bool = False  # /v1/completions suffix (bidirectional canvas denoising)
     # The request modes whose logprobs the engine records (engine/logprobs.py); None: all.
     logprob_modes: tuple[str, ...] | None = None

@@ -37,6 +37,10 @@ from dllm_serve.decoding.blocks import (
     DenoiseState,
 )
 from dllm_serve.decoding.commit_rules import (
+    InDelCounters,
+    InDelStep,
+    indel_rebuild,
+    indel_step,
     joint_threshold_commit_rows,
 )
 from dllm_serve.decoding.params import DecodingParams
@@ -49,6 +53,7 @@ from dllm_serve.decoding.protocol import (
     as_step_logits,
 )
 from dllm_serve.decoding.sampler import (
+    dense_rows,
     propose,
     select_rows,
 )
@@ -76,6 +81,17 @@ class BlockState(DenoiseState):
     editable: list[int] = field(default_factory=list)
     post_edit_steps: int = 0
     edits: int = 0
+    # Insert/delete editing (LLaDA2.2, JointThresholdInDel; an editing request on a decoder
+    # with edit tokens): per editable position whether it holds (or carried) one of the
+    # block's original masks, the block's step counters, the block states already forwarded
+    # and the tokens written at each position (the anti-loop rule), and the step the sampler
+    # decided for the next commit.
+    indel: bool = False
+    original: list[bool] = field(default_factory=list)
+    indel_counters: InDelCounters = field(default_factory=InDelCounters)
+    seen: set[tuple[int, ...]] = field(default_factory=set)
+    history: list[set[int]] = field(default_factory=list)
+    pending: InDelStep | None = None
 
     @property
     def editing(self) -> bool:
@@ -97,6 +113,13 @@ class BlockState(DenoiseState):
         return 2 * self.block_size if self.write_pending else self.block_size
 
 
+def _kind(state: DenoiseState) -> str:
+    """Which sampler a row takes: insert/delete editing, token editing or the plain rules."""
+    if isinstance(state, BlockState) and state.indel:
+        return "indel"
+    return "edit" if isinstance(state, BlockState) and state.editing else "plain"
+
+
 class BlockDiffusionDecoder(BlockDecoder):
     """Block-diffusion decoding over an exact KV cache (SDAR, LLaDA2.x; see the module
     docstring).
@@ -115,6 +138,22 @@ class BlockDiffusionDecoder(BlockDecoder):
     forwards. Tokens of the open block may still change, so the answer (streamed, and
     searched for stop ids) grows only when a block closes. The mask id is never proposed
     (as in every other rule here; SGLang's argmax may propose it and write it back).
+
+    **Insert/delete editing** (``edit_tokens`` = LLaDA2.2's ``(DELETE, SPLIT)`` ids; the same
+    request fields): JointThresholdInDel (``commit_rules.indel_step``). A written DELETE
+    removes its position and SPLIT opens a mask before the token that was there; the block's
+    editable part is rebuilt left to right at its fixed length (``commit_rules.indel_rebuild``;
+    the prompt's tail in the block is never touched). Masks the block started with are told
+    apart from masks edits introduced; a cleanup round (post-edit budget spent, or a hard cap of
+    ``block + max_post_edit_steps`` update steps) writes every mask and forbids MASK, DELETE and
+    SPLIT; revisiting a block state redraws one position away from what it held before. The
+    block closes on a step that writes nothing, or after the cleanup round: when that round
+    changed a token, one more forward of the block persists its final K/V (``WRITE``), so a
+    block takes at most ``block + max_post_edit_steps + 2`` forwards and its cache is always a
+    forward of its final tokens. The sampler decides these rows one at a time on the host
+    (the rule is sequential: the anti-loop redraw depends on the rest of the step) and
+    greedily: requests with ``temperature > 0`` or ``logprobs`` are refused (positions move
+    under DELETE and SPLIT, so a position's logprob would not follow its token).
     """
 
     def __init__(
@@ -125,13 +164,23 @@ class BlockDiffusionDecoder(BlockDecoder):
         *,
         fuse_write: bool = True,
         editing: bool = False,
+        edit_tokens: tuple[int, int] | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError("the block size must be >= 1")
+        if edit_tokens is not None:
+            delete, split = edit_tokens
+            if not editing or len({delete, split, mask_id}) != 3:
+                raise ValueError(
+                    "insert/delete editing needs an editing decoder and DELETE, SPLIT and the "
+                    f"mask as three distinct ids, got {edit_tokens} with mask {mask_id}"
+                )
         super().__init__(mask_id, stop_ids)
         self.fuse_write = fuse_write
         self.block_size = block_size
         self.editing = editing
+        # LLaDA2.2's (DELETE, SPLIT) ids: editing requests decode by JointThresholdInDel.
+        self.edit_tokens = edit_tokens
 
     def _canvas_length(self, prompt_len: int, params: DecodingParams) -> int:
         """Prompt + answer budget, rounded up to whole blocks from position 0."""
@@ -168,6 +217,7 @@ class BlockDiffusionDecoder(BlockDecoder):
             block_size=self.block_size, block=first_block,
             phase=PREFILL if first_block else DECODE,
         )  # fmt: skip
+        state.indel = state.editing and self.edit_tokens is not None
         if state.phase == DECODE:
             self._start_block(state)
         else:
@@ -203,25 +253,24 @@ class BlockDiffusionDecoder(BlockDecoder):
     def sample(
         self, states: Sequence[DenoiseState], logits: torch.Tensor | ShardedLogits | StepLogits
     ) -> torch.Tensor:
-        """:meth:`BlockDecoder.sample`, with editing rows (JointThreshold) by their own rule;
-        a mixed batch runs each part on its own rows and returns them side by side, ``[R, W]``
-        (narrower parts padded with ``mask_id``, which no commit reads)."""
-        editing = [isinstance(s, BlockState) and s.editing for s in states]
-        if not any(editing):
-            return BlockDecoder.sample(self, states, logits)
-        if all(editing):
-            return self._sample_edits(states, logits)  # type: ignore[arg-type]
+        """:meth:`BlockDecoder.sample`, with editing rows (JointThreshold) and insert/delete
+        rows (JointThresholdInDel) by their own rules; a mixed batch runs each part on its own
+        rows and returns them side by side, ``[R, W]`` (narrower parts padded with
+        ``mask_id``, which no commit reads)."""
+        kinds = [_kind(s) for s in states]
+        samplers = {
+            "plain": lambda sub, z: BlockDecoder.sample(self, sub, z),
+            "edit": self._sample_edits,
+            "indel": self._sample_indel,
+        }
+        if len(set(kinds)) == 1:
+            return samplers[kinds[0]](states, logits)  # type: ignore[operator]
         logits = as_step_logits(logits)
         parts = []
-        for edit in (False, True):
-            rows = [r for r, e in enumerate(editing) if e is edit]
+        for kind in [k for k in samplers if k in kinds]:  # a fixed order: plain rows first
+            rows = [r for r, k in enumerate(kinds) if k == kind]
             sub_states = [states[r] for r in rows]
-            sub_logits = select_rows(logits, rows)
-            sub = (
-                self._sample_edits(sub_states, sub_logits)  # type: ignore[arg-type]
-                if edit
-                else BlockDecoder.sample(self, sub_states, sub_logits)
-            )
+            sub = samplers[kind](sub_states, select_rows(logits, rows))  # type: ignore[operator]
             parts.append((to_device(rows, logits.device), sub))
         width = max(sub.shape[1] for _, sub in parts)
         out = torch.full((len(states), width), self.mask_id, dtype=torch.long, device=logits.device)
@@ -271,6 +320,61 @@ class BlockDiffusionDecoder(BlockDecoder):
             out = torch.cat([out, millionths.masked_fill(~valid, 0)], dim=1)
         return out
 
+    def _sample_indel(
+        self, states: Sequence[BlockState], logits: torch.Tensor | ShardedLogits | StepLogits
+    ) -> torch.Tensor:
+        """JointThresholdInDel for rows whose logits are at their editable positions: ``[R,
+        M]`` tokens to write (``mask_id``: leave the position as it is; the rule never writes
+        a mask), plus the confidences in millionths when a row reports them. Each row's step
+        (``commit_rules.indel_step``) is decided here, where the logits are, and kept on its
+        state for the commit."""
+        assert self.edit_tokens is not None
+        logits = as_step_logits(logits)
+        rows, width = logits.rows, logits.width
+        mask_id, (delete, split) = self.mask_id, self.edit_tokens
+        out = [[mask_id] * width for _ in range(rows)]
+        scores = [[0] * width for _ in range(rows)]
+        active = [r for r, s in enumerate(states) if s.phase == DECODE and s.editable]
+        for r, z_row in dense_rows(logits, active).items():
+            state = states[r]
+            n = len(state.editable)
+            # A copy: the logits are shared with the other rows' samplers and logprobs.
+            z = z_row[:n].float().clone()
+            z[:, mask_id] = float("-inf")  # as propose(): the mask is never proposed
+            probs = torch.softmax(z, dim=-1)
+            proposals = z.argmax(-1)
+            clean_z = z.clone()
+            clean_z[:, [delete, split]] = float("-inf")
+            # One read back per row: proposals, their probabilities, the clean argmax.
+            x, p, clean = torch.stack(
+                [proposals.double(), probs.gather(-1, proposals[:, None])[:, 0].double(),
+                 clean_z.argmax(-1).double()]
+            ).tolist()  # fmt: skip
+
+            def redraw(i: int, excluded: set[int], z: torch.Tensor = z) -> int:
+                """The argmax at editable position ``i`` without the ``excluded`` tokens."""
+                row = z[i].clone()
+                row[sorted(excluded)] = float("-inf")
+                return int(row.argmax())
+
+            current = state.tokens[state.editable[0] : state.active_block[1]]
+            params = state.params
+            step = indel_step(
+                current, state.original, [int(t) for t in x], p, [int(t) for t in clean],
+                state.indel_counters, mask_id=mask_id, block_size=self.block_size,
+                mask_threshold=params.mask_threshold,
+                edit_threshold=float(params.edit_threshold or 0.0),
+                max_post_edit_steps=params.max_post_edit_steps,
+                seen_before=tuple(current) in state.seen, history=state.history,
+                redraw=redraw,
+            )  # fmt: skip
+            state.pending = step
+            out[r][:n] = [mask_id if w is None else w for w in step.writes]
+            scores[r][:n] = [round(min(max(q, 0.0), 1.0) * CONFIDENCE_SCALE) for q in p]
+        if any(s.report_confidence for s in states):
+            out = [a + b for a, b in zip(out, scores, strict=True)]
+        return torch.tensor(out, dtype=torch.long, device=logits.device)
+
     def _commit_row(self, state: BlockState, row: Sequence[int]) -> StepResult:
         if state.finished or state.kv is None:
             raise RuntimeError("commit() called on a finished request")
@@ -281,11 +385,15 @@ class BlockDiffusionDecoder(BlockDecoder):
             state.phase = DECODE
             self._start_block(state)
             return StepResult(committed=0, finished=False)
+        if state.phase == WRITE and state.indel:  # the cleanup round's tokens are cached now
+            return self._close_edited_block(state)
         if state.phase == WRITE:  # the block's final K/V are in place: keep them, move on
             state.kv.length = hi
             state.block += 1
             self._start_block(state)
             return StepResult(committed=0, finished=False)
+        if state.indel:
+            return self._commit_indel(state, row)
         if state.editing:
             return self._commit_edits(state, row)
         if state.write_pending:  # the previous block's final K/V came with this forward
@@ -326,6 +434,44 @@ class BlockDiffusionDecoder(BlockDecoder):
         state.step += 1
         return StepResult(committed, False)
 
+    def _commit_indel(self, state: BlockState, row: Sequence[int]) -> StepResult:
+        """One JointThresholdInDel step of an insert/delete row: the writes the sampler
+        decided, then the fixed-length rebuild (see the class docstring)."""
+        assert self.edit_tokens is not None
+        step, state.pending = state.pending, None
+        if step is None:
+            raise RuntimeError("an insert/delete row was committed without its sampled step")
+        mask_id, tokens = self.mask_id, state.tokens
+        lo, hi = state.active_block
+        first = state.editable[0]
+        before = tokens[first:hi]
+        writes: list[int | None] = [None if t == mask_id else t for t in row[: len(before)]]
+        state.indel_counters = step.counters
+        state.seen.add(tuple(before))
+        state.step += 1
+        if all(w is None for w in writes):
+            return self._close_edited_block(state)  # this forward saw the final tokens
+        for seen, token in zip(state.history, writes, strict=True):
+            if token is not None:
+                seen.add(token)
+        delete, split = self.edit_tokens
+        after, state.original = indel_rebuild(
+            before, state.original, writes, mask_id=mask_id, delete_id=delete, split_id=split
+        )
+        tokens[first:hi] = after
+        state.edits += sum(
+            w is not None and b != mask_id and w != b for b, w in zip(before, writes, strict=True)
+        )
+        committed = max(0, before.count(mask_id) - after.count(mask_id))
+        state.committed += committed
+        state.masked = [p for p in range(lo, hi) if tokens[p] == mask_id]
+        if step.final:
+            if after == before:  # this forward saw the final tokens: their K/V are cached
+                return self._close_edited_block(state)
+            # One more forward of the block writes the K/V of its final tokens (commits nothing).
+            state.phase = WRITE
+        return StepResult(committed, False)
+
     def _close_edited_block(self, state: BlockState) -> StepResult:
         """The open block is final: the forward just run saw its final tokens and wrote
         their K/V, so keep them and move on (or finish)."""
@@ -347,4 +493,10 @@ class BlockDiffusionDecoder(BlockDecoder):
         if state.editing:
             state.editable = list(range(max(lo, state.prompt_len), hi))
             state.post_edit_steps = 0
+        if state.indel:
+            state.original = [state.tokens[p] == self.mask_id for p in state.editable]
+            state.indel_counters = InDelCounters()
+            state.seen = set()
+            state.history = [set() for _ in state.editable]
+            state.pending = None
         self._schedule(state, state.params.steps)

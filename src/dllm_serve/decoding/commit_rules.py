@@ -19,6 +19,9 @@ deterministically (``torch.topk`` and an unstable sort promise no order among eq
   and always the lowest. Both read entropies from ``entropy_inverse`` scores.
 - **JointThreshold** (LLaDA2.1 token editing) also rewrites unmasked positions of the open
   block; its inputs are every editable position, not only the masked ones.
+- **JointThresholdInDel** (LLaDA2.2 insert/delete editing) adds two edit tokens, DELETE and
+  SPLIT, that remove a position or open a new one, a final cleanup round and an anti-loop
+  rule; it is sequential per row (host lists, :func:`indel_step`, :func:`indel_rebuild`).
 
 **Schedules.**
 A schedule turns ``num_masked`` (the masks of a block when it starts) and ``steps`` (the steps
@@ -39,7 +42,8 @@ Every schedule here satisfies (property-tested over many ``(n, s)``):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -291,3 +295,141 @@ def joint_threshold_commit_rows(
     m2t |= best & fallback[:, None]
     t2t = ~masked & valid & (confidence > edit_threshold[:, None]) & (proposals != current)
     return m2t | t2t
+
+
+# ---- LLaDA2.2 insert/delete editing ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class InDelCounters:
+    """A block's step counters under JointThresholdInDel: forwards that decided a step
+    (``update_steps``) and, of those, the ones that began with no original mask left
+    (``post_edit_steps``; cumulative, never reset: SGLang's choice, which its docstring
+    contrasts with the released reference's reset)."""
+
+    update_steps: int = 0
+    post_edit_steps: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InDelStep:
+    """One JointThresholdInDel step of one row: ``writes[i]`` is the token written at the
+    block's ``i``-th editable position (``None``: left as it is), ``final`` whether this is
+    the block's cleanup round, ``counters`` the block's counters after the step."""
+
+    writes: list[int | None]
+    final: bool
+    counters: InDelCounters
+
+
+def indel_step(
+    current: Sequence[int],
+    original: Sequence[bool],
+    proposals: Sequence[int],
+    confidence: Sequence[float],
+    clean: Sequence[int],
+    counters: InDelCounters,
+    *,
+    mask_id: int,
+    block_size: int,
+    mask_threshold: float,
+    edit_threshold: float,
+    max_post_edit_steps: int,
+    seen_before: bool,
+    history: Sequence[set[int]],
+    redraw: Callable[[int, set[int]], int],
+) -> InDelStep:
+    """LLaDA2.2's JointThresholdInDel step (SGLang's ``JointThresholdInDel``) over the open
+    block's editable positions (past the prompt, ascending): ``current`` tokens,
+    ``original[i]`` whether position ``i`` holds (or carried) a mask the block started with,
+    the model's ``proposals`` (argmax, mask excluded) with their ``confidence`` (softmax
+    probability), and ``clean`` (the argmax with the mask and both edit tokens excluded).
+
+    With ``O`` the original masks still unresolved and ``I`` the masks DELETE/SPLIT
+    introduced:
+
+    1. count the step; a step with ``O = 0`` also counts a post-edit step. The **final
+       (cleanup) round**: post-edit steps ≥ ``max_post_edit_steps`` (> 0), or
+       ``max_post_edit_steps = 0`` and ``O = 0``, or more update steps than
+       ``block_size + max_post_edit_steps``.
+    2. M2T: final → every mask. ``O > 0`` → ``need = 1 + I`` masks: all above τ (strictly)
+       if that many are, else the ``need`` most confident (so each step resolves at least one
+       original mask while absorbing the masks edits introduced). ``O = 0`` → every mask.
+       With ``max_post_edit_steps = 0`` a step whose M2T takes every original mask left is
+       the final round.
+    3. T2T: unmasked positions whose proposal is strictly above τ_edit and differs.
+    4. Final round: what is written is ``clean`` (no mask, DELETE or SPLIT can survive it).
+    5. Anti-loop (not final): if this block state was seen before, the least confident
+       position about to change is redrawn excluding every token written there before
+       (``redraw(i, excluded)``; the mask is always excluded), so a two-state oscillation
+       cannot repeat forever.
+    """
+    masks = [i for i, token in enumerate(current) if token == mask_id]
+    unresolved = [i for i in masks if original[i]]
+    introduced = len(masks) - len(unresolved)
+    update = counters.update_steps + 1
+    post = counters.post_edit_steps + (0 if unresolved else 1)
+    final = (
+        (max_post_edit_steps > 0 and post >= max_post_edit_steps)
+        or (max_post_edit_steps == 0 and not unresolved)
+        or update > block_size + max_post_edit_steps
+    )
+    m2t = masks
+    if not final and unresolved:
+        need = 1 + introduced
+        above = [i for i in masks if confidence[i] > mask_threshold]
+        # The most confident first, the lowest position among equals (a stable sort).
+        m2t = above if len(above) >= need else sorted(masks, key=lambda i: -confidence[i])[:need]
+        if max_post_edit_steps == 0 and set(unresolved) <= set(m2t):
+            final, m2t = True, masks
+    t2t = [
+        i
+        for i, token in enumerate(current)
+        if token != mask_id and confidence[i] > edit_threshold and proposals[i] != token
+    ]
+    chosen = sorted(set(m2t) | set(t2t))
+    source = clean if final else proposals
+    writes: list[int | None] = [None] * len(current)
+    for i in chosen:
+        writes[i] = source[i]
+    if seen_before and not final:
+        changing = [i for i in chosen if writes[i] != current[i]]
+        if changing:
+            i = min(changing, key=lambda j: (confidence[j], j))
+            writes[i] = redraw(i, {*history[i], mask_id})
+    return InDelStep(writes, final, InDelCounters(update, post))
+
+
+def indel_rebuild(
+    current: Sequence[int],
+    original: Sequence[bool],
+    writes: Sequence[int | None],
+    *,
+    mask_id: int,
+    delete_id: int,
+    split_id: int,
+) -> tuple[list[int], list[bool]]:
+    """The editable part of a block after a step's ``writes`` (``None``: unchanged), and each
+    position's original-mask flag, rebuilt left to right from the block *before* the writes:
+    DELETE drops the position; SPLIT emits a new mask (not original) then the token that was
+    there before the write; any other write replaces the token. The result is padded with
+    (non-original) masks or cut at the tail to the block's length:
+    ``[a, DELETE, c, d] → [a, c, d, M]``, ``[a, SPLIT, c, d] (over [a, b, c, d]) →
+    [a, M, b, c]``. A flag travels with its token, so an original mask moved by an edit is
+    still counted until it is filled."""
+    tokens: list[int] = []
+    flags: list[bool] = []
+    for before, was_original, written in zip(current, original, writes, strict=True):
+        if written == delete_id:
+            continue
+        if written == split_id:
+            tokens += [mask_id, before]
+            flags += [False, was_original]
+            continue
+        token = before if written is None else written
+        tokens.append(token)
+        flags.append(was_original)
+    length = len(current)
+    tokens += [mask_id] * (length - len(tokens))
+    flags += [False] * (length - len(flags))
+    return tokens[:length], flags[:length]

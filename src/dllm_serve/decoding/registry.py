@@ -242,6 +242,7 @@ def _one_mode(
             loaded.stop_ids,
             loaded.block_size,
             editing=loaded.family.token_editing,
+            edit_tokens=loaded.edit_token_ids,
         )
     if loaded.family.name in ISD_FAMILIES:
         tiers = BlockSizeTiers(config.isd_stride, tuple(config.block_size_tiers))
@@ -304,6 +305,8 @@ def check_request(algorithm: DecodingAlgorithm, model: str, params: DecodingPara
             f"edit_threshold (token editing) applies to LLaDA2.x checkpoints; model {model!r} "
             "was not trained to edit tokens"
         )
+    if params.mode == "joint_threshold" and supports_insert_delete(algorithm):
+        check_insert_delete(model, params)
     if params.logprobs is not None and not supports_logprobs(algorithm, params.decoding_mode):
         raise ValueError(
             f"logprobs are not recorded for model {model!r} decoding by "
@@ -402,6 +405,36 @@ def supports_infilling(algorithm: DecodingAlgorithm) -> bool:
 def supports_editing(algorithm: DecodingAlgorithm) -> bool:
     """Whether requests may ask ``algorithm`` for token editing (JointThreshold)."""
     return bool(getattr(algorithm, "editing", False))
+
+
+def supports_insert_delete(algorithm: DecodingAlgorithm) -> bool:
+    """Whether ``algorithm``'s token editing is LLaDA2.2's insert/delete rule
+    (JointThresholdInDel: the checkpoint declares DELETE and SPLIT edit tokens)."""
+    return getattr(algorithm, "edit_tokens", None) is not None
+
+
+def insert_delete_refusal(temperature: float, logprobs: bool) -> str | None:
+    """Why an editing request cannot decode by JointThresholdInDel (None: it can). The rule is
+    greedy, as SGLang's (its cleanup round and anti-loop redraw are argmaxes), and DELETE and
+    SPLIT move tokens between positions, so a per-position logprob would not follow its token."""
+    if temperature > 0:
+        return (
+            "insert/delete editing (LLaDA2.2's JointThresholdInDel) is greedy: temperature "
+            "must be 0"
+        )
+    if logprobs:
+        return (
+            "logprobs are not recorded under insert/delete editing (LLaDA2.2): DELETE and "
+            "SPLIT move tokens between positions"
+        )
+    return None
+
+
+def check_insert_delete(model: str, params: DecodingParams) -> None:
+    """An editing request on an insert/delete model that the rule cannot serve: ValueError."""
+    why = insert_delete_refusal(params.temperature, params.logprobs is not None)
+    if why is not None:
+        raise ValueError(f"model {model!r}: {why}")
 
 
 # ---- tri-mode ----------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from dllm_serve.decoding.registry import (
     structured_output_refusals,
     supports_editing,
     supports_infilling,
+    supports_insert_delete,
 )
 from dllm_serve.engine.graphs import graph_memory
 from dllm_serve.engine.logprobs import after_commit as record_emitted
@@ -123,6 +124,8 @@ class AsyncEngine:
         self.default_decoding_mode = default_mode(self.algorithm)
         # Whether requests may ask for LLaDA2.1 token editing (edit_threshold).
         self.token_editing = supports_editing(self.algorithm)
+        # Whether that editing is LLaDA2.2's insert/delete rule (JointThresholdInDel).
+        self.insert_delete = supports_insert_delete(self.algorithm)
         # Whether a canvas may sit between the prompt and a suffix (/v1/completions suffix).
         self.infilling = supports_infilling(self.algorithm)
         # The request modes whose answer-token logprobs are recorded (engine/logprobs.py).
@@ -135,6 +138,8 @@ class AsyncEngine:
         sdpa_only = bool(getattr(loaded.model, "needs_row_inputs", False))
         attention = attention_backend(self.config.attention_backend, loaded.device, sdpa_only)
         graphs = self.config.cuda_graph and loaded.device.type == "cuda" and attention == "flex"
+        # A block-routed MoE (LLaDA2.2) runs eagerly (ModelRunner): no graph memory to set aside.
+        graphs = graphs and not getattr(loaded.model, "routing_block", 0)
         # The graphs' memory is set aside before the KV pool takes its share of what is free.
         reserve = 0
         if graphs:

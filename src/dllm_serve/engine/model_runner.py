@@ -104,6 +104,9 @@ class ModelRunner:
             and kv_slots > 0
             and self.tp is None
             and all(m.capturable for m in moe)
+            # Block routing reads each forward's row offsets, which a captured forward's
+            # static inputs do not carry: a block-routed model runs eagerly.
+            and not any(m.cfg.expert_capacity is not None for m in moe)
         )
         if kv_slots > 0:
             cfg, weight = model.config, model.embed_tokens.weight
@@ -333,6 +336,7 @@ class _Step:
     top: int  # the largest position + 1
     any_kv: bool
     row_inputs: list[RowInput] | None = None
+    offsets: list[int] = field(default_factory=list)  # each row's first flat token
 
     def draft_flags(self, length: int) -> list[int]:
         """1 for each flat token in the draft weight view, 0 else; ``length`` tokens."""
@@ -389,8 +393,10 @@ class BatchPacker:
         counts: list[int] = []
         pad = self.pad_logits
         inputs: list[RowInput] | None = [] if self.row_inputs else None
+        row_offsets: list[int] = []
         for row in rows:
             row.check()
+            row_offsets.append(offset)
             n = len(row.tokens)
             wanted = row.logits_at
             ids.extend(row.tokens)
@@ -437,7 +443,7 @@ class BatchPacker:
             offset += n
         return _Step(
             ids, positions, slots, logits_at, counts, drafts, flex_rows, groups, block_rows,
-            top, any_kv, inputs,
+            top, any_kv, inputs, row_offsets,
         )  # fmt: skip
 
     def _plan(self, step: _Step, buffers: PlanBuffers | None = None) -> FlexPlan:
@@ -468,7 +474,7 @@ class BatchPacker:
         # One host buffer for every index of the step, one copy to the device.
         host = array("q", step.ids)
         host.extend(step.positions)
-        host.extend(array("q", step.slots + step.logits_at + draft + layout))
+        host.extend(array("q", step.slots + step.logits_at + draft + layout + step.offsets))
         # Pinned and non-blocking on CUDA (attention.staged): the host goes on to launch the
         # forward while it copies.
         packed = host_to_device(torch.frombuffer(host, dtype=torch.long), self.device)
@@ -480,8 +486,10 @@ class BatchPacker:
         draft_start = index_start + n
         draft_mask = packed[draft_start : draft_start + t].bool() if draft else None
         layout_index = None
+        layout_start = draft_start + len(draft)
         if not pad:
-            layout_index = packed[draft_start + len(draft) :].view(len(rows), width)
+            layout_index = packed[layout_start : layout_start + len(layout)].view(len(rows), width)
+        row_offsets = packed[layout_start + len(layout) :]
         shape = {
             "logit_counts": step.counts,
             "logit_offsets": offsets,
@@ -497,7 +505,8 @@ class BatchPacker:
             ]  # fmt: skip
         batch = FlatBatch(
             input_ids, pos, groups, index, slot_mapping, max_position=step.top - 1,
-            draft=draft_mask, flex=plan, row_inputs=step.row_inputs, **shape,
+            draft=draft_mask, flex=plan, row_inputs=step.row_inputs, row_offsets=row_offsets,
+            **shape,
         )  # fmt: skip
         return batch, width
 

@@ -123,6 +123,9 @@ class FlatBatch:
     # Each row's place and kind, for a model that asks for them (``needs_row_inputs``); None
     # for the others (no per-row host cost).
     row_inputs: list[RowInput] | None = None
+    # ``[R]``: the flat index of each row's first token (a block-routed MoE's routing blocks
+    # start there; models/routing.py). None where the packer was not asked for them.
+    row_offsets: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -89,6 +89,8 @@ class LoadedModel:
     vocab_size: int = 0  # rows of the embedding: valid token ids are 0 .. vocab_size - 1
     # Block-diffusion families: the trained block (config.json block_size), else None.
     block_size: int | None = None
+    # LLaDA2.2's (DELETE, SPLIT) edit-token ids (config.json), else None.
+    edit_token_ids: tuple[int, int] | None = None
     # generation_config.json as read ({} when absent): DiffusionGemma's sampler settings.
     generation: dict[str, Any] = field(default_factory=dict)
     # Tensor parallelism: rank 0's TensorParallelGroup (engine/parallel/group.py); None: one
@@ -285,6 +287,10 @@ def load_model(
         ids = special_ids(dict(family.id_config(config)), gen, tokenizer, family, tcfg.vocab_size)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from None
+    try:
+        edit_token_ids = family.edit_tokens(config, tcfg.vocab_size, ids["mask_id"])
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{path}: {e}") from None
     if shard is not None and isinstance(tcfg, DiffusionGemmaConfig):
         raise ModelLoadError(f"{family.name} does not run under tensor parallelism; use one device")
     # A tensor-parallel rank needs memory for its shard only (and an unshardable model is
@@ -312,5 +318,6 @@ def load_model(
         vocab_size=tcfg.vocab_size,
         block_size=family.block_size(config, positive_int(gen, "block_length", gen_path)),
         generation=gen,
+        edit_token_ids=edit_token_ids,
         **ids,
     )

@@ -64,10 +64,13 @@ class Router(nn.Module):
         if cfg.routing == "sigmoid_group_limited":
             self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``route`` of tokens ``x`` ``[T, d_model]``, logits computed in fp32."""
+    def forward(
+        self, x: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``route`` of tokens ``x`` ``[T, d_model]``, logits computed in fp32 (``segments``:
+        each token's routing block, for block routing)."""
         logits = F.linear(x.float(), self.weight.float())
-        return route(logits, self.expert_bias, self.cfg)
+        return route(logits, self.expert_bias, self.cfg, segments)
 
 
 class MoE(nn.Module):
@@ -153,10 +156,12 @@ class MoE(nn.Module):
         everyone = len(self.cfg.local_experts) == self.cfg.num_experts
         return stacked and everyone and not self.grouped_refused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer on ``x`` ``[..., D]``; ``segments`` ``[T]`` (flattened tokens): each
+        token's routing block, which block routing (``cfg.expert_capacity``) needs."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids = self.router(flat)
+        weights, ids = self.router(flat, segments)
         y = self.mix(flat, weights, ids)
         if self.shared is not None:
             y = y + self.shared(flat)

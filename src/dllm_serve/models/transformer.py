@@ -25,6 +25,7 @@ from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.layers import MLP, Attention, Embedding, RMSNorm
 from dllm_serve.models.moe import FP32_PARAMETERS, MoE
 from dllm_serve.models.rope import rope_frequencies, rotary_table
+from dllm_serve.models.routing import routing_segments, routing_segments_padded
 from dllm_serve.models.sharding import TPShard, embed_local
 from dllm_serve.models.transformer_config import TransformerConfig
 
@@ -54,9 +55,16 @@ class Block(nn.Module):
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None,
         q_scale: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, q_scale)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self._mlp(self.mlp_norm(x), segments)
+
+    def _mlp(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+        """The feed-forward; a block-routed MoE also gets the tokens' routing blocks."""
+        if segments is not None and isinstance(self.mlp, MoE):
+            return self.mlp(x, segments)
+        return self.mlp(x)
 
     def forward_flat(
         self,
@@ -66,12 +74,13 @@ class Block(nn.Module):
         batch: FlatBatch,
         kv: tuple[KVPool, int] | None,
         q_scale: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attended = self.attn.forward_flat(self.attn_norm(x), cos, sin, batch, kv, q_scale)
         if self.tp is not None:  # row-parallel o_proj: each rank holds a partial sum
             self.tp.all_reduce(attended)
         x = x + attended
-        mlp = self.mlp(self.mlp_norm(x))
+        mlp = self._mlp(self.mlp_norm(x), segments)
         if self.tp is not None:  # row-parallel down_proj
             self.tp.all_reduce(mlp)
         return x + mlp
@@ -155,6 +164,12 @@ class DecoderTransformer(nn.Module):
         cos, sin = tables
         return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
 
+    @property
+    def routing_block(self) -> int:
+        """The routing block of a block-routed MoE (LLaDA2.2's ``expert_capacity``), else 0."""
+        moe = self.config.moe
+        return moe.routing_block if moe is not None and moe.expert_capacity is not None else 0
+
     def query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
         """Llama-4 query factors ``[*positions.shape, 1, 1]`` (fp32), or None when the
         config has no query scaling (every other family)."""
@@ -189,8 +204,10 @@ class DecoderTransformer(nn.Module):
         cos, sin = self.rope(positions)
         q_scale = self.query_scale(positions)
         x = self.embed_tokens(input_ids)
+        block = self.routing_block
+        segments = routing_segments_padded(positions, block) if block else None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn_mask, q_scale)
+            x = layer(x, cos, sin, attn_mask, q_scale, segments)
         return self.norm(x)
 
     def forward_flat(self, batch: FlatBatch, pool: KVPool | None = None) -> torch.Tensor:
@@ -207,9 +224,14 @@ class DecoderTransformer(nn.Module):
             if self.tp is None
             else embed_local(self.embed_tokens, ids, self.tp)
         )
+        segments = None
+        if self.routing_block:  # block routing: each token's routing block, once per forward
+            if batch.row_offsets is None:
+                raise ValueError("a block-routed MoE needs the flat batch's row offsets")
+            segments = routing_segments(batch.positions, batch.row_offsets, self.routing_block)
         for i, layer in enumerate(self.layers):
             kv = None if pool is None else (pool, i)
-            x = layer.forward_flat(x, cos, sin, batch, kv, q_scale)
+            x = layer.forward_flat(x, cos, sin, batch, kv, q_scale, segments)
         # The norm is per token: select first, normalise only what the LM head will read.
         return self.norm(x.index_select(0, batch.logits_index))
 

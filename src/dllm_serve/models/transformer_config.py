@@ -27,6 +27,10 @@ class MoEConfig:
     Which layers are MoE: ``moe_layers`` (one flag per layer, LLaDA-MoE's ``moe_layer_freq``)
     when given, else every layer from ``first_dense_layers`` on (LLaDA2's
     ``first_k_dense_replace``). The other layers keep the dense SwiGLU (``mlp_hidden_size``).
+
+    Block routing (LLaDA2.2's ``expert_capacity``): with ``expert_capacity`` C set, the tokens
+    of each ``routing_block`` of positions (aligned to position 0, one request's tokens) may
+    use only the C experts the block admits (``models/routing.py``); None: per-token routing.
     """
 
     num_experts: int
@@ -44,6 +48,10 @@ class MoEConfig:
     # Expert parallelism (rank, ranks): this module holds experts rank·E/ranks … (rank+1)·E/ranks
     # − 1 only (models/sharding.py); (0, 1) holds them all.
     expert_ranks: tuple[int, int] = (0, 1)
+    # LLaDA2.2 block routing: the experts one routing block may use, and the block's length
+    # in positions (the checkpoint's block_size). None / 0: per-token routing.
+    expert_capacity: int | None = None
+    routing_block: int = 0
 
     @property
     def local_experts(self) -> range:
@@ -65,6 +73,23 @@ class MoEConfig:
             raise ValueError("first_k_dense_replace must be >= 0")
         if self.moe_layers is not None and self.first_dense_layers:
             raise ValueError("give either moe_layers or first_dense_layers, not both")
+        if self.expert_capacity is not None:
+            self._check_capacity()
+
+    def _check_capacity(self) -> None:
+        capacity = self.expert_capacity
+        if self.routing != "sigmoid_group_limited":
+            raise ValueError("expert_capacity (block routing) needs sigmoid routing")
+        if not isinstance(capacity, int) or isinstance(capacity, bool):
+            raise ValueError(f"expert_capacity must be an integer, got {capacity!r}")
+        # Every token must find its top_k experts among the block's admitted ones.
+        if not self.top_k <= capacity <= self.num_experts:
+            raise ValueError(
+                f"expert_capacity {capacity} must be in [num_experts_per_tok {self.top_k}, "
+                f"num_experts {self.num_experts}]"
+            )
+        if self.routing_block < 1:
+            raise ValueError("block routing (expert_capacity) needs a routing block >= 1")
 
     def _check_softmax(self) -> None:
         if self.n_group != 1 or self.topk_group != 1:

@@ -113,6 +113,8 @@ def _description(family: str) -> str:
 BOOL_FLAGS = {
     "real_ids": "keep the real special ids and vocab",
     "editing": "LLaDA2.1-style: token editing (S mode) as the checkpoint's default decoding",
+    "levenshtein": "LLaDA2.2-style: DELETE/SPLIT edit tokens (insert/delete decoding, S mode "
+    "by default) and block routing (expert_capacity)",
 }
 
 

@@ -34,23 +34,26 @@ CHAT_TEMPLATE = (
 )
 
 
-def ling_tokenizer() -> tuple[Tokenizer, dict[str, int]]:
-    """The byte-level BPE plus :data:`SPECIALS` right after it, and each special's id."""
+def ling_tokenizer(extra: tuple[str, ...] = ()) -> tuple[Tokenizer, dict[str, int]]:
+    """The byte-level BPE plus :data:`SPECIALS` (then ``extra`` specials: LLaDA2.2's edit
+    tokens) right after it, and each special's id."""
     first = base_vocab_size()
-    tok = build_tokenizer(SPECIALS)
-    ids = {t: first + i for i, t in enumerate(SPECIALS)}
+    specials = SPECIALS + extra
+    tok = build_tokenizer(specials)
+    ids = {t: first + i for i, t in enumerate(specials)}
     assert all(tok.token_to_id(t) == i for t, i in ids.items())
     return tok, ids
 
 
-def tokenizer_config(max_len: int) -> dict[str, Any]:
-    """``tokenizer_config.json``: the specials as added tokens, the chat template."""
+def tokenizer_config(max_len: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``tokenizer_config.json``: the specials (and ``extra`` ones) as added tokens, the chat
+    template."""
     first = base_vocab_size()
     return {
         "add_bos_token": False, "add_eos_token": False,
         "added_tokens_decoder": {
             str(first + i): {"content": t, **FLAGS, "special": True}
-            for i, t in enumerate(SPECIALS)
+            for i, t in enumerate(SPECIALS + extra)
         },
         "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
         "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,

@@ -60,6 +60,20 @@ EDITING_NOTE = """
   server's, so an editing checkpoint can carry its preset."""
 
 
+LEVENSHTEIN_NOTE = """
+- LLaDA2.2-style (`config.json` `delete_token_id` {delete}, `split_token_id` {split},
+  `expert_capacity` {capacity}, `block_size` {block}): insert/delete decoding
+  (JointThresholdInDel) with the edit tokens `<|delete|>` and `<|split|>` (the real
+  checkpoint's token strings were not published; its ids are 156930 and 156931), and block
+  routing: each block of {block} positions uses at most {capacity} of the {experts} experts.
+  `generation_config.json` `decoding_algorithm: s_mode` (τ 0.5, τ_edit 0.0, LLaDA2.2's
+  recommended preset). A random model was not trained to edit: the edit tokens appear only
+  where its random logits happen to favour them."""
+
+# LLaDA2.2's edit tokens in the tiny vocabulary (after the shared specials).
+EDIT_TOKENS = ("<|delete|>", "<|split|>")
+
+
 def _config(sizes: dict[str, Any], eos: int, vocab: int) -> dict[str, Any]:
     """LLaDA2.0-mini's config.json keys with ``sizes`` and the tiny ids."""
     cfg: dict[str, Any] = {
@@ -105,11 +119,17 @@ def write_tiny_llada2(
     seed: int = 0,
     num_shards: int = 1,
     editing: bool = False,
+    levenshtein: bool = False,
 ) -> Path:
     """Write a complete LLaDA2-format (``llada2_moe``) checkpoint and return its path.
 
     ``editing``: a LLaDA2.1-style checkpoint that decodes by token editing by default
     (``generation_config.json`` ``decoding_algorithm: s_mode``).
+
+    ``levenshtein``: a LLaDA2.2-style checkpoint: ``delete_token_id`` / ``split_token_id``
+    (two more specials), ``expert_capacity`` (half the experts, at least ``experts_per_token``)
+    and ``block_size`` in config.json, and the ``s_mode`` preset, which then decodes by
+    JointThresholdInDel.
 
     ``block_size`` other than the default 32 is written as ``generation_config.json``'s
     ``block_length`` (where the loader reads a checkpoint's block when config.json has no
@@ -117,9 +137,10 @@ def write_tiny_llada2(
     """
     out = Path(out_dir)
     make_dir(out)
-    tok, ids = ling_tokenizer()
+    extra = EDIT_TOKENS if levenshtein else ()
+    tok, ids = ling_tokenizer(extra)
     first = ids[SPECIALS[0]]
-    vocab = round_up(first + len(SPECIALS))
+    vocab = round_up(first + len(SPECIALS) + len(extra))
     bos, eos, mask = ids["<|startoftext|>"], ids["<|endoftext|>"], ids["<|mask|>"]
     sizes = {
         "hidden_size": d_model, "intermediate_size": mlp_hidden_size,
@@ -130,14 +151,20 @@ def write_tiny_llada2(
         "moe_intermediate_size": expert_hidden_size, "max_position_embeddings": max_sequence_length,
     }  # fmt: skip
     config = _config(sizes, eos, vocab)
+    capacity = max(experts_per_token, num_experts // 2)
+    if levenshtein:
+        config.update(
+            delete_token_id=ids[EDIT_TOKENS[0]], split_token_id=ids[EDIT_TOKENS[1]],
+            expert_capacity=capacity, block_size=block_size,
+        )  # fmt: skip
     _write_json(out / "config.json", config)
     gen: dict[str, Any] = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}
-    if block_size != DEFAULT_BLOCK:
+    if block_size != DEFAULT_BLOCK and not levenshtein:
         gen["block_length"] = block_size
-    if editing:
+    if editing or levenshtein:
         gen["decoding_algorithm"] = "s_mode"
     _write_json(out / "generation_config.json", gen)
-    _write_json(out / "tokenizer_config.json", tokenizer_config(max_sequence_length))
+    _write_json(out / "tokenizer_config.json", tokenizer_config(max_sequence_length, extra))
     _write_json(out / "special_tokens_map.json", special_tokens_map())
     tok.save(str(out / "tokenizer.json"))
     readable(out / "tokenizer.json")
@@ -155,7 +182,11 @@ def write_tiny_llada2(
         params=sum(t.numel() for t in tensors.values()), vocab=vocab,
         specials=", ".join(f"`{t}`" for t in SPECIALS), first=first,
         last=first + len(SPECIALS) - 1, mask=mask, eos=eos, block=block_size,
-        block_note="" if block_size == DEFAULT_BLOCK else " (generation_config block_length)",
-        seed=seed, editing_note=EDITING_NOTE if editing else "",
+        block_note=" (config.json block_size)" if levenshtein
+        else "" if block_size == DEFAULT_BLOCK else " (generation_config block_length)",
+        seed=seed, editing_note=LEVENSHTEIN_NOTE.format(
+            delete=config.get("delete_token_id"), split=config.get("split_token_id"),
+            capacity=capacity, block=block_size, experts=num_experts,
+        ) if levenshtein else EDITING_NOTE if editing else "",
     ))  # fmt: skip
     return out

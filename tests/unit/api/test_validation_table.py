@@ -1057,6 +1057,31 @@ def test_token_editing_only_where_the_model_was_trained_to_edit() -> None:
         )  # fmt: skip
 
 
+def test_insert_delete_editing_is_greedy_and_records_no_logprobs() -> None:
+    """LLaDA2.2 (JointThresholdInDel): temperature > 0 and logprobs with editing are a 400,
+    whether the request or the model's preset asked for editing; without editing they pass."""
+    indel = ModelDecoding(
+        "block_diffusion", 4, token_editing=True, insert_delete=True,
+        default_rule=(("confidence_threshold", 0.5), ("edit_threshold", 0.0)),
+    )  # fmt: skip
+    greedy = parse_chat_request(body(max_tokens=16), JSON, model=indel).params
+    assert (greedy.mode, greedy.temperature) == ("joint_threshold", 0.0)
+    for fields, param in (
+        ({"temperature": 0.7}, "temperature"),
+        ({"temperature": 0.7, "edit_threshold": 0.2}, "temperature"),
+        ({"logprobs": True}, "logprobs"),
+    ):
+        with pytest.raises(APIError) as info:
+            parse_chat_request(body(max_tokens=16, **fields), JSON, model=indel)
+        assert (info.value.status, info.value.param, info.value.code) == (
+            400, param, "not_applicable",
+        )  # fmt: skip
+        assert "JointThresholdInDel" in str(info.value)
+    # Another commit rule samples (and records logprobs) as on any block model.
+    own = body(max_tokens=16, temperature=0.7, confidence_threshold=0.9, logprobs=True)
+    assert parse_chat_request(own, JSON, model=indel).params.mode == "threshold"
+
+
 def test_info_lists_each_models_commit_rules() -> None:
     block = ModelDecoding("block_diffusion", 4)
     editing = ModelDecoding("block_diffusion", 32, token_editing=True)

@@ -99,6 +99,13 @@ class Family(ABC):
         by default (DiffusionGemma nests them in ``text_config``)."""
         return config
 
+    def edit_tokens(
+        self, config: Mapping[str, Any], vocab_size: int, mask_id: int
+    ) -> tuple[int, int] | None:
+        """The ``(DELETE, SPLIT)`` edit-token ids of an insert/delete editing checkpoint
+        (LLaDA2.2), checked against the vocabulary and the mask id; None for every other."""
+        return None
+
     def block_size(self, config: Mapping[str, Any], block_length: int | None) -> int | None:
         """The trained block of a block-diffusion checkpoint (None for other families), from
         ``config.json`` and ``generation_config.json``'s ``block_length``."""

@@ -1,4 +1,4 @@
-"""LLaDA2.0 / LLaDA2.1 (mini, flash; ``model_type: llada2_moe``): block diffusion on a MoE.
+"""LLaDA2.0 / 2.1 / 2.2 (mini, flash; ``model_type: llada2_moe``): block diffusion on a MoE.
 
 Block-causal attention (bidirectional inside blocks of 32 aligned to position 0, causal
 across them), no logit shift, mask ``<|mask|>`` (156895 in the real checkpoints), end of text
@@ -6,6 +6,11 @@ across them), no logit shift, mask ``<|mask|>`` (156895 in the real checkpoints)
 ``query_key_value`` attention with per-head q/k RMSNorm before a partial RoPE, a dense SwiGLU
 in the first ``first_k_dense_replace`` layers and a sigmoid-routed, group-limited
 mixture-of-experts with a shared expert in the others (``models/routing.py``), untied LM head.
+
+LLaDA2.2 adds three config.json keys (:data:`LLADA22_KEYS`): ``delete_token_id`` and
+``split_token_id``, the edit tokens of its insert/delete decoding (JointThresholdInDel,
+``decoding/block_diffusion.py``), and ``expert_capacity``, per-block expert admission
+(``models/routing.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ REQUIRED = (
 )
 
 
-# config.json keys that only LLaDA2.2 (insert/delete editing, block routing) declares.
+# config.json keys that only LLaDA2.2 declares: its edit tokens (insert/delete decoding,
+# decoding/block_diffusion.py) and the experts one routing block may use (models/routing.py).
 LLADA22_KEYS = ("delete_token_id", "split_token_id", "expert_capacity")
 
 
@@ -71,18 +77,7 @@ class LLaDA2Family(Family):
 
     def check(self, config: Mapping[str, Any]) -> None:
         check_values(self.name, config, EXPECTED)
-        levenshtein = [key for key in LLADA22_KEYS if config.get(key) is not None]
-        if levenshtein:
-            # LLaDA2.2 answers by inserting and deleting tokens (edit tokens in its vocabulary)
-            # and routes its experts per block: served with 2.0/2.1 rules it would emit its
-            # edit tokens as text and route each token alone, a different model.
-            raise UnsupportedModelError(
-                f"LLaDA2 config.json declares {', '.join(levenshtein)}: a LLaDA2.2 checkpoint. "
-                "This server does not implement LLaDA2.2's insert/delete decoding (DELETE and "
-                "SPLIT edit tokens, the fixed-length block rebuild, original-mask provenance, "
-                "the final cleanup round and the anti-loop rule) nor its per-block expert "
-                "admission (expert_capacity); LLaDA2.0 and 2.1 checkpoints are served"
-            )
+        self._check_llada22(config)
         for key in REQUIRED:
             require(config, key)
         size = config.get("block_size")
@@ -90,6 +85,55 @@ class LLaDA2Family(Family):
             raise UnsupportedModelError(
                 f"LLaDA2 config.json: block_size must be a positive integer, got {size!r}"
             )
+
+    @staticmethod
+    def _check_llada22(config: Mapping[str, Any]) -> None:
+        """LLaDA2.2's keys: the edit tokens come as a pair (the insert/delete decoder needs
+        both), and block routing needs the routing block stated in config.json (it must be
+        the decoding block: the checkpoint's ``block_size``)."""
+        edits = [
+            key for key in ("delete_token_id", "split_token_id") if config.get(key) is not None
+        ]
+        if len(edits) == 1:
+            raise UnsupportedModelError(
+                f"LLaDA2 config.json declares {edits[0]} alone: LLaDA2.2's insert/delete "
+                "decoding needs both delete_token_id and split_token_id"
+            )
+        for key in edits:
+            _positive_int(config, key, zero_ok=True)
+        if config.get("expert_capacity") is not None:
+            _positive_int(config, "expert_capacity")
+            if config.get("block_size") is None:
+                raise UnsupportedModelError(
+                    "LLaDA2 config.json declares expert_capacity (block routing) without "
+                    "block_size: the routing block must be stated, and equal the decoding block"
+                )
+
+    def edit_tokens(
+        self, config: Mapping[str, Any], vocab_size: int, mask_id: int
+    ) -> tuple[int, int] | None:
+        """LLaDA2.2's ``(DELETE, SPLIT)`` edit-token ids, or None for LLaDA2.0/2.1. They must
+        be rows of the vocabulary, distinct, and not the mask (the decoder tells a mask, a
+        deletion and an insertion apart by id)."""
+        if config.get("delete_token_id") is None:
+            return None
+        delete, split = int(config["delete_token_id"]), int(config["split_token_id"])
+        for key, value in (("delete_token_id", delete), ("split_token_id", split)):
+            if not 0 <= value < vocab_size:
+                raise UnsupportedModelError(
+                    f"LLaDA2 config.json: {key} {value} is outside the vocabulary "
+                    f"(0 .. {vocab_size - 1})"
+                )
+            if value == mask_id:
+                raise UnsupportedModelError(
+                    f"LLaDA2 config.json: {key} {value} is the mask id: an edit token must be "
+                    "its own token"
+                )
+        if delete == split:
+            raise UnsupportedModelError(
+                f"LLaDA2 config.json: delete_token_id and split_token_id are both {delete}"
+            )
+        return delete, split
 
     def transformer_config(self, config: Mapping[str, Any]) -> TransformerConfig:
         self.check(config)
@@ -129,6 +173,9 @@ class LLaDA2Family(Family):
                 routed_scaling_factor=float(config["routed_scaling_factor"]),
                 first_dense_layers=first_dense,
                 renormalize=bool(config.get("norm_topk_prob", True)),
+                # LLaDA2.2: experts admitted per block of block_size positions (routing.py).
+                expert_capacity=config.get("expert_capacity"),
+                routing_block=int(config.get("block_size") or 0),
             )
             return TransformerConfig(
                 vocab_size=_positive_int(config, "vocab_size"),
@@ -201,8 +248,10 @@ LLADA2 = LLaDA2Family(
     eot_token="<|role_end|>",
     model_types=("llada2_moe",),
     architectures=("LLaDA2MoeModelLM",),
-    description="LLaDA2.0/2.1 mini and flash (MoE block diffusion)",
+    description="LLaDA2.0/2.1/2.2 mini and flash (MoE block diffusion)",
     extra_stop_tokens=("<|endoftext|>",),
     block_diffusion=True,
-    token_editing=True,  # LLaDA2.1 (same format as 2.0): JointThreshold per request
+    # LLaDA2.1 (same format as 2.0): JointThreshold per request; LLaDA2.2 (edit tokens in
+    # config.json): JointThresholdInDel.
+    token_editing=True,
 )
