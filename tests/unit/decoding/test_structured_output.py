@@ -319,6 +319,43 @@ def test_constrained_self_speculation_is_constrained_ar(tmp_path: Path) -> None:
     assert by_mode["ar"] == by_mode["linear_spec"]
 
 
+# ---- the other families and demos ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["lladamoe", "sdar", "llada2-editing-off", "demo-idlm", "demo-trimode", "llada2.2"]
+)
+def test_every_other_family_and_demo_validates(tmp_path: Path, name: str) -> None:
+    """The families and demos the fixtures above do not load (LLaDA-MoE's canvas, SDAR's block
+    diffusion, a LLaDA2.1 editing checkpoint under its non-editing rule, a LLaDA2.2 one under
+    LowConfidence, the trained I-DLM and tri-mode demos in their default modes): all 11
+    schemas and json_object end with stop and validate, greedy."""
+    from dllm_serve_train.tiny_checkpoints import write_tiny_lladamoe, write_tiny_sdar
+
+    path = {
+        "lladamoe": lambda: write_tiny_lladamoe(tmp_path / "m"),
+        "sdar": lambda: write_tiny_sdar(tmp_path / "m"),
+        "llada2-editing-off": lambda: write_tiny_llada2(tmp_path / "m", block_size=8, editing=True),
+        "llada2.2": lambda: write_tiny_llada2(tmp_path / "m", block_size=8, levenshtein=True),
+        "demo-idlm": lambda: ASSETS / "demo-idlm",
+        "demo-trimode": lambda: ASSETS / "demo-trimode",
+    }[name]()
+    # An editing checkpoint's preset is an editing rule, which refuses response_format: the
+    # request names a plain rule instead.
+    rule = {"confidence_threshold": 0.9} if name.startswith("llada2") else {}
+    with LLM(str(path), device="cpu", dtype="float32") as llm:
+        for schema_name, schema in SCHEMAS.items():
+            out = llm.chat([CONVERSATION], response_format=response_format(schema_name),
+                           max_tokens=MAX_TOKENS, **rule)[0]  # fmt: skip
+            assert out.finish_reason == "stop", (schema_name, out.text)
+            check_valid(out.text, schema)
+        out = llm.chat([CONVERSATION], response_format={"type": "json_object"},
+                       max_tokens=MAX_TOKENS, **rule)[0]  # fmt: skip
+        assert out.finish_reason in ("stop", "length")
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict)
+
+
 # ---- DiffusionGemma ----------------------------------------------------------------------------
 
 
