@@ -42,6 +42,7 @@ from dllm_serve.api.rules import (
     round_up_to_blocks,
 )
 from dllm_serve.api.tools import ToolSpec, parser_for, tool_spec
+from dllm_serve.decoding.grammar import GrammarError
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH, DecodingParams
 from dllm_serve.engine.engine import AsyncEngine
 from dllm_serve.engine.scheduler import KVCapacityError
@@ -486,6 +487,10 @@ class ModelFacts:
         # Canvas denoising drops canvas positions past max_tokens, so a long canvas may be
         # rounded up to whole blocks (rules.py); no other decoding has a canvas.
         self.round_canvas = self.decoding.kind == "diffusion"
+        # The hermes tool-call markers where the vocabulary has them as single tokens.
+        vocab = loaded.tokenizer.get_vocab()
+        opening, closing = vocab.get("<tool_call>"), vocab.get("</tool_call>")
+        self.tool_markers = None if opening is None or closing is None else (opening, closing)
 
     def parse(
         self,
@@ -527,6 +532,7 @@ def chat_request(
         prompt_ids = engine.chat_prompt_ids(spec.messages, tools)
         if spec.tools is not None:
             spec = dataclasses.replace(spec, tools=_tool_format(spec, prompt_ids, engine))
+            spec = _auto_tools_constrained(spec, facts)
     except ChatTemplateError as exc:
         raise invalid(f"{exc}.", "messages") from None
     check_no_mask_token(prompt_ids, facts.mask_id, "messages")
@@ -584,6 +590,35 @@ def _tool_format(spec: RequestSpec, prompt_ids: list[int], engine: AsyncEngine) 
             code="not_applicable",
         )
     return dataclasses.replace(spec.tools, parser=parser)
+
+
+def _auto_tools_constrained(spec: RequestSpec, facts: ModelFacts) -> RequestSpec:
+    """An ``auto`` request in the hermes format decoded under the grammar "text, or text then
+    valid calls" (``ToolSpec.auto_grammar``) where its decoding enforces grammars; elsewhere
+    (a mode that does not, an editing rule, ``ignore_eos``, a ``response_format`` of its
+    own) the answer is parsed as it comes, and a block that is not a valid call stays text."""
+    tools, params = spec.tools, spec.params
+    assert tools is not None
+    mode = params.decoding_mode or facts.default_mode or ""
+    if (
+        not tools.parse
+        or tools.parser != "hermes"
+        or params.grammar is not None
+        or params.ignore_eos
+        or params.edit_threshold is not None
+        or mode in dict(facts.decoding.structured_refusals)
+    ):
+        return spec
+    try:
+        grammar = tools.auto_grammar(facts.tool_markers)
+    except GrammarError as exc:
+        raise invalid(f"tools: {exc}", "tools") from None
+    unrounded = spec.unrounded
+    return dataclasses.replace(
+        spec,
+        params=dataclasses.replace(params, grammar=grammar),
+        unrounded=None if unrounded is None else dataclasses.replace(unrounded, grammar=grammar),
+    )
 
 
 def _fitted(

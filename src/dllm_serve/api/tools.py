@@ -17,7 +17,10 @@ comes as one piece at its end (streamed: one content or tool-call chunk, then th
 ``tool_choice: "required"`` and a named function are enforced with the structured-output
 grammar (decoding/grammar.py), as vLLM does: a named function's answer is its arguments, a
 JSON value of its ``parameters`` schema; ``required``'s is ``{"name": ..., "arguments": ...}``
-for one of the tools. Either answer becomes one tool call.
+for one of the tools. Either answer becomes one tool call. ``auto`` in the hermes format is
+decoded under "text without a ``<tool_call>`` marker, or text then valid calls" wherever the
+request's decoding enforces grammars (api/pipeline.py), so a call the parser reads is never
+broken; elsewhere the answer is parsed as it comes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dllm_serve.api.errors import invalid
+from dllm_serve.decoding.grammar import tool_call_grammar
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -56,24 +60,32 @@ class ToolSpec:
         """Whether the answer is a call constrained by the grammar (``required``, named)."""
         return self.choice in ("required", "named")
 
+    def _parameters(self, name: str) -> dict[str, Any]:
+        function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        return function.get("parameters") or {"type": "object"}
+
+    def call_schema(self) -> dict[str, Any]:
+        """The JSON schema of one call: ``{"name", "arguments"}`` for one of the tools."""
+        return {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": name},
+                                              "arguments": self._parameters(name)},
+             "required": ["name", "arguments"], "additionalProperties": False}
+            for name in (t["function"]["name"] for t in self.tools)
+        ]}  # fmt: skip
+
     def response_format(self) -> dict[str, Any]:
         """The structured-output format a forced call is decoded under."""
-        by_name = {t["function"]["name"]: t["function"] for t in self.tools}
-
-        def parameters(name: str) -> dict[str, Any]:
-            return by_name[name].get("parameters") or {"type": "object"}
-
         if self.choice == "named":
             assert self.function is not None
-            schema = parameters(self.function)
+            schema = self._parameters(self.function)
         else:
-            schema = {"anyOf": [
-                {"type": "object", "properties": {"name": {"const": name},
-                                                  "arguments": parameters(name)},
-                 "required": ["name", "arguments"], "additionalProperties": False}
-                for name in by_name
-            ]}  # fmt: skip
+            schema = self.call_schema()
         return {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema}}
+
+    def auto_grammar(self, markers: tuple[int, int] | None) -> str:
+        """The grammar an ``auto`` answer in the hermes format is decoded under: text, or
+        text then valid calls (:func:`~dllm_serve.decoding.grammar.tool_call_grammar`)."""
+        return tool_call_grammar(self.call_schema(), self.parallel, markers)
 
 
 def tool_spec(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolSpec | None:

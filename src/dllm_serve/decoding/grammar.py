@@ -114,6 +114,48 @@ def _schema_grammar(key: str) -> str:
     return grammar
 
 
+def tool_call_grammar(
+    call_schema: dict[str, Any], parallel: bool, markers: tuple[int, int] | None
+) -> str:
+    """The grammar of a ``tool_choice: "auto"`` answer in the hermes format: plain text that
+    never contains ``<tool_call>``, or text followed by one call (``parallel``: one or more,
+    a newline apart), each ``<tool_call>\\n{JSON}\\n</tool_call>`` whose JSON matches
+    ``call_schema`` (one of the tools' ``{"name", "arguments"}``), and nothing after the calls.
+    So the answer is text, or calls the hermes parser reads whole, never a broken call.
+
+    ``markers``: the ids of ``<tool_call>`` and ``</tool_call>`` where the tokenizer has them
+    as single tokens (Qwen's vocabularies, which encode the text as those tokens and which
+    llguidance treats as special tokens); None: the markers are spelled as text."""
+    schema = dict(call_schema)
+    schema.setdefault("x-guidance", dict(_JSON_OPTIONS))
+    call_json = "%json " + json.dumps(schema)
+    text = "TEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/"
+    if markers is not None:
+        opening, closing = markers
+        call = f'call: <[{opening}]> "\\n" {call_json} "\\n" <[{closing}]>'
+        more = ' ("\\n" call)*' if parallel else ""
+        rules = [f"start: TEXT | TEXT? call{more}", call, text]
+    else:
+        # The opening marker ends the text's lexeme (TEXT then "<tool_call>" in one lexeme),
+        # so the lexer never has to split text from a marker it could also be part of.
+        more = " (SEP call)*" if parallel else ""
+        rules = [
+            f"start: TEXT | OPEN call{more}",
+            f'call: {call_json} "\\n</tool_call>"',
+            'OPEN: TEXT "<tool_call>\\n"',
+            'SEP: "\\n<tool_call>\\n"',
+            text,
+        ]
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise GrammarError(f"the tools' schemas cannot be compiled: {exc}") from exc
+    ok, error = _validate(grammar)
+    if not ok:
+        raise GrammarError(f"the tools' schemas cannot be enforced: {error}")
+    return grammar
+
+
 def _validate(grammar: str) -> tuple[bool, str]:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     return (not error, error)

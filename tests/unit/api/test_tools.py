@@ -213,3 +213,59 @@ def test_a_forced_call_is_decoded_under_its_schema(dream_path: Path, choice: str
     ]  # fmt: skip
     (streamed_calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert streamed_calls[0]["function"]["arguments"] == call["function"]["arguments"]
+
+
+BOUNDED_SUM = {"type": "function", "function": {"name": "get_sum", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["a", "b"],
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def eager_caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Dream whose LM head favours ``<tool_call>`` (its row scaled up), so
+    answers open calls often: unconstrained, what follows the marker is random text."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_tiny_dream(Path(tmp_path_factory.mktemp("caller")) / "m", seed=4)
+    tokenizer = load_model(str(path), device="cpu", dtype="float32").tokenizer
+    weights = load_file(str(path / "model.safetensors"))
+    marker = tokenizer.convert_tokens_to_ids("<tool_call>")
+    weights["lm_head.weight"][marker] *= 15.0
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    return path
+
+
+def test_auto_answers_are_text_or_valid_calls(eager_caller: Path) -> None:
+    """tool_choice auto on a hermes template is decoded under "text, or text then valid
+    calls": over seeds, every answer is either text without a call marker or calls whose
+    arguments validate (finish_reason tool_calls), and the calls do occur. tool_choice none
+    is free text (no grammar)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    engine = AsyncEngine(load_model(str(eager_caller), device="cpu", dtype="float32"))
+    facts = ModelFacts(engine)
+    calls_seen = 0
+    with TestClient(build_app(engine, ServerConfig())) as client:
+        body = {"messages": QUESTION, "tools": [BOUNDED_SUM], "max_tokens": 128}
+        spec, _ = chat_request(facts, json.dumps(body).encode(), "application/json")
+        none = {**body, "tool_choice": "none"}
+        free, _ = chat_request(facts, json.dumps(none).encode(), "application/json")
+        assert spec.params.grammar is not None and free.params.grammar is None
+        for seed in range(6):
+            reply = client.post(
+                "/v1/chat/completions", json={**body, "temperature": 1.0, "seed": seed}
+            )
+            assert reply.status_code == 200, reply.text
+            choice = reply.json()["choices"][0]
+            message = choice["message"]
+            assert "<tool_call>" not in (message["content"] or ""), message
+            for call in message.get("tool_calls") or []:
+                jsonschema.validate(
+                    json.loads(call["function"]["arguments"]),
+                    BOUNDED_SUM["function"]["parameters"],
+                )
+                calls_seen += 1
+            if message.get("tool_calls"):
+                assert choice["finish_reason"] == "tool_calls"
+    assert calls_seen > 0
