@@ -22,7 +22,7 @@ DEVIATIONS_TABLE = """\
 | `stop` | Up to 4 strings; the answer ends before the first occurrence. |
 | `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` | vLLM extensions, honoured (`ignore_eos`: the whole canvas is returned). |
 | `stream_options.continuous_usage_stats` | vLLM extension, honoured: the cumulative `usage` on every chunk. |
-| `response_format` | `json_object`, `json_schema` **enforced** while decoding, in every decoding mode (not yet under TP: a 400). |
+| `response_format` | `json_object`, `json_schema` **enforced** while decoding, in every decoding mode, under tensor parallelism too. |
 | `store`, `service_tier`, `modalities`, `skip_special_tokens` | Accepted with the values that change nothing (`store: false`, …); others are a 400. |
 | `metadata`, `user`, `prompt_cache_key`, `safety_identifier` | Accepted, informational (logged only with `--log-requests`). |
 | `null` values | The same as leaving the field out. |

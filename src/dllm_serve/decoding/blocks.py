@@ -17,7 +17,8 @@ row's first masked position is restricted to its grammar's next tokens and alway
 (greedy rows take their proposals from the most probable valid fill of the block window,
 :func:`_lookahead_fill`), and the host keeps only the valid left-to-right run of the row's
 commits from there (:func:`_grammar_run`), so the committed answer is always a prefix of a
-valid string.
+valid string. Under tensor parallelism the constrained rows' logits are gathered whole on
+rank 0 and run this same code; the other rows stay sharded (``sampler.sample_split``).
 
 The answer is the committed canvas after the prompt, cut at ``max_tokens`` and before the
 first stop id; a request ends as soon as the contiguous committed answer holds a stop id
@@ -62,6 +63,7 @@ from dllm_serve.decoding.sampler import (
     propose,
     restrict_to_bitmasks,
     sample_inverse_cdf,
+    sample_split,
     seed_tokens,
     target_probs,
 )
@@ -264,6 +266,17 @@ class BlockDecoder(ABC):
         (:data:`CONFIDENCE_SCALE`); the commit reads only the first ``M``.
         """
         logits = as_step_logits(logits)
+        if logits.sharded is not None:
+            # Tensor parallelism: constrained rows take their logits whole (the grammar's
+            # mask and the lookahead are the dense code below), the others stay sharded.
+            gather = [r for r, s in enumerate(states) if s.constraint is not None and s.masked]
+            if gather:
+                return sample_split(
+                    logits,
+                    gather,
+                    lambda rows, z: BlockDecoder.sample(self, [states[r] for r in rows], z),
+                    self.mask_id,
+                )
         rows, width = logits.rows, logits.width
         device = logits.device
         counts = [len(s.masked) for s in states]
@@ -341,6 +354,23 @@ class BlockDecoder(ABC):
         logits = as_step_logits(logits)
         if not any(seeding):
             return BlockDecoder.sample(self, states, logits)
+        if logits.sharded is not None:
+            # Tensor parallelism: a constrained row that draws a seed or proposes tokens
+            # takes its logits whole (the grammar's mask is the dense code below).
+            gather = [
+                r
+                for r, s in enumerate(states)
+                if s.constraint is not None and (seeding[r] or s.masked)
+            ]
+            if gather:
+                return sample_split(
+                    logits,
+                    gather,
+                    lambda rows, z: self._sample_seeded(
+                        [states[r] for r in rows], z, [seeding[r] for r in rows], sampled=sampled
+                    ),
+                    self.mask_id,
+                )
         # Structured output: a seed is the answer's next token (every earlier one is committed
         # and consumed by the matcher), so it is drawn under the grammar's mask.
         grammar_seeds = [r for r, s in enumerate(states) if seeding[r] and s.constraint is not None]

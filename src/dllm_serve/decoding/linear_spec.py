@@ -64,6 +64,7 @@ from dllm_serve.decoding.selfspec import (
     accepted_prefix,
     constrain_verify_rows,
     request_constraint,
+    split_constrained,
 )
 
 PREFILL, DRAFT, VERIFY = "prefill", "draft", "verify"
@@ -201,6 +202,9 @@ class LinearSpecDecoder:
         causal positions of rows at T > 0 are exact samples instead. ``logits`` are consumed
         (the mask id's entries are overwritten in place)."""
         logits = writable(as_step_logits(logits))  # greedy_tokens writes in place
+        split = split_constrained(states, logits, self.sample)  # tensor parallelism
+        if split is not None:
+            return split
         # Structured output: the causal positions (prefill seed, verify) under the grammar
         # along the drafts; draft rows stay free (a draft is checked when verified).
         logits = constrain_verify_rows(states, logits)

@@ -110,16 +110,16 @@ def algorithm_for(
             )
     _check_flags_apply(loaded.name, algorithm.decoding_mode, config)
     _check_decoding_algorithm(loaded.name, algorithm, decoding_algorithm(loaded, config))
-    if loaded.parallel is None:
-        # Structured output: one grammar compiler (the model's own tokenizer, a cache of
-        # compiled schemas) shared by every mode that enforces it.
-        vocab = loaded.vocab_size or len(loaded.tokenizer)
-        # Its own copy of the tokenizer: it is read on the engine thread (at the first
-        # constrained admission) while the API's threads tokenize with theirs.
-        grammar = TokenGrammar(copy.deepcopy(loaded.tokenizer), vocab, loaded.stop_ids)
-        for mode in _modes(algorithm).values():
-            if type(mode) in STRUCTURED_DECODERS:
-                mode.grammar = grammar  # type: ignore[attr-defined]
+    # Structured output: one grammar compiler (the model's own tokenizer, a cache of compiled
+    # schemas) shared by every mode that enforces it. Under tensor parallelism too: the
+    # matchers live on rank 0, whose sampler gathers the constrained rows' logits whole.
+    vocab = loaded.vocab_size or len(loaded.tokenizer)
+    # Its own copy of the tokenizer: it is read on the engine thread (at the first
+    # constrained admission) while the API's threads tokenize with theirs.
+    grammar = TokenGrammar(copy.deepcopy(loaded.tokenizer), vocab, loaded.stop_ids)
+    for mode in _modes(algorithm).values():
+        if type(mode) in STRUCTURED_DECODERS:
+            mode.grammar = grammar  # type: ignore[attr-defined]
     return algorithm
 
 
@@ -352,6 +352,8 @@ def logprob_modes(algorithm: DecodingAlgorithm) -> tuple[str, ...]:
 # _sample_seeded), and the causal verify of self-speculation (ISD, tri-mode ar and
 # linear_spec: selfspec.constrain_verify_rows), and DiffusionGemma's renoise sampler, whose
 # emitted canvases are projected onto the grammar left to right (renoise._grammar_canvas).
+# Under tensor parallelism the first six gather their constrained rows' logits whole
+# (sampler.sample_split); DiffusionGemma does not load under tensor parallelism.
 STRUCTURED_DECODERS = (
     LLaDADenoiser,
     BlockDiffusionDecoder,
@@ -368,13 +370,7 @@ def structured_output_refusals(algorithm: DecodingAlgorithm) -> dict[str, str]:
     enforce it (empty: every mode does)."""
     refusals = {}
     for mode, decoder in _modes(algorithm).items():
-        if getattr(decoder, "grammar", None) is not None:
-            continue
-        if type(decoder) in STRUCTURED_DECODERS:
-            refusals[mode] = (
-                "it is not enforced under tensor parallelism yet (the vocabulary is sharded)"
-            )
-        else:
+        if getattr(decoder, "grammar", None) is None:
             refusals[mode] = (
                 f"decoding_mode {mode!r} ({type(decoder).__name__}) does not apply a grammar"
             )

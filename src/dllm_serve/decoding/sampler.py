@@ -327,6 +327,52 @@ def dense_rows(logits: StepLogits, rows: Sequence[int]) -> dict[int, torch.Tenso
     return {r: gathered[i] for i, r in enumerate(rows)}
 
 
+def dense_logits(logits: StepLogits, rows: Sequence[int]) -> StepLogits:
+    """``logits`` restricted to ``rows`` as dense logits whatever their form: a gather of
+    their positions when dense (:func:`select_rows`), or under tensor parallelism their
+    whole rows gathered on rank 0 (one collective, announced to the workers like every
+    reduction, ``engine/parallel/vocab.py``), laid out per row as the sharded logits are.
+
+    Why: a row whose sampler must edit its distribution (a grammar's mask, then the
+    lookahead over the masked log-probabilities) runs the dense sampler's exact code on
+    them, so it gets the tokens it gets at TP = 1; the other rows stay sharded."""
+    if logits.sharded is None:
+        return select_rows(logits, rows)
+    gathered = logits.sharded.dense(rows)  # [len(rows), M, V], every row M positions wide
+    if any(logits.counts[r] != gathered.shape[1] for r in rows):
+        # Sharded logits are laid out per row with one width (StepLogits.padded).
+        raise RuntimeError("sharded logits must be laid out per row with one width")
+    return StepLogits.padded(gathered)
+
+
+def sample_split(
+    logits: StepLogits,
+    dense: Sequence[int],
+    run: Callable[[list[int], StepLogits], torch.Tensor],
+    fill: int,
+) -> torch.Tensor:
+    """A sampler's result ``[R, W]`` computed in two parts: ``run(rows, their logits)`` on
+    the rows in ``dense`` with their logits whole (:func:`dense_logits`), then on the other
+    rows with the logits as they are (sharded: the reductions per rank, no gather). The
+    parts go side by side, a narrower one padded with ``fill`` (which no commit reads: a
+    row's result is as wide as its own sampler made it).
+
+    Rows are independent (each has its own rule, generator and grammar), so each row gets
+    what it gets in a batch of its own kind. Every collective is run by rank 0 in this one
+    order and announced, so the workers join them in the same order."""
+    chosen = set(dense)
+    rest = [r for r in range(logits.rows) if r not in chosen]
+    parts = [(list(dense), run(list(dense), dense_logits(logits, dense)))]
+    if rest:
+        parts.append((rest, run(rest, select_rows(logits, rest))))
+    width = max(part.shape[1] for _, part in parts)
+    first = parts[0][1]
+    out = torch.full((logits.rows, width), fill, dtype=first.dtype, device=first.device)
+    for rows, part in parts:
+        out[to_device(rows, out.device, torch.long), : part.shape[1]] = part.to(out.dtype)
+    return out
+
+
 def seed_tokens(logits: StepLogits, mask_id: int) -> torch.Tensor:
     """``[R]``: each row's argmax at its first requested position, mask id excluded; the
     logits are left as they were."""
@@ -347,9 +393,10 @@ def restrict_to_bitmasks(
     """``logits`` with flat position ``at[i]`` restricted to the tokens set in ``masks[i]`` (a
     little-endian bitmask over the vocabulary, 32-bit words: decoding/grammar.py), the others
     at −inf. One host→device copy of the packed masks; the bits are unpacked on the device.
-    Dense logits only (structured output is refused under tensor parallelism)."""
+    Dense logits only: under tensor parallelism the constrained rows are gathered whole
+    first (:func:`dense_logits`, :func:`sample_split`)."""
     if logits.flat is None:
-        raise RuntimeError("structured output is not enforced on vocabulary-sharded logits")
+        raise RuntimeError("grammar masks apply to dense logits: gather the rows first")
     if not at:
         return logits
     logits = writable(logits)

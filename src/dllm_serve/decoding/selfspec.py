@@ -73,6 +73,7 @@ from dllm_serve.decoding.sampler import (
     new_generator,
     restrict_to_bitmasks,
     sample,
+    sample_split,
     target_probs,
     writable,
 )
@@ -271,14 +272,43 @@ def constrain_verify_rows(states: Sequence[SelfSpecState], logits: StepLogits) -
     """
     at: list[int] = []
     masks: list[bytes] = []
-    for r, state in enumerate(states):
-        if state.constraint is None or state.finished or getattr(state, "phase", "") == "draft":
-            continue  # a LinearSpec draft row proposes only
+    for r in verify_rows_to_constrain(states):
+        state = states[r]
+        assert state.constraint is not None
         k, _ = getattr(state, "round_shape", (len(state.specs), 1))
         chain = grammar_masks(state.constraint, state.specs[:k], state.stop_ids)
         at.extend(logits.offsets[r] + i for i in range(len(chain)))
         masks.extend(chain)
     return restrict_to_bitmasks(logits, at, masks) if at else logits
+
+
+def verify_rows_to_constrain(states: Sequence[SelfSpecState]) -> list[int]:
+    """The rows whose causal positions :func:`constrain_verify_rows` masks: constrained,
+    unfinished and not a LinearSpec draft row (a draft row proposes only)."""
+    return [
+        r
+        for r, s in enumerate(states)
+        if s.constraint is not None and not s.finished and getattr(s, "phase", "") != "draft"
+    ]
+
+
+def split_constrained(
+    states: Sequence[SelfSpecState],
+    logits: StepLogits,
+    sample: Callable[[list[SelfSpecState], StepLogits], torch.Tensor],
+) -> torch.Tensor | None:
+    """Under tensor parallelism, a self-speculative sampler's result with the constrained
+    verify rows' logits gathered whole (the grammar's masks are :func:`constrain_verify_rows`
+    on dense logits, then the same verification) and the other rows' left sharded; None
+    when there is nothing to split (dense logits, or no constrained verify row)."""
+    if logits.sharded is None:
+        return None
+    gather = verify_rows_to_constrain(states)
+    if not gather:
+        return None
+    # Both parts are as wide as the step's sharded logits (one width for every row), so the
+    # fill is never read.
+    return sample_split(logits, gather, lambda rows, z: sample([states[r] for r in rows], z), -1)
 
 
 # ---- ISD ---------------------------------------------------------------------------------------
@@ -437,6 +467,9 @@ class ISDecoder:
         """Every row's verdict material ``[R, 1 + M]`` (see the class docstring); ``logits``
         are consumed (the mask id's entries are overwritten in place)."""
         logits = writable(as_step_logits(logits))  # greedy_tokens writes in place
+        split = split_constrained(states, logits, self.sample)
+        if split is not None:
+            return split
         logits = constrain_verify_rows(states, logits)
         rows = logits.rows
         # The rows that sample need the whole distribution (gathered when sharded).

@@ -9,8 +9,11 @@ here the other ranks' parts are computed locally, so every mode and metric is ch
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
@@ -28,7 +31,7 @@ from dllm_serve.engine.parallel.vocab import (
 )
 from dllm_serve.llm import LLM
 from dllm_serve.models.sharding import TPShard
-from dllm_serve_train.tiny_checkpoints import write_tiny
+from dllm_serve_train.tiny_checkpoints import write_tiny, write_tiny_nemotron
 
 DEMO_LORA = Path(dllm_serve.__file__).parent / "assets" / "demo-trimode" / "draft-lora"
 
@@ -186,3 +189,59 @@ def test_other_families_on_vocabulary_shards(sharded_runs, family, tmp_path: Pat
 def test_tri_mode_on_vocabulary_shards(sharded_runs, mode) -> None:
     params = DecodingParams(gen_length=16, steps=16, decoding_mode=mode)
     _same_on_shards(sharded_runs, "demo-trimode", params, lora=str(DEMO_LORA))
+
+
+# ---- structured output on vocabulary shards ----------------------------------------------------
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "decoding"))
+from structured_schemas import SCHEMAS, response_format  # noqa: E402
+
+CONVERSATION = [{"role": "user", "content": "Answer in JSON."}]
+STRUCTURED_ROWS = [  # (schema or None for free text, request fields), submitted together
+    ("nested", {"max_tokens": 64}),
+    ("array_bounds", {"max_tokens": 64, "temperature": 0.8, "seed": 7}),
+    ("int_range", {"max_tokens": 64, "confidence_threshold": 1e-6}),  # runs of several
+    (None, {"max_tokens": 24}),
+    (None, {"max_tokens": 24, "temperature": 0.8, "seed": 7}),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "mode"),
+    [("fastdllm", None), ("llada2", None), ("nemotron", "diffusion"),
+     ("nemotron", "linear_spec"), ("nemotron", "ar")],
+)  # fmt: skip
+def test_structured_output_on_vocabulary_shards(sharded_runs, family, mode, tmp_path) -> None:
+    """Constrained rows (greedy with the lookahead, seeded, threshold runs) beside free ones:
+    on shards each gets exactly its answer on the whole logits, the constrained ones
+    gathered whole (the seeded block decoders' grammar-masked seeds too) and valid. LLaDA,
+    SDAR and I-DLM run under real collectives in tests/integration/test_structured_output_tp.py."""
+    from dllm_serve.api.pipeline import chat_request
+    from dllm_serve.offline_batch import run_together
+
+    if family == "nemotron":
+        path = write_tiny_nemotron(tmp_path / family, block_size=8, seed=1)
+    else:
+        path = write_tiny(family, tmp_path / family, seed=3)
+    extra = {} if mode is None else {"decoding_mode": mode}
+
+    def answers() -> list[tuple[str, str | None]]:
+        with LLM(str(path), device="cpu", dtype="float32") as llm:
+            requests = []
+            for name, fields in STRUCTURED_ROWS:
+                if mode in ("linear_spec", "ar"):  # no commit rule in self-speculation
+                    fields = {k: v for k, v in fields.items() if k != "confidence_threshold"}
+                grammar = {} if name is None else {"response_format": response_format(name)}
+                body = json.dumps({"messages": CONVERSATION, **fields, **extra, **grammar})
+                spec, ids = chat_request(llm._facts, body.encode(), "application/json")
+                requests.append((ids, spec.params, spec.stop, spec.include_stop_str))
+            return [(c.text, c.finish_reason) for c in run_together(llm.engine, requests)]
+
+    dense = answers()
+    traffic = sharded_runs()
+    assert answers() == dense
+    assert traffic.dense_rows > 0
+    for (text, finish), (name, _) in zip(dense, STRUCTURED_ROWS, strict=True):
+        if name is not None:
+            assert finish == "stop", (name, text)
+            jsonschema.validate(json.loads(text), SCHEMAS[name])

@@ -41,8 +41,9 @@ So each rank sends 6 numbers per position (:func:`shard_statistics`) and rank 0 
 (:func:`combine_statistics`). Gumbel noise stays the request's own: every rank draws the same
 ``[m, V]`` uniforms from the request's generator state and uses its slice, so a seeded
 sample at TP = N is exactly the sample at TP = 1. Rows whose rule needs the whole
-distribution (speculative verification, inverse-CDF samples at T > 0) gather just those rows
-(:meth:`ShardedLogits.dense`).
+distribution (speculative verification, inverse-CDF samples at T > 0, and the rows under a
+structured-output grammar, whose mask and lookahead run on dense logits:
+``decoding/sampler.py`` ``sample_split``) gather just those rows (:meth:`ShardedLogits.dense`).
 """
 
 from __future__ import annotations
