@@ -257,10 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="reuse the KV pages of earlier requests' prompts and answers across requests "
         "(a shared system prompt, earlier turns of a conversation): a request prefills only "
-        "what no cached page holds. Exact, so on by default wherever it applies: I-DLM, "
-        "block-diffusion (SDAR, LLaDA2.x, Fast-dLLM v2) and tri-mode models with the sdpa "
-        "attention backend; never for LLaDA/Dream/LLaDA-MoE canvas denoising, whose prompt "
-        "K/V depend on the canvas (default: on where it applies)",
+        "what no cached page holds. Exact, so on by default for I-DLM, block-diffusion "
+        "(SDAR, LLaDA2.x, Fast-dLLM v2), tri-mode and DiffusionGemma models; for "
+        "LLaDA/Dream/LLaDA-MoE canvas denoising, whose prompt K/V depend on the canvas, only "
+        "when given, with --kv-cache prefix (an approximation: docs/decoding.md)",
     )
     parser.add_argument("--version", action="version", version=f"dllm-serve {__version__}")
     return parser

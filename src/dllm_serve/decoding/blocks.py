@@ -110,6 +110,9 @@ class DenoiseState:
     finished: bool = False
     finish_reason: str | None = None
     kv: KVPages | None = None
+    # Leading positions whose K/V came from another request (the prefix cache across requests,
+    # canvas denoising behind --kv-cache prefix): never recomputed by this one.
+    reused: int = 0
     drafted: int | None = None  # self-speculation counters (not used by diffusion decoding)
     accepted_drafts: int | None = None
     # Masked positions past the active block that a forward includes (None: the whole canvas,

@@ -31,6 +31,14 @@ state (and fresh K/V) at the cost of one extra token per forward. The prompt is 
 these families, so ``c = lo − 1 ≥ 0``.
 
 With causal attention the prefix K/V do not depend on later tokens, so the cache is exact.
+
+**Across requests** (``--kv-cache prefix --enable-prefix-caching``, opt-in): a request whose
+prompt starts with token ids an ended request kept takes those pages (``models/prefix_cache.py``)
+and never recomputes them: each block's refresh forwards the canvas from the end of the hit
+(``state.reused``) instead of from 0. That extends the approximation twice: the reused K/V were
+computed beside another request's canvas, and this request's refreshes no longer update them.
+A request publishes its kept pages only when it ends (:attr:`LLaDADenoiser.refreshes_prefix`):
+while it runs, its refreshes rewrite them.
 """
 
 from __future__ import annotations
@@ -131,6 +139,27 @@ class LLaDADenoiser(BlockDecoder):
         self._start_block(state)
         return state
 
+    # Prefix reuse across requests (protocol.PrefixReuse), only with the prefix cache and
+    # only on request (engine._prefix_cache): approximate, as the module docstring says.
+    prefix_alignment = 1
+    prefix_reuse_exact = False
+
+    @property
+    def refreshes_prefix(self) -> bool:
+        """Whether a running request rewrites its kept K/V (each block's refresh): the
+        engine caches its pages only when it ends."""
+        return self.prefix_cache
+
+    def prefix_limit(self, prompt_len: int, params: DecodingParams) -> int:
+        """The prompt but the positions the first block's refresh must forward: the last one
+        for shifted families (it predicts the first answer position)."""
+        return prompt_len - self._shift if self.prefix_cache else 0
+
+    def reuse_prefix(self, state: DenoiseState, tokens: int) -> None:
+        """Every refresh of ``state`` starts past the ``tokens`` positions of the hit."""
+        assert state.kv is not None and state.kv.length == tokens
+        state.reused = tokens
+
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
         """KV-pool slots a request needs: its whole canvas (suffix included) with the prefix
         cache, else none."""
@@ -228,14 +257,14 @@ def cached_start(state: DenoiseState, shift: int) -> int:
 def prefix_spec(state: DenoiseState, shift: int, attention: AttentionKind) -> RowSpec:
     """The row of one step with a prefix cache.
 
-    Refresh step (nothing cached): the whole canvas. Cached step: ``x[c:]`` against the cached
-    ``[0, c)``. Output offsets are relative to the forwarded tokens: position ``j`` is
-    predicted at ``j − shift − start``.
+    Refresh step (nothing cached past a reused prefix): the whole canvas after ``reused``.
+    Cached step: ``x[c:]`` against the cached ``[0, c)``. Output offsets are relative to the
+    forwarded tokens: position ``j`` is predicted at ``j − shift − start``.
     """
     span = state.kv
     assert span is not None
     c = cached_start(state, shift)
-    if span.length not in (0, c):
+    if span.length not in (state.reused, c):
         raise RuntimeError(f"prefix cache holds {span.length} positions, expected {c}")
     start = span.length
     return RowSpec(
@@ -249,11 +278,12 @@ def prefix_spec(state: DenoiseState, shift: int, attention: AttentionKind) -> Ro
 
 def after_step(state: DenoiseState, shift: int) -> None:
     """Keep the committed prefix of a refresh step (``c`` positions); cached steps keep it."""
-    if state.kv is not None and state.kv.length == 0:
+    if state.kv is not None and state.kv.length == state.reused:
         state.kv.length = cached_start(state, shift)
 
 
 def reset_for_block(state: DenoiseState) -> None:
-    """Forget the previous block's prefix; the next forward (the refresh) rebuilds it."""
+    """Forget the previous block's prefix; the next forward (the refresh) rebuilds it past
+    what another request computed (``reused``)."""
     if state.kv is not None:
-        state.kv.length = 0
+        state.kv.length = state.reused

@@ -157,6 +157,9 @@ class AsyncEngine:
         )
         self.kv = KVBudget(self.runner.pool, self.algorithm)
         self.prefix_cache = self._prefix_cache(attention)
+        # Canvas denoising rewrites its kept K/V at every block (decoding/canvas.py): its pages
+        # are cached when it ends, never while it runs.
+        self._refreshes_prefix = bool(getattr(self.algorithm, "refreshes_prefix", False))
         self.scheduler = Scheduler(self.config)
         self.inbox = Inbox()
         self.outbox = Outbox()
@@ -174,11 +177,12 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
 
     def _prefix_cache(self, attention: str) -> PrefixCache | None:
-        """The KV pool's prefix cache when ``--enable-prefix-caching`` allows it and reuse is
-        exact: the algorithm keeps K/V that depend only on the tokens before them (causal or
-        block-causal: :class:`~dllm_serve.decoding.protocol.PrefixReuse`). Canvas denoising
-        (LLaDA, Dream, LLaDA-MoE; with ``--kv-cache prefix`` too) has no such K/V: refused
-        when the flag insists, off by default.
+        """The KV pool's prefix cache when ``--enable-prefix-caching`` allows it: on by default
+        where reuse is exact (the algorithm keeps K/V that depend only on the tokens before
+        them, causal or block-causal: :class:`~dllm_serve.decoding.protocol.PrefixReuse`).
+        Canvas denoising (LLaDA, Dream, LLaDA-MoE) keeps K/V only with ``--kv-cache prefix``,
+        and reusing them is approximate (decoding/canvas.py): on only when the flag asks,
+        refused without ``--kv-cache prefix``.
 
         The FlexAttention backend's mask tells a key's request by its page's one owner, which
         a page shared by several requests does not have: with it a hit is *copied* into pages
@@ -190,11 +194,14 @@ class AsyncEngine:
             return None
         why = None
         if pool is None or not isinstance(self.algorithm, PrefixReuse):
+            why = "its decoding keeps no K/V that depend only on the tokens before them"
+        elif getattr(self.algorithm, "refreshes_prefix", None) is False:
             why = (
-                "its decoding keeps no K/V that depend only on the tokens before them "
-                "(canvas denoising attends over the whole canvas; --kv-cache prefix is "
-                "per-request only)"
+                "canvas denoising keeps no K/V without --kv-cache prefix (it attends over the "
+                "whole canvas); with it, reuse across requests is approximate and opt-in"
             )
+        elif not getattr(self.algorithm, "prefix_reuse_exact", True) and not wanted:
+            return None  # approximate reuse: only when the flag asks for it
         if why is not None:
             if wanted:
                 raise ValueError(
@@ -609,7 +616,9 @@ class AsyncEngine:
                     record_emitted(state, marked)
                 if state.kv is not None and not result.finished:
                     self.runner.pool.trim(state.kv)  # pages past what the request keeps
-                    if self.prefix_cache is not None:  # its kept full chunks, for others now
+                    if self.prefix_cache is not None and not self._refreshes_prefix:
+                        # Its kept full chunks, for others now (a decoder that rewrites its
+                        # kept K/V while it runs caches them when it ends instead).
                         kept = functools.partial(_kept_token_ids, request.prompt_ids, state)
                         self.prefix_cache.publish(state.kv, kept)
                 events = None

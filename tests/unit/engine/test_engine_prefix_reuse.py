@@ -4,7 +4,7 @@ in each of its modes): the answers are token for token those of the engine witho
 (T = 0 and seeded sampling), the model is fed exactly the hit fewer tokens, ``cached_tokens``
 is the hit and the counters move; pages come back idle after a run with aborts; a small pool
 evicts without changing an answer and never evicts a pinned page. LLaDA/Dream canvas
-denoising refuses it.
+denoising reuses prefixes only on request, behind ``--kv-cache prefix`` (approximate).
 """
 
 from __future__ import annotations
@@ -279,17 +279,41 @@ def test_pages_come_back_idle_after_a_load_run_with_aborts(
     assert engine.prefix_cache is not None and engine.prefix_cache.idle_pages > 0
 
 
-def test_canvas_denoising_refuses_prefix_caching_and_has_it_off_by_default(
+def test_canvas_denoising_reuses_prefixes_only_on_request_behind_the_kv_cache(
     tmp_path: Path,
 ) -> None:
+    """LLaDA canvas denoising: off by default (reuse is approximate), refused without
+    ``--kv-cache prefix`` (no K/V to reuse), opt-in with it. Then sixteen requests sharing a
+    system prompt hit it in whole pages (each refresh forwards the canvas past the hit, so the
+    model is fed at least the hit fewer tokens per block), the first request — which hit
+    nothing — answers as without the cache, a running request publishes nothing (its
+    refreshes rewrite its kept K/V) and every page comes back idle."""
     llada = load_model("tiny-llada", device="cpu", dtype="float32")
-    engine, _ = hand_engine(llada)
-    assert engine.prefix_cache is None
-    for kv_cache in ("none", "prefix"):
-        with pytest.raises(ValueError, match="cannot reuse prefixes across requests"):
-            hand_engine(llada, enable_prefix_caching=True, kv_cache=kv_cache)
-    engine, _ = hand_engine(llada, kv_cache="prefix")
-    assert engine.prefix_cache is None
+    assert hand_engine(llada)[0].prefix_cache is None
+    assert hand_engine(llada, kv_cache="prefix")[0].prefix_cache is None
+    with pytest.raises(ValueError, match="cannot reuse prefixes across requests"):
+        hand_engine(llada, enable_prefix_caching=True)
+    rng = random.Random(3)
+    system = tokens(rng, SHARED)
+    prompts = [[*system, 200 + i, *tokens(rng, 3 + i % 5)] for i in range(USERS)]
+    got = {}
+    for on in (False, True):
+        engine, counts = hand_engine(
+            llada, kv_cache="prefix", enable_prefix_caching=True if on else None
+        )
+        assert (engine.prefix_cache is not None) is on
+        first = run(engine, prompts[:1], params(None), prefix="a")
+        if on:
+            assert engine.prefix_cache is not None and len(engine.prefix_cache) == SHARED // 16
+        rest = run(engine, prompts[1:], params(None), prefix="b")
+        got[on] = (answers(first + rest), counts, [r.cached_tokens for r in first + rest])
+        idle(engine)
+    (off, off_counts, _), (on_, on_counts, on_cached) = got[False], got[True]
+    assert on_[0] == off[0]  # no hit: exactly the per-request cache's answer
+    assert on_cached[0] == 0 and all(c >= SHARED for c in on_cached[1:])
+    assert all(c % PAGE_SIZE == 0 for c in on_cached)
+    saved = off_counts.forward_tokens - on_counts.forward_tokens
+    assert saved >= sum(on_cached)  # at least once per request: its first block's refresh
 
 
 def test_the_flag_turns_it_off(models: dict[str, LoadedModel]) -> None:
