@@ -165,3 +165,15 @@ def test_transformers_loads_every_demo_tokenizer_without_asking() -> None:
     assert run.returncode == 0, run.stderr
     assert "custom code" not in run.stdout + run.stderr
     assert run.stdout.split() == ["13"] * 3  # spelled: one token per letter and the space
+
+
+def test_demo_llada_infills_the_readme_example() -> None:
+    """The README's infilling example: a reversal whose last letter is given after the gap."""
+    turn = (
+        "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nReverse the word hello."
+        "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    with LLM("demo-llada", device="cpu", dtype="float32") as llm:
+        (gap,) = llm.complete([turn], suffix="h<|eot_id|>", max_tokens=4)
+        (whole,) = llm.complete([turn], max_tokens=8)
+    assert (gap.text, whole.text) == ("olle", "olleh")
