@@ -49,7 +49,7 @@ from dllm_serve.decoding.commit_rules import (
     threshold_commit_rows,
     topk_commit_rows,
 )
-from dllm_serve.decoding.grammar import Constraint, TokenGrammar
+from dllm_serve.decoding.grammar import Constraint, TokenGrammar, request_constraint
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
 from dllm_serve.decoding.protocol import (
     ShardedLogits,
@@ -237,13 +237,6 @@ class BlockDecoder(ABC):
         ``canvas_length``, with the request's stop ids, generator and (structured output)
         grammar matcher."""
         stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
-        constraint = None
-        if params.grammar is not None:
-            if self.grammar is None:
-                raise ValueError("this decoder does not enforce structured output")
-            if not stop_ids:
-                raise ValueError("structured output needs a stop id to end the answer")
-            constraint = self.grammar.constraint(params.grammar, stop_ids)
         return state_type(
             tokens=prompt + [self.mask_id] * (canvas_length - len(prompt)),
             prompt_len=len(prompt),
@@ -251,7 +244,7 @@ class BlockDecoder(ABC):
             generator=new_generator(params, device),
             mask_id=self.mask_id,
             stop_ids=stop_ids,
-            constraint=constraint,
+            constraint=request_constraint(self.grammar, params.grammar, stop_ids),
             **fields,
         )
 

@@ -100,18 +100,10 @@ def schema_grammar(schema: dict[str, Any]) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _schema_grammar(key: str) -> str:
-    schema = json.loads(key)
-    try:
-        # Our whitespace option goes in unless the schema sets its own x-guidance options.
-        own = dict(schema)
-        own.setdefault("x-guidance", dict(_JSON_OPTIONS))
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(own)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from exc
-    ok, error = _validate(grammar)
-    if not ok:
-        raise GrammarError(f"the JSON schema cannot be enforced: {error}")
-    return grammar
+    # Our whitespace option goes in unless the schema sets its own x-guidance options.
+    own = json.loads(key)
+    own.setdefault("x-guidance", dict(_JSON_OPTIONS))
+    return _checked("the JSON schema", llguidance.LLMatcher.grammar_from_json_schema, own)
 
 
 def tool_call_grammar(
@@ -146,19 +138,36 @@ def tool_call_grammar(
             'SEP: "\\n<tool_call>\\n"',
             text,
         ]
+    lark = "\n".join(rules) + "\n"
+    return _checked("the tools' schemas", llguidance.LLMatcher.grammar_from_lark, lark)
+
+
+def _checked(what: str, build: Any, source: Any) -> str:
+    """llguidance's grammar text from ``build(source)``, validated; a :class:`GrammarError`
+    naming ``what`` and llguidance's reason when it cannot be compiled or enforced."""
     try:
-        grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
+        grammar = build(source)
     except (ValueError, TypeError, RuntimeError) as exc:
-        raise GrammarError(f"the tools' schemas cannot be compiled: {exc}") from exc
-    ok, error = _validate(grammar)
-    if not ok:
-        raise GrammarError(f"the tools' schemas cannot be enforced: {error}")
+        raise GrammarError(f"{what} cannot be compiled: {exc}") from exc
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(f"{what} cannot be enforced: {error}")
     return grammar
 
 
-def _validate(grammar: str) -> tuple[bool, str]:
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    return (not error, error)
+def request_constraint(
+    compiler: TokenGrammar | None, grammar: str | None, stop_ids: Sequence[int]
+) -> Constraint | None:
+    """The matcher of a request's ``grammar`` (None: free text) with its stop set; a decoder
+    without a ``compiler`` (structured output refused) or a request without a stop id (its
+    answer could never end) is a ValueError."""
+    if grammar is None:
+        return None
+    if compiler is None:
+        raise ValueError("this decoder does not enforce structured output")
+    if not stop_ids:
+        raise ValueError("structured output needs a stop id to end the answer")
+    return compiler.constraint(grammar, stop_ids)
 
 
 def grammar_key(grammar: str) -> str:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm_serve.decoding.grammar import TokenGrammar
+from dllm_serve.decoding.grammar import TokenGrammar, request_constraint
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
 from dllm_serve.decoding.protocol import (
     AttentionKind,
@@ -63,7 +63,6 @@ from dllm_serve.decoding.selfspec import (
     SelfSpecState,
     accepted_prefix,
     constrain_verify_rows,
-    request_constraint,
     split_constrained,
 )
 
@@ -151,7 +150,7 @@ class LinearSpecDecoder:
             generator=new_generator(params, device),
             stop_ids=stop_ids,
             max_block=self.max_block,
-            constraint=request_constraint(self.grammar, params, stop_ids),
+            constraint=request_constraint(self.grammar, params.grammar, stop_ids),
         )
 
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm_serve.decoding.blocks import LOOKAHEAD_DEPTH, beam_fill
-from dllm_serve.decoding.grammar import Constraint, TokenGrammar
+from dllm_serve.decoding.grammar import Constraint, TokenGrammar, request_constraint
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
 from dllm_serve.decoding.protocol import (
     AttentionKind,
@@ -298,18 +298,11 @@ class RenoiseDecoder:
         assert generator is not None
         bound = params.entropy_bound
         stop_ids = request_stop_ids(self.mask_id, self.stop_ids, params)
-        constraint = None
-        if params.grammar is not None:
-            if self.grammar is None:
-                raise ValueError("this decoder does not enforce structured output")
-            if not stop_ids:
-                raise ValueError("structured output needs a stop id to end the answer")
-            constraint = self.grammar.constraint(params.grammar, stop_ids)
         return RenoiseState(
             prompt=prompt,
             params=params,
             generator=generator,
-            constraint=constraint,
+            constraint=request_constraint(self.grammar, params.grammar, stop_ids),
             stop_ids=stop_ids,
             canvas_length=self.canvas_length,
             steps=steps,

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_serve.decoding.grammar import Constraint, TokenGrammar
+from dllm_serve.decoding.grammar import Constraint, TokenGrammar, request_constraint
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
 from dllm_serve.decoding.protocol import (
     AttentionKind,
@@ -245,20 +245,6 @@ def verify_row(
 # ---- structured output -------------------------------------------------------------------------
 
 
-def request_constraint(
-    grammar: TokenGrammar | None, params: DecodingParams, stop_ids: Sequence[int]
-) -> Constraint | None:
-    """A request's grammar matcher (None for free text); a decoder without a grammar
-    compiler, or a request with no stop id to end on, cannot enforce one."""
-    if params.grammar is None:
-        return None
-    if grammar is None:
-        raise ValueError("this decoder does not enforce structured output")
-    if not stop_ids:
-        raise ValueError("structured output needs a stop id to end the answer")
-    return grammar.constraint(params.grammar, tuple(stop_ids))
-
-
 def constrain_verify_rows(states: Sequence[SelfSpecState], logits: StepLogits) -> StepLogits:
     """Each constrained row's verify positions (and its clean position) restricted to what its
     grammar allows after the answer and the drafts before them (:func:`grammar_masks`).
@@ -416,7 +402,7 @@ class ISDecoder:
             pending=list(prompt),
             device=torch.device(device),
             max_stride=self.max_stride,
-            constraint=request_constraint(self.grammar, params, stop_ids),
+            constraint=request_constraint(self.grammar, params.grammar, stop_ids),
         )
 
     def kv_tokens(self, prompt_len: int, params: DecodingParams) -> int:
