@@ -338,7 +338,12 @@ class VocabShardedLogits:
         # rank in them (the other ops compute first, so that a bad argument fails alone).
         if self.group is not None:
             self.group.send((REDUCE, op))
-        mine = apply(op, self.local, self.shard, soft_product=self.embedding_product)
+        try:
+            mine = apply(op, self.local, self.shard, soft_product=self.embedding_product)
+        except (RuntimeError, OSError) as exc:  # an all-reduce failed: a rank is gone
+            if self.group is not None:
+                self.group.fail(f"tensor-parallel collective failed: {exc}")
+            raise
         parts = self._collect(None, mine)
         self.traffic.collectives += 2  # the normaliser's two all-reduces
         total = parts[0]
