@@ -110,16 +110,23 @@ def algorithm_for(
             )
     _check_flags_apply(loaded.name, algorithm.decoding_mode, config)
     _check_decoding_algorithm(loaded.name, algorithm, decoding_algorithm(loaded, config))
-    if loaded.parallel is None:
-        # Structured output: one grammar compiler (the model's own tokenizer, a cache of
-        # compiled schemas) shared by every mode that enforces it.
+    # Structured output: one grammar compiler (the model's own tokenizer, a cache of compiled
+    # schemas) shared by every mode that enforces it. Under tensor parallelism only the renoise
+    # sampler does: it gathers each canvas row's logits whole on rank 0 anyway, and projects
+    # the emitted canvas with them; the others would need a mask on vocabulary-sharded logits.
+    structured = [
+        mode
+        for mode in _modes(algorithm).values()
+        if type(mode) in STRUCTURED_DECODERS
+        and (loaded.parallel is None or isinstance(mode, RenoiseDecoder))
+    ]
+    if structured:
         vocab = loaded.vocab_size or len(loaded.tokenizer)
         # Its own copy of the tokenizer: it is read on the engine thread (at the first
         # constrained admission) while the API's threads tokenize with theirs.
         grammar = TokenGrammar(copy.deepcopy(loaded.tokenizer), vocab, loaded.stop_ids)
-        for mode in _modes(algorithm).values():
-            if type(mode) in STRUCTURED_DECODERS:
-                mode.grammar = grammar  # type: ignore[attr-defined]
+        for mode in structured:
+            mode.grammar = grammar  # type: ignore[attr-defined]
     return algorithm
 
 
