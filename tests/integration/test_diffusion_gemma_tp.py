@@ -5,7 +5,9 @@ in one batch, sliding and K = V full layers, the MoE, soft-capping) give at TP =
 TP = 1 within fp32 rounding, and the self-conditioning product summed over the ranks is the
 dense ``probs @ E · √H``. The engine: seeded, batched requests answer token for token as at
 TP = 1, with the experts sliced over the ranks or split between them (EP = 2), each denoising
-row gathered whole on rank 0 once per step (the renoise sampler's documented cost).
+row gathered whole on rank 0 once per step (the renoise sampler's documented cost); seeded
+``response_format`` answers validate and equal TP = 1's; a server started with
+``--tensor-parallel-size 2`` answers (whole and streamed) as the offline TP = 1 engine.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from remote_server import RemoteServer
 from safetensors.torch import load_file, save_file
 
 from dllm_serve.decoding.params import DecodingParams
@@ -202,3 +205,27 @@ def test_tp2_structured_output_answers_as_tp1(tmp_path: Path) -> None:
     for text, reason in two:
         assert reason == "stop", text
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_server_at_tp2_answers_as_tp1(tiny: Path, tmp_path: Path) -> None:
+    """Through ``dllm-serve --tensor-parallel-size 2`` and the openai SDK: a seeded chat answer
+    (whole and streamed) equals the offline TP = 1 answer."""
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    fields = {"max_tokens": 2 * CANVAS, "seed": 4, "num_denoising_steps": 6}
+    with LLM(str(tiny), device="cpu", dtype="float32") as llm:
+        want = llm.chat([chat], **fields)[0].text
+    assert want
+    server = RemoteServer.start(
+        ["--model", str(tiny), "--tensor-parallel-size", "2", "--log-level", "warning"],
+        tmp_path / "log",
+    )
+    try:
+        client = server.client()
+        body = {"model": tiny.name, "messages": chat, "max_tokens": 2 * CANVAS, "seed": 4,
+                "extra_body": {"num_denoising_steps": 6}}  # fmt: skip
+        reply = client.chat.completions.create(**body)
+        assert reply.choices[0].message.content == want
+        stream = client.chat.completions.create(**body, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    finally:
+        server.stop()
