@@ -49,8 +49,10 @@ row's next input is ``softmax(z / T) @ E`` over the whole vocabulary, and each r
 logits *and* the embedding rows of its slice, so the product is a sum over the ranks of
 ``softmax(z / T)[slice r] @ E_r``. The softmax's normaliser is the whole row's: each rank
 reduces its slice to ``max`` and ``Σ exp(z − max)``, two all-reduces make them global, and
-each rank's probabilities are ``exp(z − M) / S`` exactly as the dense softmax computes them
-(only the order of the sum differs). Rank 0 sums the ``[C, D]`` parts in rank order. Cost per
+each rank's probabilities are ``exp(z − M) / S`` as the dense softmax computes them. Rank 0
+sums the ``[C, D]`` parts in rank order (in fp32). Only rounding differs from the dense
+product: the order of the sums, and in half precision each rank's part is rounded to the
+model's dtype before the sum. Cost per
 denoising row and step: two all-reduces of ``C`` floats and one gather of ``(N − 1) · C · D``
 floats, against the whole row's ``(N − 1)/N · C · V`` of the dense gather the renoise sampler
 makes anyway.
