@@ -273,11 +273,13 @@ def renoise_decoder(loaded: LoadedModel) -> RenoiseDecoder:
     return RenoiseDecoder(
         loaded.stop_ids,
         canvas_length=tcfg.canvas_length,
-        vocab_size=tcfg.vocab_size,
+        # The whole vocabulary: under tensor parallelism the model's config is this rank's.
+        vocab_size=loaded.vocab_size or tcfg.vocab_size,
         settings=renoise_settings(loaded.generation),
         soft_embedding=model.soft_embedding,
         embedding_dtype=model.embed_tokens.weight.dtype,
         mask_id=loaded.mask_id,
+        soft_scale=model.soft_scale,
     )
 
 

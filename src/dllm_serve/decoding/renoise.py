@@ -230,7 +230,9 @@ class RenoiseDecoder:
 
     ``soft_embedding`` maps probabilities ``[C, V]`` to the self-conditioning signal
     ``[C, d_model]`` (the model's ``probs @ E · √H``); ``vocab_size`` is the range of the
-    uniform draws (the embedding's rows, as transformers draws them).
+    uniform draws (the embedding's rows, as transformers draws them). Under tensor
+    parallelism ``soft_scale`` is the model's ``· √H`` of the product the ranks sum
+    (:meth:`sample`).
     """
 
     decoding_mode = "renoise"
@@ -245,6 +247,7 @@ class RenoiseDecoder:
         soft_embedding: Callable[[torch.Tensor], torch.Tensor],
         embedding_dtype: torch.dtype,
         mask_id: int = -1,
+        soft_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if canvas_length < 1 or vocab_size < 2:
             raise ValueError("a renoise canvas needs canvas_length >= 1 and vocab_size >= 2")
@@ -253,6 +256,7 @@ class RenoiseDecoder:
         self.vocab_size = vocab_size
         self.settings = settings
         self.soft_embedding = soft_embedding
+        self.soft_scale = soft_scale
         self.embedding_dtype = embedding_dtype
         self.mask_id = mask_id  # never drawn on purpose; only a client stop id is refused
         # Structured output: the model's grammar compiler (decoding/registry.py sets it where
@@ -341,10 +345,26 @@ class RenoiseDecoder:
         row's full-vocabulary work is ``[C, V]`` fp32 (268 MB for the released 256 × 262144)
         and the softmax, entropy and sort make a few such temporaries, so stacking rows would
         multiply the step's transient memory by the batch for no fewer FLOPs (vLLM tiles its
-        DiffusionGemma sampler over requests for the same reason)."""
+        DiffusionGemma sampler over requests for the same reason).
+
+        **Tensor parallelism** (the logits sharded by vocabulary): each denoising row's logits
+        are gathered whole on rank 0 (``ShardedLogits.dense``, one row at a time for the
+        memory reason above), and the dense code below runs on them unchanged, drawing from
+        the request's generator on rank 0, so a seeded request gives its TP = 1 answer. The
+        self-conditioning product ``softmax(ℓ) @ E`` is summed over the ranks, each holding
+        its vocabulary slice of the logits and of ``E`` (``engine/parallel/vocab.py``), then
+        scaled here; the signal reaches the workers with the row's next forward. Cost per
+        denoising row and step: the whole row, ``(N − 1)/N · C · V`` fp32 gathered to rank 0
+        (at TP 2 with the released 256 × 262144: 134 MB), plus ``(N − 1) · C · D`` for the
+        product and ``C · D`` sent back with the rows."""
         step = as_step_logits(logits)
-        if step.flat is None:
-            raise ValueError("the renoise sampler needs dense logits (no tensor parallelism)")
+        sharded = step.sharded if step.flat is None else None
+        soft_product = getattr(sharded, "soft_product", None)
+        if sharded is not None and (soft_product is None or self.soft_scale is None):
+            raise ValueError(
+                "the renoise sampler under tensor parallelism needs the logits' "
+                "self-conditioning product (soft_product) and the model's soft_scale"
+            )
         c, vocab = self.canvas_length, self.vocab_size
         device = step.device
         out = torch.zeros(len(states), 2 * c + 1, dtype=torch.long, device=device)
@@ -353,7 +373,9 @@ class RenoiseDecoder:
             if state.phase != DENOISE:  # a fresh canvas of uniform ids
                 out[r, :c] = torch.randint(0, vocab, (c,), generator=gen, device=device)
                 continue
-            processed = step.row(r) / state.temperatures[state.remaining]
+            row = step.row(r) if sharded is None else sharded.dense([r])[0, :c]
+            temperature = state.temperatures[state.remaining]
+            processed = row / temperature
             probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
             drawn = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
             argmax = processed.argmax(dim=-1)
@@ -368,9 +390,14 @@ class RenoiseDecoder:
             out[r, 2 * c] = self._stop(state, argmax, entropy)
             # The next step's self-conditioning: transformers casts the processed logits to the
             # embedding's dtype before its softmax (a no-op in fp32).
-            if self.embedding_dtype != torch.float32:
-                probs = torch.softmax(processed.to(self.embedding_dtype), -1, dtype=torch.float32)
-            state.soft = self.soft_embedding(probs)
+            cast = self.embedding_dtype if self.embedding_dtype != torch.float32 else None
+            if sharded is not None:
+                assert soft_product is not None and self.soft_scale is not None
+                state.soft = self.soft_scale(soft_product([r], [temperature], cast)[0, :c])
+            else:
+                if cast is not None:
+                    probs = torch.softmax(processed.to(cast), -1, dtype=torch.float32)
+                state.soft = self.soft_embedding(probs)
             if state.constraint is not None:
                 state.last_logits = processed  # the emitted canvas is projected with these
         return out

@@ -19,6 +19,7 @@ per row is a few C-level list extends, never a Python loop per token.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -211,7 +212,7 @@ class ModelRunner:
             return self.step_logits(batch, self.forward(batch))
         try:
             if self.parallel is not None:  # the workers build and run the same batch
-                self.parallel.send((RUN, rows, copies))
+                self.parallel.send((RUN, [_portable(row) for row in rows], copies))
             batch, width = self.build(rows)
             local = self.forward(batch).view(len(rows), width, -1)
             if self.tp.rank != 0:  # a worker: its greedy part, then keep the slice for more
@@ -220,7 +221,10 @@ class ModelRunner:
                 return local
             # Rank 0 samples the sharded logits without gathering them (parallel/vocab.py).
             traffic = self.parallel.traffic if self.parallel is not None else VocabTraffic()
-            logits = VocabShardedLogits(local, self.tp, self.parallel, traffic=traffic)
+            logits = VocabShardedLogits(
+                local, self.tp, self.parallel, traffic=traffic,
+                embedding_product=getattr(self.model, "soft_product", None),
+            )  # fmt: skip
             if self.mask_id is not None:
                 logits = logits.take_greedy(self.mask_id)
             return StepLogits.padded(logits)
@@ -230,7 +234,8 @@ class ModelRunner:
     def reduce(self, op: VocabOp, local: torch.Tensor) -> None:
         """A worker's part of one of rank 0's sampler reductions of the step's logits."""
         try:
-            gather_parts(apply(op, local, self.tp), self.tp)
+            product = getattr(self.model, "soft_product", None)
+            gather_parts(apply(op, local, self.tp, soft_product=product), self.tp)
         except (RuntimeError, OSError) as exc:
             self._collective_failed(exc)
 
@@ -585,6 +590,17 @@ class BatchPacker:
         table, _ = self._tables(g, pool.pages_for(keys.shape[0]), pool.zero_page)
         kv_slots = page_slots(table, keys, pool.page_size)
         return AttnGroup(g.start, g.rows, g.q_len, kv_slots=kv_slots, mask=mask)
+
+
+def _portable(row: RowSpec) -> RowSpec:
+    """``row`` as it is sent to the workers: a device ``model_input`` (DiffusionGemma's
+    self-conditioning signal, ``[C, d_model]``) travels in the pickled message through the
+    host (each worker's model moves it to its own device); a CUDA tensor pickled as it is
+    would be rebuilt on rank 0's device."""
+    value = row.model_input
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return dataclasses.replace(row, model_input=value.cpu())
+    return row
 
 
 def _row_attention(row: RowSpec, offset: int) -> RowAttention:

@@ -41,20 +41,30 @@ against it), ``docs/models.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dllm_serve.models.attention import AttnGroup, FlatBatch, RowInput, sdpa_by_group
+from dllm_serve.models.errors import ModelLoadError
 from dllm_serve.models.kv_pool import KVPool
 from dllm_serve.models.layers import MLP, Embedding, activate, fused_linear
 from dllm_serve.models.moe import MoE
+from dllm_serve.models.sharding import TPShard, embed_local
 from dllm_serve.models.transformer_config import MoEConfig, TransformerConfig
 
-__all__ = ["DiffusionGemmaConfig", "DiffusionGemmaModel", "GemmaLayerSpec", "GemmaRope"]
+__all__ = [
+    "DiffusionGemmaConfig",
+    "DiffusionGemmaModel",
+    "GemmaLayerSpec",
+    "GemmaRope",
+    "load_gemma_slice",
+]
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,33 @@ class DiffusionGemmaConfig(TransformerConfig):
                     f"num_attention_heads {self.n_heads} is not divisible by a layer's "
                     f"{spec.n_kv_heads} key/value heads"
                 )
+
+    def tp_fields(self, size: int) -> dict[str, Any]:
+        """The fields a tensor-parallel rank of ``size`` holds beyond the shared ones
+        (``sharding.shard_config`` merges them): each layer's K/V heads (divided, or one
+        replicated head where a layer has fewer than ``size``: the full layers' single K = V
+        head), the KV slot width of those local heads, and the self-conditioning MLP's width.
+        Raises :class:`ModelLoadError` naming what does not divide."""
+        layers = []
+        for i, spec in enumerate(self.layers):
+            kv = spec.n_kv_heads
+            if kv % size and size % kv:
+                raise ModelLoadError(
+                    f"--tensor-parallel-size {size} and layer {i}'s {kv} KV heads: one must "
+                    "divide the other"
+                )
+            layers.append(dataclasses.replace(spec, n_kv_heads=max(1, kv // size)))
+        if self.self_conditioning_size % size:
+            raise ModelLoadError(
+                f"--tensor-parallel-size {size} does not divide the model's self-conditioning "
+                f"width ({self.self_conditioning_size})"
+            )
+        return {
+            "layers": tuple(layers),
+            "n_kv_heads": 1,  # the pool's slot layout (module docstring), per rank
+            "head_dim": max(spec.kv_width for spec in layers),
+            "self_conditioning_size": self.self_conditioning_size // size,
+        }
 
 
 class GemmaRMSNorm(nn.Module):
@@ -246,7 +283,8 @@ class GemmaExperts(MoE):
 
     The checkpoint stores them stacked (``gate_up_proj`` ``[E, 2I, D]``, gate rows first, and
     ``down_proj`` ``[E, D, I]``), so they load as two parameters in that layout and
-    :meth:`fuse` turns them into :class:`MoE`'s input-major stacks (no per-expert modules)."""
+    :meth:`fuse` turns them into :class:`MoE`'s input-major stacks (no per-expert modules).
+    Under expert parallelism only this rank's experts (``cfg.local_experts``, from 0)."""
 
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         nn.Module.__init__(self)
@@ -257,7 +295,7 @@ class GemmaExperts(MoE):
         self.gate_up: nn.Parameter | None = None
         self.down: nn.Parameter | None = None
         self.grouped_refused = False
-        e, i = cfg.num_experts, cfg.expert_hidden_size
+        e, i = len(cfg.local_experts), cfg.expert_hidden_size
         self.gate_up_proj: nn.Parameter | None = nn.Parameter(torch.empty(e, 2 * i, d_model))
         self.down_proj: nn.Parameter | None = nn.Parameter(torch.empty(e, d_model, i))
 
@@ -313,6 +351,7 @@ class GemmaLayer(nn.Module):
         # transformers loads them apart, so a checkpoint whose two differ runs as trained.
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
+        self.tp: TPShard | None = None  # tensor parallelism (set_tensor_parallel)
 
     def forward_flat(
         self,
@@ -328,10 +367,19 @@ class GemmaLayer(nn.Module):
         attended = self.self_attn.forward_flat(
             self.input_layernorm(h), cos, sin, batch, pool_kv, masks
         )
+        if self.tp is not None:  # row-parallel o_proj: a partial sum, completed before the norm
+            self.tp.all_reduce(attended)
         h = h + self.post_attention_layernorm(attended)
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        dense = self.mlp(self.pre_feedforward_layernorm(h))
         weights, ids = self.router(h)  # routed on the raw residual, not the normed input
         routed = self.experts.mix(self.pre_feedforward_layernorm_2(h), weights, ids)
+        if self.tp is not None:
+            # Both are partial sums (row-parallel down_proj; this rank's experts or expert
+            # slices) and each is normed on its own, so both are completed first: in one
+            # all-reduce of the two side by side rather than two.
+            both = self.tp.all_reduce(torch.cat((dense, routed), dim=-1))
+            dense, routed = both.split(h.shape[-1], dim=-1)
+        dense = self.post_feedforward_layernorm_1(dense)
         h = h + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(routed))
         if isinstance(decoder, bool):
             scalar = self.layer_scalar if decoder else self.encoder_layer_scalar
@@ -349,18 +397,34 @@ class SelfConditioning(nn.Module):
         self.pre_norm = GemmaRMSNorm(d_model, eps)
         self.post_norm = GemmaRMSNorm(d_model, eps, with_weight=False)
         self.mlp = MLP(d_model, hidden, "gelu_tanh")
+        self.tp: TPShard | None = None  # the MLP is column/row-parallel under TP
 
     def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
         if soft is None:  # the first step of a canvas: zeros in, zeros out (no biases)
             return self.post_norm(embeds)
-        return self.post_norm(embeds + self.mlp(self.pre_norm(soft)))
+        fed = self.mlp(self.pre_norm(soft))
+        if self.tp is not None:  # row-parallel down_proj: complete the sum before the norm
+            self.tp.all_reduce(fed)
+        return self.post_norm(embeds + fed)
 
 
 class DiffusionGemmaModel(nn.Module):
     """The DiffusionGemma text network (module docstring) behind the serving runtime's
     :class:`FlatBatch` interface: causal rows are encoder passes, bidirectional rows decoder
     passes; a decoder row's ``model_input`` is its self-conditioning soft embedding
-    ``[canvas, d_model]`` (None on a canvas' first step)."""
+    ``[canvas, d_model]`` (None on a canvas' first step).
+
+    Tensor parallelism (:meth:`set_tensor_parallel`; built from ``sharding.shard_config``'s
+    local config, weights from :func:`load_gemma_slice`): attention heads column-parallel on
+    sliding and full layers alike (each rank its query heads and their K/V heads, a layer's
+    K/V head replicated where it has fewer than the ranks, as the full layers' single K = V
+    head), ``o_proj`` row-parallel; the dense GeGLU and the self-conditioning MLP gate/up
+    column- and down row-parallel; the routed experts sliced like the MLP or split whole over
+    the ranks (expert parallelism), the router replicated. Every partial sum is all-reduced
+    before the norm that follows it (three all-reduces a layer: attention, and the dense and
+    routed outputs together). The embedding is vocab-parallel (all-reduced), so the tied LM
+    head gives this rank's vocabulary slice of the logits, soft-capped elementwise; the KV pool
+    holds this rank's K/V heads."""
 
     needs_row_inputs = True  # the ModelRunner puts FlatBatch.row_inputs in every batch
 
@@ -378,15 +442,19 @@ class DiffusionGemmaModel(nn.Module):
         self._inv_freq = {spec.sliding: spec.rope.inv_freq(spec.head_dim) for spec in config.layers}
         # The frequencies on each device they were asked for (one copy, not one per forward).
         self._inv_freq_on: dict[tuple[torch.device, bool], torch.Tensor] = {}
-        self.tp = None  # tensor parallelism is not implemented for this family
+        self.tp: TPShard | None = None
 
     @staticmethod
     def keeps_fp32(name: str) -> bool:
         """No parameter stays fp32: transformers runs the router in the model's dtype too."""
         return False
 
-    def set_tensor_parallel(self, shard: object) -> None:
-        raise ValueError("DiffusionGemma does not run under tensor parallelism")
+    def set_tensor_parallel(self, shard: TPShard) -> None:
+        """Make this (sharded) model one rank of a tensor-parallel group (class docstring)."""
+        self.tp = shard
+        for layer in self.layers:
+            layer.tp = shard
+        self.self_conditioning.tp = shard
 
     def fuse_projections(self) -> DiffusionGemmaModel:
         """Fuse the dense MLPs' gate/up and stack the experts for the grouped path."""
@@ -398,16 +466,32 @@ class DiffusionGemmaModel(nn.Module):
         return self
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """``embed_tokens(ids) · √H``, the scale rounded to the weight's dtype (transformers)."""
+        """``embed_tokens(ids) · √H``, the scale rounded to the weight's dtype (transformers);
+        vocab-parallel under tensor parallelism (the rows summed over the ranks, exactly)."""
         weight = self.embed_tokens.weight
-        return self.embed_tokens(ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+        if self.tp is None:
+            rows = self.embed_tokens(ids)
+        else:
+            rows = embed_local(self.embed_tokens, ids, self.tp)
+        return rows * torch.tensor(self.embed_scale, dtype=weight.dtype)
 
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
         """The self-conditioning signal ``probs @ E · √H`` for probabilities ``[..., V]``
-        (the previous step's tempered softmax), in the model's dtype."""
+        (the previous step's tempered softmax), in the model's dtype (one process only: under
+        tensor parallelism each rank holds ``V / N`` rows of ``E`` and the sampler sums
+        :meth:`soft_product` over the ranks, then :meth:`soft_scale`)."""
+        return self.soft_scale(self.soft_product(probs))
+
+    def soft_product(self, probs: torch.Tensor) -> torch.Tensor:
+        """``probs @ E`` over the embedding rows this process holds: probabilities ``[..., V_r]``
+        of those vocabulary ids (all of them without tensor parallelism)."""
         weight = self.embed_tokens.weight
-        scale = torch.tensor(self.embed_scale, dtype=weight.dtype)
-        return (probs.to(weight.dtype) @ weight) * scale
+        return probs.to(weight.dtype) @ weight
+
+    def soft_scale(self, product: torch.Tensor) -> torch.Tensor:
+        """``product · √H`` in the model's dtype: the last factor of :meth:`soft_embedding`."""
+        weight = self.embed_tokens.weight
+        return product.to(weight.dtype) * torch.tensor(self.embed_scale, dtype=weight.dtype)
 
     def forward_flat(self, batch: FlatBatch, pool: KVPool | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[N, D]`` at ``batch.logits_index``."""
@@ -470,7 +554,8 @@ class DiffusionGemmaModel(nn.Module):
                         f"a decoder row of {r.length} tokens got a self-conditioning input of "
                         f"shape {tuple(soft.shape)}"
                     )
-                soft_parts.append(soft.to(x.dtype))
+                # to(device): under tensor parallelism a worker receives it with the step's rows.
+                soft_parts.append(soft.to(device=x.device, dtype=x.dtype))
                 any_soft = True
         soft_all = None
         if any_soft:
@@ -543,3 +628,59 @@ class DiffusionGemmaModel(nn.Module):
         if g.mask is not None:  # causal and/or the key columns past a shorter prefix
             visible = visible & g.mask
         return visible
+
+
+def _gemma_kv_heads(spec: GemmaLayerSpec, shard: TPShard) -> tuple[int, int]:
+    """``(first, count)`` of the K/V heads of layer ``spec`` that ``shard`` holds: an equal
+    share, or the one head its query heads read where the layer has fewer heads than ranks."""
+    kv, size = spec.n_kv_heads, shard.size
+    if kv >= size:
+        return shard.rank * (kv // size), kv // size
+    return shard.rank // (size // kv), 1
+
+
+def load_gemma_slice(
+    handle: Any, tensor: str, ours: str, tcfg: TransformerConfig, shard: TPShard
+) -> torch.Tensor:
+    """This rank's part of checkpoint ``tensor`` (our parameter ``ours``, full config
+    ``tcfg``) from an open safetensors ``handle``, reading only that part (the layout in
+    :class:`DiffusionGemmaModel`'s docstring).
+
+    Rows of q/k/v and of the MLPs' gate/up (dim 0), columns of ``o_proj`` and the down
+    projections (dim 1), rows of the embedding; the stacked experts ``gate_up_proj``
+    ``[E, 2I, D]`` (gate rows then up rows) and ``down_proj`` ``[E, D, I]`` by whole experts
+    under expert parallelism, else the rank's ``I / N`` of each expert (its gate rows *and*
+    its up rows). Everything else (norms, router, scalars) is whole on every rank."""
+    assert isinstance(tcfg, DiffusionGemmaConfig)
+    view = handle.get_slice(tensor)
+    full = tuple(view.get_shape())
+    rank, size = shard.rank, shard.size
+    parts = ours.split(".")
+    module = parts[-2] if ours.endswith(".weight") else parts[-1]
+
+    def cut(whole: int) -> tuple[int, int]:
+        part = whole // size
+        return rank * part, (rank + 1) * part
+
+    if ".experts." in ours:
+        moe = tcfg.moe
+        assert moe is not None
+        if shard.expert_parallel:
+            local = dataclasses.replace(moe, expert_ranks=(rank, size)).local_experts
+            return view[local.start : local.stop]
+        a, b = cut(moe.expert_hidden_size)
+        if module == "gate_up_proj":
+            i = moe.expert_hidden_size
+            return torch.cat((view[:, a:b], view[:, i + a : i + b]), dim=1)
+        return view[:, :, a:b]  # down_proj [E, D, I]
+    if module in ("k_proj", "v_proj"):
+        spec = tcfg.layers[int(parts[1])]
+        first, count = _gemma_kv_heads(spec, shard)
+        return view[first * spec.head_dim : (first + count) * spec.head_dim]
+    if module in ("q_proj", "gate_proj", "up_proj", "embed_tokens"):
+        a, b = cut(full[0])
+        return view[a:b]
+    if module in ("o_proj", "down_proj"):
+        a, b = cut(full[1])
+        return view[:, a:b]
+    return handle.get_tensor(tensor)

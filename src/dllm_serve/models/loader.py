@@ -29,7 +29,7 @@ from dllm_serve.models.checkpoint_files import (
     read_json,
     weight_files,
 )
-from dllm_serve.models.diffusion_gemma import DiffusionGemmaConfig
+from dllm_serve.models.diffusion_gemma import DiffusionGemmaConfig, load_gemma_slice
 from dllm_serve.models.errors import ChatTemplateError, InsufficientMemoryError, ModelLoadError
 from dllm_serve.models.families import Family, UnsupportedModelError, family_for
 from dllm_serve.models.hub import EMBEDDED_MODELS, resolve_model_path
@@ -206,8 +206,10 @@ def _load_weights(
         local = (
             model
             if tp is None
-            else DecoderTransformer(shard_config(tcfg, tp.size, tp.rank, tp.expert_parallel))
+            else build_network(shard_config(tcfg, tp.size, tp.rank, tp.expert_parallel))
         )
+    # DiffusionGemma's per-layer head shapes and stacked experts have slicing rules of their own.
+    slicer = load_gemma_slice if isinstance(tcfg, DiffusionGemmaConfig) else load_slice
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     # Our name of each checkpoint tensor on this rank (None: another rank's expert).
     mine = {n: ours if tp is None else local_name(ours, tcfg, tp) for n, ours in expected.items()}
@@ -232,9 +234,7 @@ def _load_weights(
                         continue  # an expert another rank holds (expert parallelism)
                     # The MoE router stays fp32 (routing is computed in fp32).
                     want = torch.float32 if model.keeps_fp32(ours) else dtype
-                    value = (
-                        f.get_tensor(name) if tp is None else load_slice(f, name, ours, tcfg, tp)
-                    )
+                    value = f.get_tensor(name) if tp is None else slicer(f, name, ours, tcfg, tp)
                     state[mine[name]] = value.to(device=device, dtype=want)
                     bar.update(value.numel() * item)
     if wrong:
@@ -291,8 +291,6 @@ def load_model(
         edit_token_ids = family.edit_tokens(config, tcfg.vocab_size, ids["mask_id"])
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{path}: {e}") from None
-    if shard is not None and isinstance(tcfg, DiffusionGemmaConfig):
-        raise ModelLoadError(f"{family.name} does not run under tensor parallelism; use one device")
     # A tensor-parallel rank needs memory for its shard only (and an unshardable model is
     # refused here, before any weight is read).
     local = tcfg if shard is None else shard_config(tcfg, shard.size, 0, shard.expert_parallel)

@@ -100,14 +100,18 @@ def shard_config(
             expert_hidden_size=moe.expert_hidden_size // (1 if expert_parallel else size),
             expert_ranks=(rank, size) if expert_parallel else (0, 1),
         )
-    return dataclasses.replace(
-        tcfg,
-        n_heads=tcfg.n_heads // size,
-        n_kv_heads=max(1, kv // size),
-        mlp_hidden_size=tcfg.mlp_hidden_size // size,
-        vocab_size=tcfg.vocab_size // size,
-        moe=moe,
-    )
+    fields: dict[str, Any] = {
+        "n_heads": tcfg.n_heads // size,
+        "n_kv_heads": max(1, kv // size),
+        "mlp_hidden_size": tcfg.mlp_hidden_size // size,
+        "vocab_size": tcfg.vocab_size // size,
+        "moe": moe,
+    }
+    # A stack with per-layer attention shapes (DiffusionGemma) divides those itself.
+    tp_fields = getattr(tcfg, "tp_fields", None)
+    if tp_fields is not None:
+        fields.update(tp_fields(size))
+    return dataclasses.replace(tcfg, **fields)
 
 
 def local_name(ours: str, tcfg: TransformerConfig, shard: TPShard) -> str | None:

@@ -44,12 +44,25 @@ sample at TP = N is exactly the sample at TP = 1. Rows whose rule needs the whol
 distribution (speculative verification, inverse-CDF samples at T > 0, and the rows under a
 structured-output grammar, whose mask and lookahead run on dense logits:
 ``decoding/sampler.py`` ``sample_split``) gather just those rows (:meth:`ShardedLogits.dense`).
+
+**Self-conditioning** (DiffusionGemma, :meth:`VocabShardedLogits.soft_product`): a denoising
+row's next input is ``softmax(z / T) @ E`` over the whole vocabulary, and each rank holds the
+logits *and* the embedding rows of its slice, so the product is a sum over the ranks of
+``softmax(z / T)[slice r] @ E_r``. The softmax's normaliser is the whole row's: each rank
+reduces its slice to ``max`` and ``Σ exp(z − max)``, two all-reduces make them global, and
+each rank's probabilities are ``exp(z − M) / S`` as the dense softmax computes them. Rank 0
+sums the ``[C, D]`` parts in rank order (in fp32). Only rounding differs from the dense
+product: the order of the sums, and in half precision each rank's part is rounded to the
+model's dtype before the sum. Cost per
+denoising row and step: two all-reduces of ``C`` floats and one gather of ``(N − 1) · C · D``
+floats, against the whole row's ``(N − 1)/N · C · V`` of the dense gather the renoise sampler
+makes anyway.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -128,13 +141,17 @@ class VocabOp:
 
     ``rows``: the step's rows it reads (None: all). ``propose`` returns proposal statistics
     (``mask_id``; ``draws``: ``(row, count, temperature, generator state)`` for the rows that
-    sample, ``row`` an index into ``rows``); ``dense`` returns the rows' logits.
+    sample, ``row`` an index into ``rows``); ``dense`` returns the rows' logits; ``soft``
+    returns this rank's part of each row's self-conditioning product at the row's
+    ``temperatures`` (``cast``: the dtype the tempered logits are rounded to first).
     """
 
-    kind: str  # "propose" | "dense"
+    kind: str  # "propose" | "dense" | "soft"
     rows: tuple[int, ...] | None = None
     mask_id: int = -1
     draws: tuple[tuple[int, int, float, torch.Tensor], ...] = ()
+    temperatures: tuple[float, ...] = ()
+    cast: torch.dtype | None = None
 
 
 def apply(
@@ -142,14 +159,20 @@ def apply(
     local: torch.Tensor,
     shard: TPShard,
     generators: dict[int, torch.Generator] | None = None,
+    soft_product: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """This rank's part of ``op`` on its slice ``local`` ``[R, M, V / N]``; ``generators``
     (rank 0) are the live generators of the sampling rows, advanced by the draw; the other
-    ranks rebuild each from the state carried by the op."""
+    ranks rebuild each from the state carried by the op. ``soft_product``: the model's
+    ``probs @ E_r`` over this rank's embedding rows (a ``soft`` op needs it)."""
     if op.rows is not None:
         local = local.index_select(0, to_device(op.rows, local.device))
     if op.kind == "dense":
         return local.contiguous()
+    if op.kind == "soft":
+        if soft_product is None:
+            raise ValueError("a self-conditioning reduction needs the model's soft_product")
+        return soft_part(local, op.temperatures, op.cast, shard, soft_product)
     rows, width, vocab = local.shape
     offset = shard.rank * vocab
     z = local.float()
@@ -171,6 +194,30 @@ def apply(
         for j, noise in enumerate(gumbel_keys(z[row, :count], temperature, uniforms)):
             keys[row * width + j] = noise
     return shard_statistics(z.view(rows * width, vocab), offset, keys).view(rows, width, -1)
+
+
+def soft_part(
+    local: torch.Tensor,
+    temperatures: Sequence[float],
+    cast: torch.dtype | None,
+    shard: TPShard,
+    soft_product: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """This rank's ``softmax(z / T)[slice] @ E_r`` ``[R, M, D]`` (fp32) for its slice ``local``
+    ``[R, M, V / N]`` of the rows' logits, row ``i`` at ``temperatures[i]`` (the module
+    docstring). Every rank must call it together: its two all-reduces make the normaliser the
+    whole vocabulary's."""
+    t = torch.tensor(temperatures, dtype=torch.float32, device=local.device)[:, None, None]
+    # Elementwise, so each rank's tempered logits are bit for bit the dense row's columns.
+    z = local.float() / t
+    if cast is not None:  # the dense sampler's softmax reads the logits in the model's dtype
+        z = z.to(cast).float()
+    top = z.amax(dim=-1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=shard.group)
+    e = torch.exp(z - top.unsqueeze(-1))
+    total = e.sum(dim=-1)
+    dist.all_reduce(total, group=shard.group)
+    return soft_product(e / total.unsqueeze(-1)).float()
 
 
 def reduce_greedy(local: torch.Tensor, shard: TPShard, mask_id: int) -> None:
@@ -201,6 +248,9 @@ class VocabShardedLogits:
     # The greedy proposals of every row (the model's mask id excluded), reduced by every rank
     # right after the forward (:meth:`take_greedy`): what most steps need, with no message.
     greedy_of: tuple[int, Proposals] | None = None
+    # The model's ``probs @ E_r`` over this rank's embedding rows (DiffusionGemma's
+    # self-conditioning, :meth:`soft_product`); None for the other families.
+    embedding_product: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def take_greedy(self, mask_id: int) -> VocabShardedLogits:
         """Rank 0's part of :func:`reduce_greedy`, which every rank runs right after the
@@ -276,6 +326,33 @@ class VocabShardedLogits:
         parts = self._collect(op, apply(op, self.local, self.shard))
         self.traffic.dense_rows += len(rows)
         return torch.cat(parts, dim=-1)
+
+    def soft_product(
+        self, rows: Sequence[int], temperatures: Sequence[float], cast: torch.dtype | None
+    ) -> torch.Tensor:
+        """``softmax(z / T) @ E`` ``[len(rows), M, D]`` (fp32, on rank 0) over the whole
+        vocabulary for ``rows`` of the step's logits, row ``i`` at ``temperatures[i]`` (the
+        module docstring): each rank's part summed in rank order."""
+        if self.embedding_product is None:
+            raise ValueError("this model has no self-conditioning product")
+        view = self.select_rows(rows)
+        op = VocabOp("soft", view.rows, temperatures=tuple(temperatures), cast=cast)
+        # Announced before rank 0 computes its own part: the part's all-reduces need every
+        # rank in them (the other ops compute first, so that a bad argument fails alone).
+        if self.group is not None:
+            self.group.send((REDUCE, op))
+        try:
+            mine = apply(op, self.local, self.shard, soft_product=self.embedding_product)
+        except (RuntimeError, OSError) as exc:  # an all-reduce failed: a rank is gone
+            if self.group is not None:
+                self.group.fail(f"tensor-parallel collective failed: {exc}")
+            raise
+        parts = self._collect(None, mine)
+        self.traffic.collectives += 2  # the normaliser's two all-reduces
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
 
     def _collect(self, op: VocabOp | None, mine: torch.Tensor) -> list[torch.Tensor]:
         """Announce ``op`` (None: the ranks run it unasked, :func:`reduce_greedy`), then
