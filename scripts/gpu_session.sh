@@ -18,14 +18,16 @@
 # archive, $OUT/gpu_session.tgz, re-packed after each step (a step killed by its timeout
 # keeps what the earlier ones wrote), beside the whole console log in $OUT/session.log.
 set -u
-# The lent machine has torch/transformers/safetensors but not uuid6: carry its wheel in .whl/.
+# The lent machine has torch/transformers/safetensors but not uuid6 nor llguidance (the
+# structured-output GPU tests skip without it): carry their wheels in .whl/
+# (pip download uuid6 llguidance --no-deps -d .whl).
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
 # Without uuid6 every step below fails: stop now, before any device time is spent on it.
 python3 -c "import uuid6" || {
-  echo "uuid6 is missing: run 'pip download uuid6 --no-deps -d .whl' here, then carry .whl" >&2
+  echo "uuid6 is missing: run 'pip download uuid6 llguidance --no-deps -d .whl' here, then carry .whl" >&2
   exit 1
 }
 export OUT="${OUT:-/tmp/gpu-out}"; mkdir -p "$OUT"
