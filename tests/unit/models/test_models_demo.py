@@ -20,6 +20,12 @@ from dllm_serve_train.tasks import STRATA, held_out_additions, held_out_phrasing
 FAMILIES = {"demo-llada": "llada", "demo-idlm": "sdar"}
 
 
+def at_canvases(scores: dict[str, float]) -> dict[str, float]:
+    """A report's held-out scores keyed ``task@canvas``: a run without ``--eval-canvases``
+    evaluates at its default canvas (32 for the demos) and writes the bare task names."""
+    return {k if "@" in k else f"{k}@32": v for k, v in scores.items()}
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_demo_checkpoint_format_size_and_card(name: str) -> None:
     path = Path(EMBEDDED_MODELS[name])
@@ -31,7 +37,7 @@ def test_demo_checkpoint_format_size_and_card(name: str) -> None:
     report = json.loads((path / "training_report.json").read_text())
     assert card.startswith(f"# {name}\n")
     assert report["command"] in card
-    scores = report["held_out_exact_match"]
+    scores = at_canvases(report["held_out_exact_match"])
     canvases = sorted({int(k.rsplit("@", 1)[1]) for k in scores}, key=int)  # those evaluated
     assert 32 in canvases
     for name in report["held_out_counts"]:  # every held-out score of the report is in the card
@@ -48,7 +54,7 @@ def test_llm_default_model_is_demo_llada() -> None:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_demo_answers_held_out_questions_at_default_settings(name: str) -> None:
     report = json.loads((Path(EMBEDDED_MODELS[name]) / "training_report.json").read_text())
-    scores = report["held_out_exact_match"]
+    scores = at_canvases(report["held_out_exact_match"])
     sets = {f"addition_{s}": held_out_additions(s, 12) for s in STRATA}
     sets["reverse_word"] = held_out_set(12, task="reverse_word")
     with LLM(name, device="cpu", dtype="float32") as llm:
@@ -112,8 +118,9 @@ TYPED = [
 
 # Issue 39's bar, not met yet (docs/training.md): demo-llada answers the typed prompts, also
 # after a system prompt or an earlier turn, but 9 of these 12 held-out phrased additions (84%
-# of 200 through the server); demo-idlm and demo-trimode were not retrained for how people
-# ask. Strict: the day a retrained demo passes, this marker must go.
+# of 200 through the server); demo-idlm, retrained, misses reversals in unseen phrasings (41%)
+# and `Reverse the word hello` (no period); demo-trimode was not retrained for how people ask.
+# Strict: the day a retrained demo passes, this marker must go.
 NOT_YET = pytest.mark.xfail(strict=True, reason="issue 39: the demos do not meet this bar yet")
 
 

@@ -136,7 +136,7 @@ def test_card_states_what_the_run_did_not_a_fixed_recipe(tmp_path: Path) -> None
     )
     write_model_card(out, "demo-x", "llada", report)
     card = (out / "README.md").read_text()
-    assert "sets `max_new_tokens`\n  16, the server" in card and "as the 16-token one is" in card
+    assert "sets `max_new_tokens` 16, the server" in card and "as the 16-token one is" in card
     assert "max_new_tokens` 32" not in card
     assert "a canvas of 64 to 1024 positions" in card
     assert "lower learning rate" not in card and "learning rate and seed are in its command" in card
