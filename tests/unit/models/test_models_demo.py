@@ -116,16 +116,19 @@ TYPED = [
 ]
 
 
-# Issue 39's bar, not met yet (docs/training.md): demo-llada answers the typed prompts, also
-# after a system prompt or an earlier turn, but 9 of these 12 held-out phrased additions (84%
-# of 200 through the server); demo-idlm, retrained, misses reversals in unseen phrasings (41%)
-# and `Reverse the word hello` (no period); demo-trimode was not retrained for how people ask.
-# Strict: the day a retrained demo passes, this marker must go.
-NOT_YET = pytest.mark.xfail(strict=True, reason="issue 39: the demos do not meet this bar yet")
+# Issue 39's bar (docs/training.md): demo-llada meets it here (every typed prompt, also after a
+# system prompt or an earlier turn, and 10+ of these 12 per held-out set); demo-idlm, retrained,
+# misses reversals in unseen phrasings (41% of 200) and `Reverse the word hello` (no period);
+# demo-trimode was not retrained for how people ask. Strict: the day a retrained demo passes,
+# its marker must go.
+NOT_YET = pytest.mark.xfail(strict=True, reason="issue 39: this demo does not meet the bar yet")
 
 
-@NOT_YET
-@pytest.mark.parametrize("name", DEMOS)
+@pytest.mark.parametrize(
+    "name",
+    ["demo-llada", pytest.param("demo-idlm", marks=NOT_YET),
+     pytest.param("demo-trimode", marks=NOT_YET)],
+)  # fmt: skip
 def test_demo_understands_how_people_ask(name: str) -> None:
     """The issue's prompts, a dozen held-out phrasings per task (at least 10 of 12 right, the
     cards report 90%+ on 200), and a system prompt or an earlier turn that change nothing."""
