@@ -150,7 +150,13 @@ def answers(llm: LLM, params: list[DecodingParams]) -> list[tuple[str, str | Non
     return [(c.text, c.finish_reason, c.nfe) for c in llm.generate(chats, params)]
 
 
-@pytest.mark.parametrize("ep", [False, True], ids=["experts-sliced", "expert-parallel"])
+# Expert parallelism, structured output and the server at TP 2 run under -m slow (the default
+# suite keeps the forward and the sliced-experts answers: the suite's 10-minute budget).
+@pytest.mark.parametrize(
+    "ep",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["experts-sliced", "expert-parallel"],
+)
 def test_tp2_answers_as_tp1(tiny: Path, ep: bool) -> None:
     """Three seeded requests in one batch, two canvases each (commits and several denoising
     steps): the same answers at TP = 2; each denoising row was gathered whole once per step."""
@@ -183,6 +189,7 @@ SCHEMA = {
 }
 
 
+@pytest.mark.slow
 def test_tp2_structured_output_answers_as_tp1(tmp_path: Path) -> None:
     """Under tensor parallelism the renoise sampler still enforces ``response_format``: it
     projects each emitted canvas with the rows it gathered whole on rank 0. Seeded answers
@@ -207,6 +214,7 @@ def test_tp2_structured_output_answers_as_tp1(tmp_path: Path) -> None:
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+@pytest.mark.slow
 def test_server_at_tp2_answers_as_tp1(tiny: Path, tmp_path: Path) -> None:
     """Through ``dllm-serve --tensor-parallel-size 2`` and the openai SDK: a seeded chat answer
     (whole and streamed) equals the offline TP = 1 answer."""

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from editing_support import SETTINGS, TAU_MASK, prompts
 
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.block_diffusion import BlockDiffusionDecoder, BlockState
@@ -37,11 +38,6 @@ from dllm_serve_train.tiny_checkpoints import write_tiny_llada2, write_tiny_sdar
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # The tiny random model is nearly uniform over its 768 tokens (top probabilities ≈ 0.002), so
-# τ_mask 0.002 commits several masks in some steps and one in others, and its argmax at a
-# committed position often moves as the block fills in: edits fire.
-TAU_MASK = 0.002
-
-
 # ---- the rule on scripted confidences ----------------------------------------------------------
 
 
@@ -175,22 +171,6 @@ def llada2_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="module")
 def reference_model(llada2_dir: Path) -> LoadedModel:
     return load_model(str(llada2_dir), device="cpu", dtype="float32")
-
-
-def prompts(b: int) -> list[list[int]]:
-    """Prompt lengths ≡ 0, 1 and B-1 (mod B), and shorter than a block."""
-    return [list(range(11, 11 + n)) for n in (2 * b, 2 * b + 1, 2 * b - 1, 2)]
-
-
-SETTINGS = {
-    # S mode's edit threshold (any different argmax is an edit), budget 16 and a tight 2.
-    "s-mode": {"confidence_threshold": TAU_MASK, "edit_threshold": 0.0},
-    "budget-2": {"confidence_threshold": TAU_MASK, "edit_threshold": 0.0, "max_post_edit_steps": 2},
-    # τ_mask left at its default (0.5: always the top-1 fallback here), edits above 0.0021.
-    "default-mask": {"edit_threshold": 0.0021},
-    "no-post-steps": {"confidence_threshold": TAU_MASK, "edit_threshold": 0.0,
-                      "max_post_edit_steps": 0},
-}  # fmt: skip
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

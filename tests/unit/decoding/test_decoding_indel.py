@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from editing_support import SETTINGS, TAU_MASK, prompts
 from safetensors.torch import load_file, save_file
 
 from dllm_serve.config import EngineConfig
@@ -360,21 +361,6 @@ def indel_loop(
         if ended:
             return tokens, forwards, edit_tokens
     return answer()[0], forwards, edit_tokens
-
-
-def prompts(b: int) -> list[list[int]]:
-    """Prompt lengths ≡ 0, 1 and B-1 (mod B), and shorter than a block."""
-    return [list(range(11, 11 + n)) for n in (2 * b, 2 * b + 1, 2 * b - 1, 2)]
-
-
-TAU_MASK = 0.002  # the tiny model is nearly uniform: several masks per step in some steps
-SETTINGS = {
-    "s-mode": {"confidence_threshold": TAU_MASK, "edit_threshold": 0.0},
-    "budget-2": {"confidence_threshold": TAU_MASK, "edit_threshold": 0.0, "max_post_edit_steps": 2},
-    "default-mask": {"edit_threshold": 0.0021},
-    "no-post-steps": {"confidence_threshold": TAU_MASK, "edit_threshold": 0.0,
-                      "max_post_edit_steps": 0},
-}  # fmt: skip
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

@@ -64,7 +64,10 @@ def check_valid(text: str, schema: dict) -> None:
     jsonschema.validate(json.loads(text), schema)
 
 
-@pytest.mark.parametrize("rule", ["topk", "threshold", "sampled"])
+# Sampled rows also run in test_batched_equals_solo (T = 0.7); this sweep of them is -m slow.
+@pytest.mark.parametrize(
+    "rule", ["topk", "threshold", pytest.param("sampled", marks=pytest.mark.slow)]
+)
 def test_every_answer_validates(llm: LLM, rule: str) -> None:
     """All schemas, batched in one call: 100 % parse and validate, and each ends with a stop
     id the grammar accepted (finish_reason stop, not a truncation)."""
@@ -371,7 +374,7 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
         yield model
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_diffusion_gemma_answers_validate(gemma: LLM, seed: int) -> None:
     """The renoise sampler's emitted canvases are projected onto the grammar: every schema's
     answer parses, validates and ends with a stop id the grammar accepted."""
