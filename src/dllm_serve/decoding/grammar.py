@@ -117,8 +117,19 @@ def tool_call_grammar(
 
     ``markers``: the ids of ``<tool_call>`` and ``</tool_call>`` where the tokenizer has them
     as single tokens (Qwen's vocabularies, which encode the text as those tokens and which
-    llguidance treats as special tokens); None: the markers are spelled as text."""
-    schema = dict(call_schema)
+    llguidance treats as special tokens); None: the markers are spelled as text. Cached by
+    the schema's text, as :func:`schema_grammar` is: an agent sends the same tools with every
+    turn, and the API builds this on its request path."""
+    try:
+        key = json.dumps(call_schema)  # key order kept: it is the order the JSON is written in
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise GrammarError(f"the tools' schemas cannot be read: {exc}") from exc
+    return _tool_call_grammar(key, parallel, markers)
+
+
+@functools.lru_cache(maxsize=256)
+def _tool_call_grammar(key: str, parallel: bool, markers: tuple[int, int] | None) -> str:
+    schema = json.loads(key)
     schema.setdefault("x-guidance", dict(_JSON_OPTIONS))
     call_json = "%json " + json.dumps(schema)
     text = "TEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/"
