@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dllm_serve.api.parameters import decoding_params
 from dllm_serve.api.protocol import ChatCompletionRequest
-from dllm_serve.api.rules import decoding_params
 from dllm_serve.config import EngineConfig
 from dllm_serve.decoding.params import DecodingParams
 from dllm_serve.llm import LLM

@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from dllm_serve.api.errors import APIError, invalid, unavailable
+from dllm_serve.api.messages import messages_of
+from dllm_serve.api.parameters import decoding_params, round_up_to_blocks
 from dllm_serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from dllm_serve.api.rules import (
     BLOCK,
@@ -34,12 +36,9 @@ from dllm_serve.api.rules import (
     check_commit_rule,
     check_decoding_mode,
     check_editing,
-    decoding_params,
-    messages_of,
     reject_autoregressive_fields,
     reject_noop_fields,
     reject_unavailable_fields,
-    round_up_to_blocks,
 )
 from dllm_serve.api.tools import ToolSpec, parser_for, tool_spec
 from dllm_serve.decoding.grammar import GrammarError
