@@ -31,7 +31,7 @@ one too), so with the same seed a request gives the answer ``generate`` gives af
 model's own; what a constrained request emits is the last step's canvas *projected onto the
 grammar*, left to right: each position keeps its argmax where the grammar allows it and the
 text cannot end there, and otherwise takes the first token of the best grammar-valid fill of
-the next :data:`~dllm_serve.decoding.blocks.LOOKAHEAD_DEPTH` positions under that step's
+the next :data:`~dllm_serve.decoding.structured.LOOKAHEAD_DEPTH` positions under that step's
 log-probabilities (the lookahead of the masked decoders, so a token that completes the text
 competes through the stop id it enables). Every emitted token is consumed by the request's
 matcher before it joins the answer and before its canvas is encoded as context, so the answer
@@ -54,7 +54,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_serve.decoding.blocks import LOOKAHEAD_DEPTH, beam_fill
 from dllm_serve.decoding.grammar import Constraint, TokenGrammar, request_constraint
 from dllm_serve.decoding.params import DecodingParams, request_stop_ids
 from dllm_serve.decoding.protocol import (
@@ -66,6 +65,7 @@ from dllm_serve.decoding.protocol import (
     as_step_logits,
 )
 from dllm_serve.decoding.sampler import new_generator
+from dllm_serve.decoding.structured import LOOKAHEAD_DEPTH, beam_fill
 from dllm_serve.models.kv_pool import KVPages
 
 PREFILL, DENOISE, COMMIT = "prefill", "denoise", "commit"  # what the next forward does

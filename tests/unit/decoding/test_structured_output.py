@@ -501,14 +501,14 @@ def test_constraint_accepts_the_longest_valid_prefix_and_stops_only_when_complet
 
 
 def test_lookahead_closes_what_masking_would_extend(tmp_path: Path) -> None:
-    """The beam over the block window (blocks.beam_fill) on synthetic log-probabilities:
+    """The beam over the block window (structured.beam_fill) on synthetic log-probabilities:
     after ``{"sum":4`` position 0 prefers a digit and ``}`` is unlikely, but every later
     position wants the stop id. Plain masking (argmax at position 0) takes the digit; the
     lookahead fills ``}`` then EOS, which beats eight more unlikely digits. With a window of
     one position it is plain masking again."""
     import numpy as np
 
-    from dllm_serve.decoding.blocks import beam_fill
+    from dllm_serve.decoding.structured import beam_fill
 
     llm = LLM(str(ASSETS / "demo-llada"), device="cpu", dtype="float32")
     try:
