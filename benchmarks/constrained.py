@@ -43,7 +43,7 @@ from _common import (
     write_json,
 )
 
-from dllm_serve.decoding import blocks
+from dllm_serve.decoding import structured
 from dllm_serve.llm import LLM
 from dllm_serve_train.tiny_checkpoints import write_tiny_llada2
 
@@ -117,7 +117,7 @@ def measure(
         "type": "json_schema",
         "json_schema": {"name": "answer", "schema": schema, "strict": True},
     }
-    depth = blocks.LOOKAHEAD_DEPTH
+    depth = structured.LOOKAHEAD_DEPTH
     rows = []
     with LLM(model, device=device, dtype="float32") as llm:
         llm.chat([conversations[0]], response_format=response_format, max_tokens=max_tokens)
@@ -130,11 +130,11 @@ def measure(
                     fields = {"max_tokens": max_tokens, **setting}
                     if variant != "free":
                         fields["response_format"] = response_format
-                    blocks.LOOKAHEAD_DEPTH = 1 if variant == "masked only" else depth
+                    structured.LOOKAHEAD_DEPTH = 1 if variant == "masked only" else depth
                     try:
                         out, seconds = _run(llm, conversation, fields)
                     finally:
-                        blocks.LOOKAHEAD_DEPTH = depth
+                        structured.LOOKAHEAD_DEPTH = depth
                     t = totals[variant]
                     t["nfe"] += out.nfe
                     t["tokens"] += out.completion_tokens
@@ -178,9 +178,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "constrained",
         "max_tokens": {"demo-llada": args.max_tokens, "tiny-llada2": args.tiny_max_tokens},
         "lookahead": {
-            "depth": blocks.LOOKAHEAD_DEPTH,
-            "beams": blocks.LOOKAHEAD_BEAMS,
-            "candidates": blocks.LOOKAHEAD_CANDIDATES,
+            "depth": structured.LOOKAHEAD_DEPTH,
+            "beams": structured.LOOKAHEAD_BEAMS,
+            "candidates": structured.LOOKAHEAD_CANDIDATES,
         },
         "models": [
             measure("demo-llada", SUM, additions, args.max_tokens, args.device),
