@@ -116,18 +116,16 @@ TYPED = [
 ]
 
 
-# Issue 39's bar (docs/training.md): demo-llada meets it here (every typed prompt, also after a
-# system prompt or an earlier turn, and 10+ of these 12 per held-out set); demo-idlm misses
-# reversals in unseen phrasings (67.5% of 200; 8 of these 12) and demo-trimode, retrained too,
-# more so (24.5%; `Reverse the word hello` -> `oleh`). Strict: the day a retrained demo
-# passes, its marker must go.
+# Issue 39's bar (docs/training.md): demo-llada and demo-idlm meet it here (every typed prompt,
+# also after a system prompt or an earlier turn, and 10+ of these 12 per held-out set);
+# demo-trimode, retrained too, misses reversals in unseen phrasings (24.5% of 200; `Reverse the
+# word hello` -> `oleh`). Strict: the day it passes, its marker must go.
 NOT_YET = pytest.mark.xfail(strict=True, reason="issue 39: this demo does not meet the bar yet")
 
 
 @pytest.mark.parametrize(
     "name",
-    ["demo-llada", pytest.param("demo-idlm", marks=NOT_YET),
-     pytest.param("demo-trimode", marks=NOT_YET)],
+    ["demo-llada", "demo-idlm", pytest.param("demo-trimode", marks=NOT_YET)],
 )  # fmt: skip
 def test_demo_understands_how_people_ask(name: str) -> None:
     """The issue's prompts, a dozen held-out phrasings per task (at least 10 of 12 right, the
