@@ -8,7 +8,6 @@ which fields a mode accepts). A combination that cannot be decoded is a 400, nev
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from dllm_serve.api.errors import invalid
 from dllm_serve.api.rules import (
@@ -16,6 +15,7 @@ from dllm_serve.api.rules import (
     CANVAS,
     RENOISE,
     ModelDecoding,
+    Request,
     check_renoise,
     local_leap_settings,
     logprob_count,
@@ -25,11 +25,9 @@ from dllm_serve.decoding.params import DEFAULT_STEPS, DecodingParams
 
 MAX_STEPS = 512
 
-GenerationRequest = Any  # a ChatCompletionRequest or a CompletionRequest
-
 
 def decoding_params(
-    req: GenerationRequest,
+    req: Request,
     default_gen_length: int,
     default_block_length: int | None,
     round_canvas: bool = False,
@@ -127,7 +125,7 @@ def decoding_params(
 
 
 def _params_without_canvas(
-    req: GenerationRequest, gen_length: int, rules: str, block_size: int | None
+    req: Request, gen_length: int, rules: str, block_size: int | None
 ) -> DecodingParams:
     """A block-diffusion or non-denoising request: ``gen_length`` is the answer budget; the
     params' one block is a formality (the decoders use the model's block, or none)."""
@@ -143,9 +141,7 @@ def _params_without_canvas(
         raise invalid(f"Invalid decoding parameters: {exc}.") from None
 
 
-def _renoise_params(
-    req: GenerationRequest, answer_limit: int, model: ModelDecoding | None
-) -> DecodingParams:
+def _renoise_params(req: Request, answer_limit: int, model: ModelDecoding | None) -> DecodingParams:
     """A DiffusionGemma request: ``max_tokens`` limits the answer across canvases, each canvas
     gets ``num_denoising_steps`` (at most, and by default, the checkpoint's
     ``max_denoising_steps``), ``entropy_bound`` overrides the checkpoint's bound. The sampler's
@@ -195,7 +191,7 @@ def _renoise_params(
         raise invalid(f"Invalid decoding parameters: {exc}.") from None
 
 
-def _temperature(req: GenerationRequest) -> float:
+def _temperature(req: Request) -> float:
     if req.top_k == 1:
         return 0.0  # top_k=1 asks for the most likely token: greedy decoding
     return 0.0 if req.temperature is None else req.temperature
@@ -223,7 +219,7 @@ def recommended_block(gen_length: int, block: int) -> int | None:
 
 
 def _build_params(
-    req: GenerationRequest,
+    req: Request,
     gen_length: int,
     steps: int,
     block_length: int | None,

@@ -33,6 +33,7 @@ from dllm_serve.api.rules import (
     CANVAS,
     DIFFUSION_ONLY,
     ModelDecoding,
+    Request,
     check_commit_rule,
     check_decoding_mode,
     check_editing,
@@ -120,7 +121,6 @@ class RequestSpec:
 # ---- body → spec -------------------------------------------------------------------------------
 
 
-GenerationRequest = ChatCompletionRequest | CompletionRequest
 _R = TypeVar("_R", ChatCompletionRequest, CompletionRequest)
 # Informational fields: logged with --log-requests, otherwise without effect.
 INFORMATIONAL = (
@@ -228,7 +228,7 @@ def _load(model: type[_R], raw: bytes, content_type: str | None) -> _R:
 
 
 def _spec(
-    req: GenerationRequest,
+    req: Request,
     default_gen_length: int,
     default_block_length: int | None,
     round_canvas: bool,
@@ -301,7 +301,7 @@ def _spec(
     )
 
 
-def _canvas_param(req: GenerationRequest) -> str:
+def _canvas_param(req: Request) -> str:
     if req.target_length is not None:
         return "target_length"
     if getattr(req, "max_completion_tokens", None):
@@ -341,7 +341,7 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 
 
-def _stop(req: GenerationRequest) -> tuple[str, ...]:
+def _stop(req: Request) -> tuple[str, ...]:
     """OpenAI's ``stop``: a string or up to 4 strings; the answer ends before the first one."""
     if req.stop is None:
         return ()
