@@ -16,7 +16,7 @@ from dllm_serve_train.arguments import parse_weights
 from dllm_serve_train.batches import BatchStream, batch_iterator
 from dllm_serve_train.char_tokens import spell_words_and_numbers
 from dllm_serve_train.evaluation import evaluate, evaluate_phrasings
-from dllm_serve_train.model_card import machine
+from dllm_serve_train.model_card import machine, phrasing_counts
 from dllm_serve_train.objectives import loss
 from dllm_serve_train.skeleton import sizes, write_skeleton
 from dllm_serve_train.tasks import WEIGHTS
@@ -127,6 +127,8 @@ def train(args: argparse.Namespace) -> dict:
         "machine": machine(torch.get_num_threads(), args.device),
         "loss": history[-5:],
     }
+    if report["phrasing"]:
+        report["phrasing_templates"] = phrasing_counts()
     if evals:
         report["addition_during_training"] = evals
     if report_phrasings:

@@ -139,16 +139,23 @@ def _trained(templates: tuple, split: str = "train") -> list[str]:
     return [t.text for t in templates if t.split == split]
 
 
+def phrasing_counts() -> dict[str, int]:
+    """How many training phrasings of each task ``phrasings.py`` holds now (a run records
+    them: the card of a run stays true after phrasings are added)."""
+    return {"addition": len(_trained(ADDITION)), "reverse_word": len(_trained(REVERSAL))}
+
+
 def questions_text(report: dict[str, Any]) -> str:
     """What the model was asked in training, and what is held out."""
     weights = report.get("task_weights") or {}
     if not report.get("phrasing") and not weights.get("off_topic"):
         return _OLD_QUESTIONS
-    adds, revs = _trained(ADDITION), _trained(REVERSAL)
+    counts = report.get("phrasing_templates") or phrasing_counts()
+    adds, revs = counts["addition"], counts["reverse_word"]
     return (
-        f"additions of whole numbers 0-999 (answer `123 + 456 = 579`) asked in {len(adds)} "
+        f"additions of whole numbers 0-999 (answer `123 + 456 = 579`) asked in {adds} "
         "phrasings (`What is 123 + 456?`, `123+456=?`, `add 123 and 456`, `sum of 123 and "
-        f"456`, `calculate 123 plus 456`, …) and word reversals in {len(revs)} (`Reverse the "
+        f"456`, `calculate 123 plus 456`, …) and word reversals in {revs} (`Reverse the "
         "word hello.`, `reverse hello`, `spell hello backwards`, `hello reversed`, …; answer "
         f"`olleh`), {report.get('phrasing', 0):.0%} of them in a phrasing other than the first, "
         "with case, punctuation, spacing around `+`, quotes and leading or trailing "

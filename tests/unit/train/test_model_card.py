@@ -144,6 +144,23 @@ def test_card_states_what_the_run_did_not_a_fixed_recipe(tmp_path: Path) -> None
     assert "| addition | 75.0% | 260 |" in card
 
 
+def test_card_states_the_phrasings_its_run_trained_on(tmp_path: Path) -> None:
+    """A card regenerated after phrasings were added states the run's counts, not today's."""
+    from dllm_serve_train.model_card import phrasing_counts
+
+    out = write_tiny("llada", tmp_path / "m")
+    recorded = {"addition": 48, "reverse_word": 32}
+    assert phrasing_counts() != recorded
+    write_model_card(out, "demo-x", "llada", _report(phrasing=0.85, phrasing_templates=recorded))
+    card = (out / "README.md").read_text()
+    assert "asked in 48 phrasings" in card and "word reversals in 32 (" in card
+    write_model_card(out, "demo-x", "llada", _report(phrasing=0.85))  # an older report
+    now = phrasing_counts()
+    card = (out / "README.md").read_text()
+    assert f"asked in {now['addition']} phrasings" in card
+    assert f"word reversals in {now['reverse_word']} (" in card
+
+
 def test_trimode_card_states_the_run_without_a_lora_and_a_slower_linear_spec(
     tmp_path: Path,
 ) -> None:
