@@ -46,7 +46,7 @@ from _common import (
 
 from dllm_serve.local_server import LocalServer
 from dllm_serve_train.evaluation import phrasing_sets, score_phrasings
-from dllm_serve_train.phrasings import CAPABILITY_REPLY, HELD_OUT_FAMILY
+from dllm_serve_train.off_topic import CAPABILITY_REPLY, HELD_OUT_FAMILY
 from dllm_serve_train.tasks import Example
 
 # The three off-topic prompts, exactly as typed there.

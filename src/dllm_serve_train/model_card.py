@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH
-from dllm_serve_train.phrasings import ADDITION, CAPABILITY_REPLY, REVERSAL
+from dllm_serve_train.off_topic import CAPABILITY_REPLY
+from dllm_serve_train.phrasings import ADDITION, REVERSAL
 
 _OBJECTIVE = {
     "llada": (

@@ -239,7 +239,7 @@ def examples(
     def draw() -> Example:
         while True:
             task = rng.choice(names)
-            if task == "off_topic":  # split by its own rule (phrasings.off_topic_held_out)
+            if task == "off_topic":  # split by its own rule (off_topic.off_topic_held_out)
                 return phrasings.off_topic(rng, split, words())
             if task == "addition" and addition_operands == "stratified":
                 ex = _addition_stratified(rng)
@@ -287,7 +287,7 @@ def held_out_phrasings(task: str, n: int, seed: int = 2024) -> list[Example]:
 
     ``addition``: each operand's digit count (1-3) drawn first, operands held out as in
     :func:`held_out_additions`. ``reverse_word``: the held-out English words. ``off_topic``:
-    the held-out off-topic prompts (``phrasings.off_topic_question``), a third or so of them
+    the held-out off-topic prompts (``off_topic.off_topic_question``), a third or so of them
     from families never trained on.
     """
     rng, seen, out = random.Random(f"{task}:{seed}"), set(), []

@@ -11,7 +11,7 @@ from remote_server import RemoteServer
 from dllm_serve.models.families.llada import LLADA
 from dllm_serve.models.hub import EMBEDDED_MODELS
 from dllm_serve.models.tokenization import load_tokenizer
-from dllm_serve_train.phrasings import CAPABILITY_REPLY
+from dllm_serve_train.off_topic import CAPABILITY_REPLY
 from dllm_serve_train.tasks import STRATA, held_out_additions, held_out_set
 
 QUESTION = [{"role": "user", "content": "What is 123 + 456?"}]

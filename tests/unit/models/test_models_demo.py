@@ -14,7 +14,7 @@ from dllm_serve.llm import LLM
 from dllm_serve.models.hub import EMBEDDED_MODELS
 from dllm_serve.models.loader import load_model
 from dllm_serve_train.__main__ import server_params
-from dllm_serve_train.phrasings import CAPABILITY_REPLY
+from dllm_serve_train.off_topic import CAPABILITY_REPLY
 from dllm_serve_train.tasks import STRATA, held_out_additions, held_out_phrasings, held_out_set
 
 FAMILIES = {"demo-llada": "llada", "demo-idlm": "sdar"}

@@ -14,17 +14,19 @@ import torch
 from dllm_serve.models.loader import load_model
 from dllm_serve_train.char_tokens import spell_words_and_numbers
 from dllm_serve_train.objectives import by_length, encode, idlm_batch, llada_batch, loss
-from dllm_serve_train.phrasings import (
-    ADDITION,
+from dllm_serve_train.off_topic import (
     CAPABILITY_REPLY,
     HELD_OUT_FAMILY,
+    normalise,
+    off_topic_held_out,
+)
+from dllm_serve_train.phrasings import (
+    ADDITION,
     PREFIXES,
     REVERSAL,
     SUFFIXES,
     SYSTEM_PROMPTS,
     Template,
-    normalise,
-    off_topic_held_out,
 )
 from dllm_serve_train.tasks import (
     PHRASING_SETS,
