@@ -16,8 +16,9 @@ from dllm_serve_train.arguments import parse_weights
 from dllm_serve_train.batches import BatchStream, batch_iterator
 from dllm_serve_train.char_tokens import spell_words_and_numbers
 from dllm_serve_train.evaluation import evaluate, evaluate_phrasings
-from dllm_serve_train.model_card import machine, phrasing_counts
+from dllm_serve_train.model_card import machine
 from dllm_serve_train.objectives import loss
+from dllm_serve_train.phrasings import phrasing_counts
 from dllm_serve_train.skeleton import sizes, write_skeleton
 from dllm_serve_train.tasks import WEIGHTS
 from dllm_serve_train.tiny_checkpoints.files import save_weights

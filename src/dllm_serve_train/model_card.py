@@ -10,7 +10,7 @@ from typing import Any
 
 from dllm_serve.decoding.params import DEFAULT_GEN_LENGTH
 from dllm_serve_train.off_topic import CAPABILITY_REPLY
-from dllm_serve_train.phrasings import ADDITION, REVERSAL
+from dllm_serve_train.phrasings import ADDITION, REVERSAL, phrasing_counts
 
 _OBJECTIVE = {
     "llada": (
@@ -138,12 +138,6 @@ _OLD_QUESTIONS = """`What is 123 + 456?` (answer `123 + 456 = 579`), `Reverse th
 
 def _trained(templates: tuple, split: str = "train") -> list[str]:
     return [t.text for t in templates if t.split == split]
-
-
-def phrasing_counts() -> dict[str, int]:
-    """How many training phrasings of each task ``phrasings.py`` holds now (a run records
-    them: the card of a run stays true after phrasings are added)."""
-    return {"addition": len(_trained(ADDITION)), "reverse_word": len(_trained(REVERSAL))}
 
 
 def questions_text(report: dict[str, Any]) -> str:

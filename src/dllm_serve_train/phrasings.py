@@ -374,6 +374,12 @@ def templates(task: str, split: str) -> list[Template]:
     return [t for t in PHRASED[task] if t.split == split]
 
 
+def phrasing_counts() -> dict[str, int]:
+    """How many training phrasings each task has now (a run records them, so that its model
+    card stays true after phrasings are added)."""
+    return {task: len(templates(task, "train")) for task in ("addition", "reverse_word")}
+
+
 def _wrapped(text: str, rng: random.Random) -> str:
     """``text`` with a prefix (its first letter then lower-cased unless it starts with a
     placeholder), a suffix before its final punctuation, or both."""

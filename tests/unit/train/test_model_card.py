@@ -146,7 +146,7 @@ def test_card_states_what_the_run_did_not_a_fixed_recipe(tmp_path: Path) -> None
 
 def test_card_states_the_phrasings_its_run_trained_on(tmp_path: Path) -> None:
     """A card regenerated after phrasings were added states the run's counts, not today's."""
-    from dllm_serve_train.model_card import phrasing_counts
+    from dllm_serve_train.phrasings import phrasing_counts
 
     out = write_tiny("llada", tmp_path / "m")
     recorded = {"addition": 48, "reverse_word": 32}
