@@ -108,6 +108,13 @@ def main(argv: list[str] | None = None) -> None:
         help="share of examples asked after a system prompt and/or earlier turns",
     )
     p.add_argument(
+        "--composed",
+        type=float,
+        default=0.0,
+        help="share of phrased reversals asked in a phrasing composed from parts "
+        "(dllm_serve_train/composed.py) rather than a written one",
+    )
+    p.add_argument(
         "--tail-rows",
         type=int,
         default=0,

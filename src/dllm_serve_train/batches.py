@@ -45,10 +45,12 @@ class BatchStream(torch.utils.data.IterableDataset):
         tail_min_canvas: int = 0,
         phrasing: float = 0.0,
         context: float = 0.0,
+        composed: float = 0.0,
     ) -> None:
         self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
         self.addition_operands, self.ramp_examples = addition_operands, ramp_examples
-        self.phrasing, self.context = phrasing, context  # tasks.examples: how people ask
+        # tasks.examples: how people ask
+        self.phrasing, self.context, self.composed = phrasing, context, composed
         self.causal_batches = causal_batches  # LLaDA: the first batches with a causal mask
         self.llada = family == "llada"
         # LLaDA: rows at long canvases (llada_tail_batch), their own batch beside each one
@@ -82,6 +84,7 @@ class BatchStream(torch.utils.data.IterableDataset):
             ramp_examples=max(ramp, 1),
             phrasing=self.phrasing,
             context=self.context,
+            composed=self.composed,
         )
         causal = self.causal_batches // (1 if info is None else info.num_workers)
         made = 0

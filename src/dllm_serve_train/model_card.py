@@ -147,13 +147,21 @@ def questions_text(report: dict[str, Any]) -> str:
         return _OLD_QUESTIONS
     counts = report.get("phrasing_templates") or phrasing_counts()
     adds, revs = counts["addition"], counts["reverse_word"]
+    composed = report.get("composed") or 0
+    made = (
+        f" ({composed:.0%} of the phrased reversals instead in a phrasing composed from parts, "
+        "`dllm_serve_train/composed.py`: over 100,000 of them, none sharing four words or a "
+        "word of its own with a held-out phrasing)"
+        if composed
+        else ""
+    )
     return (
         f"additions of whole numbers 0-999 (answer `123 + 456 = 579`) asked in {adds} "
         "phrasings (`What is 123 + 456?`, `123+456=?`, `add 123 and 456`, `sum of 123 and "
         f"456`, `calculate 123 plus 456`, …) and word reversals in {revs} (`Reverse the "
         "word hello.`, `reverse hello`, `spell hello backwards`, `hello reversed`, …; answer "
-        f"`olleh`), {report.get('phrasing', 0):.0%} of them in a phrasing other than the first, "
-        "with case, punctuation, spacing around `+`, quotes and leading or trailing "
+        f"`olleh`){made}, {report.get('phrasing', 0):.0%} of them in a phrasing other than "
+        "the first, with case, punctuation, spacing around `+`, quotes and leading or trailing "
         "whitespace varied; anything else (greetings, other arithmetic, other word tasks, "
         f"requests) gets the fixed reply `{CAPABILITY_REPLY}`; "
         f"{report.get('context', 0):.0%} of the questions come after a system prompt and/or "

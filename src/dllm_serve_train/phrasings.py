@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from dllm_serve_train.composed import compose
 from dllm_serve_train.off_topic import CAPABILITY_REPLY, off_topic_question
 
 
@@ -393,11 +394,15 @@ def _wrapped(text: str, rng: random.Random) -> str:
     return text
 
 
-def rephrase(ex: Example, rng: random.Random, split: str) -> Example:
+def rephrase(ex: Example, rng: random.Random, split: str, composed: float = 0.0) -> Example:
     """``ex`` (a canonical question of a phrased task) asked in a random ``split`` template
-    with surface noise."""
+    with surface noise. ``composed``: the share of training reversals asked in a phrasing
+    of ``composed.py`` instead of a written template."""
     template = rng.choice(templates(ex.task, split))
     text = template.text
+    if composed and split == "train" and ex.task != "addition" and rng.random() < composed:
+        template = Template(compose(rng), "train")
+        text = template.text
     if split == "train" and rng.random() < 0.35:
         text = _wrapped(text, rng)
     if ex.task == "addition":

@@ -206,6 +206,7 @@ def examples(
     ramp_examples: int = 0,
     phrasing: float = 0.0,
     context: float = 0.0,
+    composed: float = 0.0,
 ) -> Iterator[Example]:
     """An endless stream of examples of ``split`` ("train" or "held_out"), reproducible.
 
@@ -217,7 +218,8 @@ def examples(
     ``phrasing``: the share of additions and reversals asked in a random template of the
     split (``phrasings.py``; the canonical question is one of the training templates) with
     surface noise; ``context``: the share of examples that come after a system prompt and/or
-    earlier turns (other examples of the stream, with their answers).
+    earlier turns (other examples of the stream, with their answers); ``composed``: the share
+    of phrased training reversals asked in a composed phrasing (``composed.py``).
     """
     if split not in ("train", "held_out"):
         raise ValueError("split must be 'train' or 'held_out'")
@@ -229,8 +231,8 @@ def examples(
         raise ValueError("the held-out split is drawn uniformly or stratified")
     if addition_operands == "curriculum" and ramp_examples <= 0:
         raise ValueError("the curriculum needs ramp_examples > 0")
-    if not (0.0 <= phrasing <= 1.0 and 0.0 <= context <= 1.0):
-        raise ValueError("phrasing and context are shares between 0 and 1")
+    if not all(0.0 <= share <= 1.0 for share in (phrasing, context, composed)):
+        raise ValueError("phrasing, context and composed are shares between 0 and 1")
     rng = random.Random(seed)
     weights = weights or WEIGHTS
     names = [t for t in tasks for _ in range(weights[t])]
@@ -251,7 +253,7 @@ def examples(
             if is_held_out(ex.question) != (split == "held_out"):
                 continue
             if phrasing and task in phrasings.PHRASED and rng.random() < phrasing:
-                ex = phrasings.rephrase(ex, rng, split)
+                ex = phrasings.rephrase(ex, rng, split, composed)
             return ex
 
     while True:

@@ -46,6 +46,8 @@ SMALL = ["--d-model", "32", "--n-layers", "1", "--mlp", "64", "--steps", "1", "-
         (["--heads", "5"], "d_model 32 is not divisible by 5 heads"),
         (["--tail-min-canvas", "64"], "sets the shortest canvas of --tail-rows rows"),
         (["--tail-rows", "2", "--tail-min-canvas", "2000"], "--tail-min-canvas must be <= 1024"),
+        (["--composed", "0.5"], "--composed is a share of the phrased reversals: add --phrasing"),
+        (["--phrasing", "0.5", "--composed", "2"], "--composed must be between 0 and 1"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_anything_is_written(
