@@ -149,9 +149,9 @@ def questions_text(report: dict[str, Any]) -> str:
     adds, revs = counts["addition"], counts["reverse_word"]
     composed = report.get("composed") or 0
     made = (
-        f" ({composed:.0%} of the phrased reversals instead in a phrasing composed from parts, "
-        "`dllm_serve_train/composed.py`: over 100,000 of them, none sharing four words or a "
-        "word of its own with a held-out phrasing)"
+        f" ({composed:.0%} of those reversals in one composed from parts, "
+        "`dllm_serve_train/composed.py`: over 100,000 phrasings, none sharing four words or a "
+        "word of its own with a held-out one)"
         if composed
         else ""
     )
@@ -160,9 +160,9 @@ def questions_text(report: dict[str, Any]) -> str:
         "phrasings (`What is 123 + 456?`, `123+456=?`, `add 123 and 456`, `sum of 123 and "
         f"456`, `calculate 123 plus 456`, …) and word reversals in {revs} (`Reverse the "
         "word hello.`, `reverse hello`, `spell hello backwards`, `hello reversed`, …; answer "
-        f"`olleh`){made}, {report.get('phrasing', 0):.0%} of them in a phrasing other than "
-        "the first, with case, punctuation, spacing around `+`, quotes and leading or trailing "
-        "whitespace varied; anything else (greetings, other arithmetic, other word tasks, "
+        f"`olleh`), {report.get('phrasing', 0):.0%} of them in a phrasing other than "
+        f"the first{made}, with case, punctuation, spacing around `+`, quotes and leading or "
+        "trailing whitespace varied; anything else (greetings, other arithmetic, other word tasks, "
         f"requests) gets the fixed reply `{CAPABILITY_REPLY}`; "
         f"{report.get('context', 0):.0%} of the questions come after a system prompt and/or "
         "earlier turns, rendered by the format's chat template, and the answer is the last "

@@ -162,7 +162,7 @@ def test_card_states_the_phrasings_its_run_trained_on(tmp_path: Path) -> None:
     assert "composed from parts" not in card  # a run without --composed
     write_model_card(out, "demo-x", "llada", _report(phrasing=0.85, composed=0.5))
     card = (out / "README.md").read_text()
-    assert "(50% of the phrased reversals instead in a phrasing composed from parts" in card
+    assert "other than the first (50% of those reversals in one composed from parts" in card
 
 
 def test_trimode_card_states_the_run_without_a_lora_and_a_slower_linear_spec(
