@@ -7,8 +7,8 @@ first) filled with a verb, the way the word is named, how to reverse it and the 
 people put between them, so that the word to reverse stands at many distances from the cue
 and among many other words: more than a hundred thousand distinct phrasings.
 
-Two rules keep the held-out phrasings (``phrasings.REVERSAL``, ``split="held_out"``) unseen,
-and tests check both:
+Two rules keep the held-out phrasings (``phrasings.REVERSAL``, ``split="held_out"``, which
+:func:`compose` is given) unseen, and tests check both:
 
 * no part uses a word that only the held-out phrasings use (``look``, ``say``, ``type``,
   ``give``, ``following`` ...), so a held-out phrasing's wording stays unseen;
@@ -104,24 +104,21 @@ def _tokens(text: str) -> list[str]:
 
 
 @cache
-def _held_out_grams() -> tuple[frozenset[tuple[str, ...]], frozenset[tuple[str, ...]]]:
-    from dllm_serve_train.phrasings import REVERSAL
-
+def _grams(held_out: tuple[str, ...]) -> tuple[frozenset[tuple[str, ...]], frozenset]:
+    """The runs of four words of the ``held_out`` phrasings, and those shorter than four."""
     fours, shorts = set(), set()
-    for template in REVERSAL:
-        if template.split != "held_out":
-            continue
-        toks = _tokens(template.text)
+    for text in held_out:
+        toks = _tokens(text)
         if len(toks) < 4:
             shorts.add(tuple(toks))
         fours.update(tuple(toks[i : i + 4]) for i in range(len(toks) - 3))
     return frozenset(fours), frozenset(shorts)
 
 
-def too_close(text: str) -> bool:
-    """Whether ``text`` shares a run of four words with a held-out reversal phrasing or
+def too_close(text: str, held_out: tuple[str, ...]) -> bool:
+    """Whether ``text`` shares a run of four words with one of the ``held_out`` phrasings or
     holds a shorter one whole."""
-    fours, shorts = _held_out_grams()
+    fours, shorts = _grams(held_out)
     toks = _tokens(text)
     grams = {tuple(toks[i : i + n]) for n in (1, 2, 3, 4) for i in range(len(toks) - n + 1)}
     return bool(grams & fours or grams & shorts)
@@ -165,9 +162,10 @@ def _draft(rng: random.Random) -> str:
     return rng.choice(WORD_FIRST).replace("{after}", after)
 
 
-def compose(rng: random.Random) -> str:
-    """A reversal request with ``{w}`` where the word goes, none of the held-out phrasings."""
+def compose(rng: random.Random, held_out: tuple[str, ...]) -> str:
+    """A reversal request with ``{w}`` where the word goes, not :func:`too_close` to any of
+    the ``held_out`` phrasings."""
     while True:
         text = _draft(rng)
-        if not too_close(text):
+        if not too_close(text, held_out):
             return text

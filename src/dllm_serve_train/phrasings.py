@@ -401,7 +401,8 @@ def rephrase(ex: Example, rng: random.Random, split: str, composed: float = 0.0)
     template = rng.choice(templates(ex.task, split))
     text = template.text
     if composed and split == "train" and ex.task != "addition" and rng.random() < composed:
-        template = Template(compose(rng), "train")
+        held_out = tuple(t.text for t in templates(ex.task, "held_out"))
+        template = Template(compose(rng, held_out), "train")
         text = template.text
     if split == "train" and rng.random() < 0.35:
         text = _wrapped(text, rng)

@@ -7,9 +7,16 @@ import itertools
 import random
 import re
 
-from dllm_serve_train.composed import compose, too_close
+from dllm_serve_train.composed import compose
+from dllm_serve_train.composed import too_close as _too_close
 from dllm_serve_train.phrasings import PREFIXES, REVERSAL, SUFFIXES
 from dllm_serve_train.tasks import examples, is_held_out
+
+HELD_OUT = tuple(t.text for t in REVERSAL if t.split == "held_out")
+
+
+def too_close(text: str) -> bool:
+    return _too_close(text, HELD_OUT)
 
 
 def _words(text: str) -> set[str]:
@@ -18,7 +25,7 @@ def _words(text: str) -> set[str]:
 
 def _drawn(n: int = 20000, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    return [compose(rng) for _ in range(n)]
+    return [compose(rng, HELD_OUT) for _ in range(n)]
 
 
 def test_many_distinct_phrasings_each_with_one_word_slot() -> None:
@@ -42,8 +49,7 @@ def test_no_word_that_only_held_out_phrasings_use() -> None:
 
 
 def test_no_phrasing_shares_four_words_with_a_held_out_one() -> None:
-    held = [t.text for t in REVERSAL if t.split == "held_out"]
-    assert all(too_close(t) for t in held)
+    assert all(too_close(t) for t in HELD_OUT)
     assert too_close("How would you write {w} backwards?")  # "you write {w} backwards"
     assert too_close("Please say {w} backwards now.")  # holds "Say {w} backwards." whole
     assert not too_close("Spell {w} backwards.") and not too_close("Reverse the word {w}.")
