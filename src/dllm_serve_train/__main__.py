@@ -115,6 +115,13 @@ def main(argv: list[str] | None = None) -> None:
         "(dllm_serve_train/composed.py) rather than a written one",
     )
     p.add_argument(
+        "--unfamiliar-verbs",
+        type=float,
+        default=0.0,
+        help="share of the composed reversals whose verb is another word of the task "
+        "('Plant me {w} backwards.'), so that an unseen verb is not taken for the word",
+    )
+    p.add_argument(
         "--tail-rows",
         type=int,
         default=0,

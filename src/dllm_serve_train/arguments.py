@@ -78,7 +78,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--{name.replace('_', '-')} must be a finite number > 0")
     if not (math.isfinite(args.rope_theta) and args.rope_theta >= 0):
         parser.error("--rope-theta must be a finite number >= 0 (0: the format's own)")
-    for name in ("ar_fraction", "phrasing", "context", "composed"):
+    for name in ("ar_fraction", "phrasing", "context", "composed", "unfamiliar_verbs"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             parser.error(f"--{name.replace('_', '-')} must be between 0 and 1")
     if args.family != "nemotron" and (args.block_size or args.lora_steps):
@@ -93,6 +93,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     # Values that would do nothing, or be clamped, are refused rather than ignored.
     if args.composed and not args.phrasing:
         parser.error("--composed is a share of the phrased reversals: add --phrasing")
+    if args.unfamiliar_verbs and not args.composed:
+        parser.error("--unfamiliar-verbs is a share of the composed reversals: add --composed")
     if args.tail_min_canvas and not args.tail_rows:
         parser.error("--tail-min-canvas sets the shortest canvas of --tail-rows rows: add it")
     if args.tail_min_canvas > TAIL_MAX_CANVAS:

@@ -46,11 +46,13 @@ class BatchStream(torch.utils.data.IterableDataset):
         phrasing: float = 0.0,
         context: float = 0.0,
         composed: float = 0.0,
+        unfamiliar_verbs: float = 0.0,
     ) -> None:
         self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
         self.addition_operands, self.ramp_examples = addition_operands, ramp_examples
         # tasks.examples: how people ask
         self.phrasing, self.context, self.composed = phrasing, context, composed
+        self.unfamiliar_verbs = unfamiliar_verbs
         self.causal_batches = causal_batches  # LLaDA: the first batches with a causal mask
         self.llada = family == "llada"
         # LLaDA: rows at long canvases (llada_tail_batch), their own batch beside each one
@@ -85,6 +87,7 @@ class BatchStream(torch.utils.data.IterableDataset):
             phrasing=self.phrasing,
             context=self.context,
             composed=self.composed,
+            unfamiliar_verbs=self.unfamiliar_verbs,
         )
         causal = self.causal_batches // (1 if info is None else info.num_workers)
         made = 0

@@ -15,6 +15,11 @@ Two rules keep the held-out phrasings (``phrasings.REVERSAL``, ``split="held_out
 * no composed phrasing shares a run of four words (``{w}`` counting as one) with a held-out
   phrasing, nor contains a shorter held-out phrasing whole: :func:`too_close` rejects it
   and :func:`compose` draws again.
+
+Trained on these alone, a demo still took a verb it had never seen for the word ("Give me
+{w} reversed." -> the verb reversed): with ``unfamiliar`` a share of the requests have an
+arbitrary word of the reversal task as their verb, so that the word to reverse is the one
+that stands where the word goes, whatever the other words are.
 """
 
 from __future__ import annotations
@@ -162,9 +167,41 @@ def _draft(rng: random.Random) -> str:
     return rng.choice(WORD_FIRST).replace("{after}", after)
 
 
-def compose(rng: random.Random, held_out: tuple[str, ...]) -> str:
+def _with_verb(rng: random.Random, verb: str) -> str:
+    """A request whose verb is ``verb``, a word of no request ("Plant me {w} backwards."):
+    which word is the one to reverse shows only from where it stands."""
+    how, obj = rng.choice(HOW), rng.choice(OBJECTS)
+    frame = rng.random()
+    if frame < 0.6:  # "Could you plant me the word {w} backwards?"
+        ask = rng.choice(ASKS)
+        asking = ask.split(" ")[0] in ("Can", "Could", "Would", "Will")
+        to = rng.choice(("", "", "me", "us"))
+        return _end(_join(ask, verb, to, obj, rng.choice(FILLERS), how), "?" if asking else ".")
+    if frame < 0.8:  # "Plant this backwards: {w}"
+        return f"{_capital(verb)} {rng.choice(('this', 'the word', 'it', 'me this'))} {how}: {{w}}"
+    return rng.choice(WORD_FIRST).replace("{after}", f"{_capital(verb)} it {how}.")
+
+
+def compose(
+    rng: random.Random,
+    held_out: tuple[str, ...],
+    unfamiliar: float = 0.0,
+    verbs: tuple[str, ...] = (),
+) -> str:
     """A reversal request with ``{w}`` where the word goes, not :func:`too_close` to any of
-    the ``held_out`` phrasings."""
+    the ``held_out`` phrasings. ``unfamiliar``: the share whose verb is one of ``verbs``
+    (words of the reversal task, none of a held-out phrasing) rather than of :data:`VERBS`,
+    so that a verb never seen is not taken for the word to reverse."""
+    if unfamiliar and rng.random() < unfamiliar:
+        held = set().union(*(_tokens(t) for t in held_out))
+        while True:
+            verb = rng.choice(verbs)
+            if verb not in held:
+                break
+        while True:
+            text = _with_verb(rng, verb)
+            if not too_close(text, held_out):
+                return text
     while True:
         text = _draft(rng)
         if not too_close(text, held_out):

@@ -148,10 +148,18 @@ def questions_text(report: dict[str, Any]) -> str:
     counts = report.get("phrasing_templates") or phrasing_counts()
     adds, revs = counts["addition"], counts["reverse_word"]
     composed = report.get("composed") or 0
+    unfamiliar = report.get("unfamiliar_verbs") or 0
     made = (
         f" ({composed:.0%} of those reversals in one composed from parts, "
         "`dllm_serve_train/composed.py`: over 100,000 phrasings, none sharing four words or a "
-        "word of its own with a held-out one)"
+        "word of its own with a held-out one"
+        + (
+            f"; {unfamiliar:.0%} of those with another word of the task as their verb, "
+            "`Plant me {w} backwards.`"
+            if unfamiliar
+            else ""
+        )
+        + ")"
         if composed
         else ""
     )

@@ -394,15 +394,25 @@ def _wrapped(text: str, rng: random.Random) -> str:
     return text
 
 
-def rephrase(ex: Example, rng: random.Random, split: str, composed: float = 0.0) -> Example:
+def rephrase(
+    ex: Example,
+    rng: random.Random,
+    split: str,
+    composed: float = 0.0,
+    unfamiliar: float = 0.0,
+    verbs: tuple[str, ...] = (),
+) -> Example:
     """``ex`` (a canonical question of a phrased task) asked in a random ``split`` template
     with surface noise. ``composed``: the share of training reversals asked in a phrasing
-    of ``composed.py`` instead of a written template."""
+    of ``composed.py`` instead of a written template; ``unfamiliar``: the share of those
+    whose verb is one of ``verbs`` (other words of the task)."""
     template = rng.choice(templates(ex.task, split))
     text = template.text
     if composed and split == "train" and ex.task != "addition" and rng.random() < composed:
         held_out = tuple(t.text for t in templates(ex.task, "held_out"))
-        template = Template(compose(rng, held_out), "train")
+        word = _reversal_word(ex.question)
+        others = tuple(v for v in verbs if v != word)
+        template = Template(compose(rng, held_out, unfamiliar, others), "train")
         text = template.text
     if split == "train" and rng.random() < 0.35:
         text = _wrapped(text, rng)

@@ -116,6 +116,12 @@ def words() -> tuple[str, ...]:
     return tuple(w for w in text.split() if w)
 
 
+@functools.cache
+def _trained_words() -> tuple[str, ...]:
+    """The words of :func:`words` whose reversal is trained (not held out)."""
+    return tuple(w for w in words() if not is_held_out(f"Reverse the word {w}."))
+
+
 def _subtraction(rng: random.Random) -> Example:
     a, b = sorted((rng.randint(0, 999), rng.randint(0, 999)), reverse=True)
     return Example("subtraction", f"What is {a} - {b}?", f"{a} - {b} = {a - b}")
@@ -207,6 +213,7 @@ def examples(
     phrasing: float = 0.0,
     context: float = 0.0,
     composed: float = 0.0,
+    unfamiliar_verbs: float = 0.0,
 ) -> Iterator[Example]:
     """An endless stream of examples of ``split`` ("train" or "held_out"), reproducible.
 
@@ -219,7 +226,8 @@ def examples(
     split (``phrasings.py``; the canonical question is one of the training templates) with
     surface noise; ``context``: the share of examples that come after a system prompt and/or
     earlier turns (other examples of the stream, with their answers); ``composed``: the share
-    of phrased training reversals asked in a composed phrasing (``composed.py``).
+    of phrased training reversals asked in a composed phrasing (``composed.py``);
+    ``unfamiliar_verbs``: the share of those whose verb is another training word.
     """
     if split not in ("train", "held_out"):
         raise ValueError("split must be 'train' or 'held_out'")
@@ -231,8 +239,12 @@ def examples(
         raise ValueError("the held-out split is drawn uniformly or stratified")
     if addition_operands == "curriculum" and ramp_examples <= 0:
         raise ValueError("the curriculum needs ramp_examples > 0")
-    if not all(0.0 <= share <= 1.0 for share in (phrasing, context, composed)):
-        raise ValueError("phrasing, context and composed are shares between 0 and 1")
+    shares = (phrasing, context, composed, unfamiliar_verbs)
+    if not all(0.0 <= share <= 1.0 for share in shares):
+        raise ValueError(
+            "phrasing, context, composed and unfamiliar_verbs are shares between 0 and 1"
+        )
+    verbs = _trained_words() if unfamiliar_verbs else ()
     rng = random.Random(seed)
     weights = weights or WEIGHTS
     names = [t for t in tasks for _ in range(weights[t])]
@@ -253,7 +265,7 @@ def examples(
             if is_held_out(ex.question) != (split == "held_out"):
                 continue
             if phrasing and task in phrasings.PHRASED and rng.random() < phrasing:
-                ex = phrasings.rephrase(ex, rng, split, composed)
+                ex = phrasings.rephrase(ex, rng, split, composed, unfamiliar_verbs, verbs)
             return ex
 
     while True:

@@ -40,7 +40,8 @@ def train_draft_lora(args: argparse.Namespace, weights: dict[str, int]) -> dict:
     stream = examples(args.seed + 7, "train", weights=weights,
                       addition_operands=args.addition_operands, ramp_examples=1,
                       phrasing=args.phrasing, context=args.context,
-                      composed=args.composed)  # fmt: skip
+                      composed=args.composed,
+                      unfamiliar_verbs=args.unfamiliar_verbs)  # fmt: skip
     rng = random.Random(args.seed + 7)
     opt = torch.optim.AdamW(lora.parameters(), lr=args.lora_lr, weight_decay=0.0)
     steps = args.lora_steps

@@ -163,6 +163,12 @@ def test_card_states_the_phrasings_its_run_trained_on(tmp_path: Path) -> None:
     write_model_card(out, "demo-x", "llada", _report(phrasing=0.85, composed=0.5))
     card = (out / "README.md").read_text()
     assert "other than the first (50% of those reversals in one composed from parts" in card
+    assert "as their verb" not in card  # a run without --unfamiliar-verbs
+    write_model_card(
+        out, "demo-x", "llada", _report(phrasing=0.85, composed=0.5, unfamiliar_verbs=0.4)
+    )
+    card = (out / "README.md").read_text()
+    assert "; 40% of those with another word of the task as their verb" in card
 
 
 def test_trimode_card_states_the_run_without_a_lora_and_a_slower_linear_spec(

@@ -48,6 +48,10 @@ SMALL = ["--d-model", "32", "--n-layers", "1", "--mlp", "64", "--steps", "1", "-
         (["--tail-rows", "2", "--tail-min-canvas", "2000"], "--tail-min-canvas must be <= 1024"),
         (["--composed", "0.5"], "--composed is a share of the phrased reversals: add --phrasing"),
         (["--phrasing", "0.5", "--composed", "2"], "--composed must be between 0 and 1"),
+        (["--phrasing", "0.5", "--unfamiliar-verbs", "0.5"],
+         "--unfamiliar-verbs is a share of the composed reversals: add --composed"),
+        (["--phrasing", "0.5", "--composed", "0.5", "--unfamiliar-verbs", "-1"],
+         "--unfamiliar-verbs must be between 0 and 1"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_anything_is_written(
