@@ -17,7 +17,10 @@ through ``/v1/chat/completions`` with the ``openai`` SDK at temperature 0, no ot
   one earlier turn (another question of the pool with the model's own answer to it): how
   many answers change;
 - **typed by hand**: a short list written before any of these models was trained, of what a
-  person might type (``UNPLANNED``), each answer shown.
+  person might type (``UNPLANNED``), each answer shown;
+- **fresh reversal phrasings** (``FRESH_REVERSALS``): the held-out words asked in phrasings
+  written after the held-out ones had been studied, which no training choice was made
+  against (alone, no context).
 
 Writes ``benchmarks/results/demo_phrasings_<model>.json``.
 """
@@ -25,6 +28,7 @@ Writes ``benchmarks/results/demo_phrasings_<model>.json``.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import tempfile
 import time
@@ -47,7 +51,7 @@ from _common import (
 from dllm_serve.local_server import LocalServer
 from dllm_serve_train.evaluation import phrasing_sets, score_phrasings
 from dllm_serve_train.off_topic import CAPABILITY_REPLY, HELD_OUT_FAMILY
-from dllm_serve_train.tasks import Example
+from dllm_serve_train.tasks import Example, is_held_out, words
 
 # The issue's three off-topic prompts, exactly as typed there.
 NAMED_OFF_TOPIC = ["Hi", "Tell me a joke", "Who are you?"]
@@ -81,6 +85,48 @@ UNPLANNED = [
     ("Write me a poem about the sea", CAPABILITY_REPLY),
     ("what can you do", CAPABILITY_REPLY),
 ]
+# The held-out reversal phrasings' failures chose what later training added (composed
+# phrasings, unfamiliar verbs), so they no longer measure phrasings nobody tuned for. These
+# were written on 2026-12-07, before any demo was asked them; none shares a run of four words
+# with a training phrasing (test_fresh_reversal_phrasings_are_unlike_every_trained_one).
+FRESH_REVERSALS = [
+    "Can I get {w} backwards?",
+    "Hand me {w}, but reversed.",
+    "If you flipped {w}, what would it be?",
+    "Reverse-spell {w}.",
+    "Put {w} in mirror order.",
+    "Backwards please: {w}",
+    "Need {w} written backwards.",
+    "Switch the letter order of {w}.",
+    "Let me see {w} backwards.",
+    "{w} but backwards",
+    "Do {w} in reverse.",
+    "Send {w} back reversed.",
+]
+
+
+def fresh_reversals(n: int) -> list[Example]:
+    """``n`` held-out words, each asked in the next of :data:`FRESH_REVERSALS`."""
+    rng = random.Random(2026)
+    held = [w for w in words() if is_held_out(f"Reverse the word {w}.")]
+    out = []
+    for i in range(n):
+        w, template = rng.choice(held), FRESH_REVERSALS[i % len(FRESH_REVERSALS)]
+        out.append(Example("reverse_word", template.replace("{w}", w), w[::-1], template=template))
+    return out
+
+
+def score_fresh(generate, n: int) -> dict[str, Any]:
+    """Exact match on :func:`fresh_reversals`, overall and per phrasing."""
+    fresh = fresh_reversals(n)
+    got = generate([e.messages() for e in fresh])
+    rights = [a.strip() == e.answer for a, e in zip(got, fresh, strict=True)]
+    by = {t: [0, 0] for t in FRESH_REVERSALS}
+    for e, right in zip(fresh, rights, strict=True):
+        by[e.template][0] += right
+        by[e.template][1] += 1
+    right = sum(rights)
+    return {"right": right, "of": n, "accuracy": round(right / n, 4), "by_phrasing": by}
 
 
 def question_sets(n: int) -> dict[str, list[Example]]:
@@ -121,6 +167,7 @@ def measure(generate, n: int) -> dict[str, Any]:
         for (q, want), got in zip(UNPLANNED, typed, strict=True)
     ]
     scores["typed_by_hand_right"] = sum(row["right"] for row in scores["typed_by_hand"])
+    scores["reverse_word_fresh"] = score_fresh(generate, n)
     answers = generate([e.messages() for exs in sets.values() for e in exs[:3]])
     it = iter(answers)
     scores["examples"] = {

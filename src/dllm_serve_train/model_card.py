@@ -210,6 +210,7 @@ def phrasing_table(columns: list[tuple[str, dict]], typed_from: dict | None = No
     rows = [
         ("addition", "additions, operands of 1-3 digits"),
         ("reverse_word", "reversing an English word"),
+        ("reverse_word_fresh", "reversing an English word, fresh phrasings (`FRESH_REVERSALS`)"),
         ("off_topic", "off-topic prompts → the fixed reply"),
         ("off_topic_named", "`Hi`, `Tell me a joke`, `Who are you?` → the fixed reply"),
         ("off_topic_new_families", "off-topic, of kinds never trained on → the fixed reply"),

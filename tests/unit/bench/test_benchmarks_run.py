@@ -397,6 +397,7 @@ def test_demo_phrasings_scores_sets_context_and_typed_prompts(
     assert [e.question for e in sets["off_topic_named"]] == ["Hi", "Tell me a joke", "Who are you?"]
     answers = {e.messages()[-1]["content"]: e.answer for exs in sets.values() for e in exs}
     answers |= dict(bench.UNPLANNED)
+    answers |= {e.question: e.answer for e in bench.fresh_reversals(20)}
 
     def right(conversations: list) -> list[str]:
         return [answers[c[-1]["content"]] for c in conversations]
@@ -406,6 +407,8 @@ def test_demo_phrasings_scores_sets_context_and_typed_prompts(
         assert scores[name]["accuracy"] == 1.0, name
     assert scores["system_prompt"]["same"] == scores["system_prompt"]["of"]
     assert scores["typed_by_hand_right"] == len(bench.UNPLANNED)
+    assert scores["reverse_word_fresh"]["right"] == 20
+    assert scores["reverse_word_fresh"]["by_phrasing"]["Can I get {w} backwards?"] == [2, 2]
 
     def confused(conversations: list) -> list[str]:
         return [
@@ -453,3 +456,22 @@ def test_prefix_reuse(tmp_path: Path) -> None:
     # Hits skip exactly their prefill: what the model is fed drops by the tokens reused.
     assert on["prefill_tokens"] == on["prompt_tokens"] - on["cached_tokens"] < off["prefill_tokens"]
     assert off["forward_tokens"] - on["forward_tokens"] == on["cached_tokens"] > 0
+
+
+def test_fresh_reversal_phrasings_are_unlike_every_trained_one() -> None:
+    """No written training phrasing, nor any of 20,000 composed ones (half of them with
+    unfamiliar verbs), shares a run of four words with a fresh phrasing or holds it whole."""
+    import random
+
+    from dllm_serve_train.composed import compose, too_close
+    from dllm_serve_train.phrasings import REVERSAL
+    from dllm_serve_train.tasks import _trained_words
+
+    fresh = tuple(load("demo_phrasings").FRESH_REVERSALS)
+    held_out = tuple(t.text for t in REVERSAL if t.split == "held_out")
+    rng = random.Random(11)
+    trained = {t.text for t in REVERSAL if t.split == "train"}
+    trained |= {compose(rng, held_out, 0.5, _trained_words()) for _ in range(20000)}
+    assert not set(fresh) & {t.text for t in REVERSAL}
+    assert not [t for t in trained if too_close(t, fresh)]
+    assert too_close("Please hand me {w}, but reversed.", fresh)  # the check can fail
