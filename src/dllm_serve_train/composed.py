@@ -120,6 +120,11 @@ def _grams(held_out: tuple[str, ...]) -> tuple[frozenset[tuple[str, ...]], froze
     return frozenset(fours), frozenset(shorts)
 
 
+@cache
+def _words_of(held_out: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(w for text in held_out for w in _tokens(text))
+
+
 def too_close(text: str, held_out: tuple[str, ...]) -> bool:
     """Whether ``text`` shares a run of four words with one of the ``held_out`` phrasings or
     holds a shorter one whole."""
@@ -193,10 +198,9 @@ def compose(
     (words of the reversal task, none of a held-out phrasing) rather than of :data:`VERBS`,
     so that a verb never seen is not taken for the word to reverse."""
     if unfamiliar and rng.random() < unfamiliar:
-        held = set().union(*(_tokens(t) for t in held_out))
         while True:
             verb = rng.choice(verbs)
-            if verb not in held:
+            if verb not in _words_of(held_out):
                 break
         while True:
             text = _with_verb(rng, verb)
