@@ -197,6 +197,8 @@ def compose(
     the ``held_out`` phrasings. ``unfamiliar``: the share whose verb is one of ``verbs``
     (words of the reversal task, none of a held-out phrasing) rather than of :data:`VERBS`,
     so that a verb never seen is not taken for the word to reverse."""
+    if unfamiliar and not set(verbs) - _words_of(held_out):
+        raise ValueError("unfamiliar verbs need a word that no held-out phrasing uses")
     if unfamiliar and rng.random() < unfamiliar:
         while True:
             verb = rng.choice(verbs)

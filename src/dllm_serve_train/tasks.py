@@ -117,7 +117,7 @@ def words() -> tuple[str, ...]:
 
 
 @functools.cache
-def _trained_words() -> tuple[str, ...]:
+def trained_words() -> tuple[str, ...]:
     """The words of :func:`words` whose reversal is trained (not held out)."""
     return tuple(w for w in words() if not is_held_out(f"Reverse the word {w}."))
 
@@ -244,7 +244,7 @@ def examples(
         raise ValueError(
             "phrasing, context, composed and unfamiliar_verbs are shares between 0 and 1"
         )
-    verbs = _trained_words() if unfamiliar_verbs else ()
+    verbs = trained_words() if unfamiliar_verbs else ()
     rng = random.Random(seed)
     weights = weights or WEIGHTS
     names = [t for t in tasks for _ in range(weights[t])]

@@ -465,13 +465,13 @@ def test_fresh_reversal_phrasings_are_unlike_every_trained_one() -> None:
 
     from dllm_serve_train.composed import compose, too_close
     from dllm_serve_train.phrasings import REVERSAL
-    from dllm_serve_train.tasks import _trained_words
+    from dllm_serve_train.tasks import trained_words
 
     fresh = tuple(load("demo_phrasings").FRESH_REVERSALS)
     held_out = tuple(t.text for t in REVERSAL if t.split == "held_out")
     rng = random.Random(11)
     trained = {t.text for t in REVERSAL if t.split == "train"}
-    trained |= {compose(rng, held_out, 0.5, _trained_words()) for _ in range(20000)}
+    trained |= {compose(rng, held_out, 0.5, trained_words()) for _ in range(20000)}
     assert not set(fresh) & {t.text for t in REVERSAL}
     assert not [t for t in trained if too_close(t, fresh)]
     assert too_close("Please hand me {w}, but reversed.", fresh)  # the check can fail

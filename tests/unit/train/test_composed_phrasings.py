@@ -11,7 +11,7 @@ from dllm_serve_train import composed
 from dllm_serve_train.composed import compose
 from dllm_serve_train.composed import too_close as _too_close
 from dllm_serve_train.phrasings import PREFIXES, REVERSAL, SUFFIXES
-from dllm_serve_train.tasks import _trained_words, examples, is_held_out, words
+from dllm_serve_train.tasks import examples, is_held_out, trained_words, words
 
 HELD_OUT = tuple(t.text for t in REVERSAL if t.split == "held_out")
 
@@ -90,7 +90,7 @@ def test_unfamiliar_verbs_stand_where_the_verb_goes() -> None:
 
 
 def test_training_stream_with_unfamiliar_verbs_never_uses_the_word_or_a_held_out_one() -> None:
-    trained = _trained_words()
+    trained = trained_words()
     assert trained and not any(is_held_out(f"Reverse the word {w}.") for w in trained)
     assert len(trained) > 0.85 * len(words())
     stream = examples(7, "train", tasks=("reverse_word",), weights={"reverse_word": 1},
@@ -123,3 +123,13 @@ def _texts(values: object) -> list[str]:
     if isinstance(values, (tuple, list, type({}.values()))):
         return [t for v in values for t in _texts(v)]  # type: ignore[union-attr]
     return []
+
+
+def test_unfamiliar_verbs_without_a_usable_word_are_refused() -> None:
+    for verbs in ((), ("give", "look")):  # none, or only words of held-out phrasings
+        try:
+            compose(random.Random(0), HELD_OUT, 0.5, verbs)
+        except ValueError as e:
+            assert "no held-out phrasing uses" in str(e)
+        else:
+            raise AssertionError(f"{verbs} accepted")
