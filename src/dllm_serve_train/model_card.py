@@ -149,20 +149,17 @@ def questions_text(report: dict[str, Any]) -> str:
     adds, revs = counts["addition"], counts["reverse_word"]
     composed = report.get("composed") or 0
     unfamiliar = report.get("unfamiliar_verbs") or 0
-    made = (
-        f" ({composed:.0%} of those reversals in one composed from parts, "
-        "`dllm_serve_train/composed.py`: over 100,000 phrasings, none sharing four words or a "
-        "word of its own with a held-out one"
-        + (
+    made = ""
+    if composed:
+        verbs = (
             f"; {unfamiliar:.0%} of those with another word of the task as their verb, "
             "`Plant me {w} backwards.`"
-            if unfamiliar
-            else ""
         )
-        + ")"
-        if composed
-        else ""
-    )
+        made = (
+            f" ({composed:.0%} of those reversals in one composed from parts, "
+            "`dllm_serve_train/composed.py`: over 100,000 phrasings, none sharing four words or "
+            f"a word of its own with a held-out one{verbs if unfamiliar else ''})"
+        )
     return (
         f"additions of whole numbers 0-999 (answer `123 + 456 = 579`) asked in {adds} "
         "phrasings (`What is 123 + 456?`, `123+456=?`, `add 123 and 456`, `sum of 123 and "
