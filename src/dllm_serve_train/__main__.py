@@ -160,6 +160,11 @@ def main(argv: list[str] | None = None) -> None:
         help="LLaDA: share of each batch's rows that are two-stream autoregressive rows",
     )
     p.add_argument("--init", type=Path, help="start from this checkpoint's weights")
+    p.add_argument(
+        "--grow-layers",
+        action="store_true",
+        help="--init has fewer layers than --n-layers: added layers start as identity copies",
+    )
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers building batches")
     p.add_argument("--name", default="", help="model name in the card (default demo-FAMILY)")
     p.add_argument("--eval-every", type=int, default=0, help="held-out addition every N steps")

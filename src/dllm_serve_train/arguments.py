@@ -118,6 +118,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--device {args.device}: use cpu, or cuda on a machine with a GPU")
     if args.init is not None and not (args.init / "model.safetensors").is_file():
         parser.error(f"--init {args.init}: no model.safetensors there")
+    if args.grow_layers and args.init is None:
+        parser.error("--grow-layers needs --init (the checkpoint to grow)")
     check_model_files(parser, args, canvases)
     out = args.out  # new or empty (its argparse type)
     try:

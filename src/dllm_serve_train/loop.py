@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -33,6 +34,34 @@ def save(model: torch.nn.Module, loaded, out: Path) -> None:
     save_weights(out, tensors, num_shards=1)
 
 
+def grown_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """A model's weights (the server's own names) spread over ``n_layers`` layers, for
+    ``--grow-layers``: layer ``j`` starts as a copy of layer ``j * n / n_layers`` of the ``n``
+    given, and every repeat of a layer has its attention and MLP output projections zeroed.
+    In a pre-norm residual block a layer whose two outputs are zero adds nothing to the
+    residual stream, so the grown model computes exactly the smaller one's function at step
+    0; the zeroed projections get gradients at once, and the copied queries, keys and MLP
+    inputs start from features the smaller model already uses (rather than from noise)."""
+    layer = re.compile(r"^layers\.(\d+)\.(.+)$")
+    n = 1 + max(int(m.group(1)) for m in map(layer.match, state) if m)
+    if n_layers <= n:
+        raise ValueError(f"--grow-layers: the model to grow has {n} layers, --n-layers {n_layers}")
+    outputs = ("attn.o_proj.", "mlp.down_proj.")  # with their biases, where a model has them
+    if not all(f"layers.0.{o}weight" in state for o in outputs):
+        raise ValueError("--grow-layers: only dense models (an o_proj and a down_proj per layer)")
+    grown = {k: v.clone() for k, v in state.items() if not layer.match(k)}
+    for j in range(n_layers):
+        source = j * n // n_layers
+        repeat = j > 0 and (j - 1) * n // n_layers == source
+        for name, weight in state.items():
+            m = layer.match(name)
+            if m and int(m.group(1)) == source:
+                rest = m.group(2)
+                zero = repeat and rest.startswith(outputs)
+                grown[f"layers.{j}.{rest}"] = torch.zeros_like(weight) if zero else weight.clone()
+    return grown
+
+
 def _as_tuple(drawn):
     return drawn if isinstance(drawn, tuple) else (drawn,)
 
@@ -46,9 +75,13 @@ def train(args: argparse.Namespace) -> dict:
     )
     if args.spell:
         spell_words_and_numbers(out)
-    if args.init:  # continue from a trained checkpoint of the same shape (a second stage)
+    grow = getattr(args, "grow_layers", False)
+    if args.init and not grow:  # a second stage: a checkpoint of the same shape
         shutil.copyfile(args.init / "model.safetensors", out / "model.safetensors")
     loaded = load_model(str(out), device="cpu", dtype="float32")
+    if grow:
+        smaller = load_model(str(args.init), device="cpu", dtype="float32").model.state_dict()
+        loaded.model.load_state_dict(grown_state(smaller, loaded.model.config.n_layers))
     weights = WEIGHTS | {"addition": args.addition_weight} | parse_weights(args.weights)
     dataset = BatchStream(
         loaded,

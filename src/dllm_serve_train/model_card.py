@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
@@ -370,9 +371,24 @@ def _training(report: dict[str, Any]) -> str:
         return f"{text}:\n\n      {report['command']}"
     return (
         f"{text}, in {len(stages)} stages: each continues from the previous one's weights "
-        "(each stage's learning rate and seed are in its command):\n\n"
+        f"(each stage's learning rate and seed are in its command){_growth(stages)}:\n\n"
         + "\n".join(f"      {s['command']}" for s in stages)
     )
+
+
+def _growth(stages: list[dict[str, Any]]) -> str:
+    """How a ``--grow-layers`` stage made the model deeper, in the card's words."""
+    layers = [re.search(r"--n-layers (\d+)", s["command"]) for s in stages]
+    text = ""
+    for i, stage in enumerate(stages[1:], 1):
+        if "--grow-layers" in stage["command"] and layers[i] and layers[i - 1]:
+            text += (
+                f"; stage {i + 1} grew the model from {layers[i - 1][1]} to {layers[i][1]} "
+                "layers (`--grow-layers`: each added layer a copy of the one before it with its "
+                "attention and MLP output projections zeroed, so the deeper model started out "
+                "computing exactly what the shallower one did)"
+            )
+    return text
 
 
 def machine(threads: int, device: str) -> str:
@@ -555,8 +571,6 @@ def rewrite_card(out: Path, accuracy: Path | None = None, phrasings: Path | None
     measurements of ``benchmarks/demo_accuracy.py`` (``accuracy``) and
     ``benchmarks/demo_phrasings.py`` (``phrasings``) when given. The model's name stays the
     card's, the family is the recorded command's."""
-    import re
-
     report = json.loads((out / "training_report.json").read_text())
     family = re.search(r"--family (\w+)", report["command"])
     if family is None:

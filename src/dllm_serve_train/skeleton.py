@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -235,6 +236,13 @@ def check_model_files(
             )
         if args.init is not None:
             theirs, ours = _shapes(args.init), _shapes(skeleton)
+            if getattr(args, "grow_layers", False):
+                (theirs, n_theirs), (ours, n_ours) = _per_layer(theirs), _per_layer(ours)
+                if n_theirs >= n_ours:
+                    parser.error(
+                        f"--grow-layers: --init {args.init} has {n_theirs} layers; "
+                        f"--n-layers must be more (it is {n_ours})"
+                    )
             if theirs != ours:
                 parser.error(
                     f"--init {args.init}: its weights are not this run's model "
@@ -245,6 +253,13 @@ def check_model_files(
 def _shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as weights:
         return {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118
+
+
+def _per_layer(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], int]:
+    """The shapes with each layer's index written ``*`` (every layer alike), and the layers."""
+    index = re.compile(r"\.(layers|blocks)\.(\d+)\.")
+    layers = {int(m.group(2)) for m in map(index.search, shapes) if m}
+    return {index.sub(r".\1.*.", k): v for k, v in shapes.items()}, len(layers)
 
 
 def _difference(theirs: dict[str, tuple[int, ...]], ours: dict[str, tuple[int, ...]]) -> str:

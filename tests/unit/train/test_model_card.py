@@ -118,6 +118,17 @@ def test_card_states_cpu_minutes_of_every_stage_when_recorded(tmp_path: Path) ->
     assert "121 minutes in all on" in (out / "README.md").read_text()
 
 
+def test_card_states_a_stage_that_grew_the_model(tmp_path: Path) -> None:
+    out = write_tiny("idlm", tmp_path / "m")
+    first = {"command": "python -m dllm_serve_train --n-layers 4", "steps": 30, "seconds": 60}
+    grown = "python -m dllm_serve_train --n-layers 6 --init /runs/p8 --grow-layers"
+    write_model_card(out, "demo-idlm", "idlm", _report(command=grown, init_from=first))
+    card = (out / "README.md").read_text()
+    assert "; stage 2 grew the model from 4 to 6 layers (`--grow-layers`: each added" in card
+    write_model_card(out, "demo-idlm", "idlm", _report(init_from=first))
+    assert "grew the model" not in (out / "README.md").read_text()
+
+
 def test_card_states_what_the_run_did_not_a_fixed_recipe(tmp_path: Path) -> None:
     """Found by QA: the card said max_new_tokens 32 for --canvas 16, a 16-1024 tail canvas for
     --tail-min-canvas 64, "a lower learning rate ... another seed" for a second stage run with
