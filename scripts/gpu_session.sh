@@ -40,9 +40,10 @@ timeout 80 python3 benchmarks/gpu_llada8b.py --max-seconds 55 --out "$RES/gpu_ll
   2>&1 | tee "$RES/gpu_llada8b.log"
 pack
 # Only the files that hold GPU-marked tests: the machine has no fastapi, pydantic, uvicorn or
-# openai, so collecting the whole tree would stop at the API tests' imports and run nothing.
+# openai, so collecting the whole tree would stop at the API tests' imports and run nothing;
+# nor pytest-xdist, so pyproject's addopts (which spread the suite over workers) are cleared.
 gpu_files=$(grep -rlE "mark\.gpu\b" tests | sort)
-timeout 90 python3 -m pytest $gpu_files -m gpu -q -rs -p no:cacheprovider 2>&1 \
+timeout 90 python3 -m pytest $gpu_files -m gpu -q -rs -p no:cacheprovider -o addopts= 2>&1 \
   | tee "$RES/gpu_tests.log"
 pack
 # 16 rows of at most 32 tokens: graphs up to 512 tokens (fewer captures at start-up).

@@ -48,6 +48,7 @@ def test_the_script_selects_the_gpu_test_files_this_way() -> None:
     script = (ROOT / "scripts" / "gpu_session.sh").read_text()
     assert 'grep -rlE "mark\\.gpu\\b" tests' in script
     assert "pytest $gpu_files -m gpu" in script
+    assert "-o addopts=" in script  # no pytest-xdist there
     assert "tests/gpu/test_gpu_cuda_paths.py" in gpu_test_files()
 
 
@@ -55,7 +56,7 @@ def test_gpu_tests_collect_without_the_api_dependencies(tmp_path: Path) -> None:
     files = gpu_test_files()
     done = run_without_api(
         tmp_path, "-m", "pytest", *files, "-m", "gpu", "--collect-only", "-q",
-        "-p", "no:cacheprovider",
+        "-p", "no:cacheprovider", "-o", "addopts=",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     collected = re.search(r"(\d+)/\d+ tests collected|(\d+) tests? collected", done.stdout)
