@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         "--ar-fraction",
         type=float,
         default=0.0,
-        help="LLaDA: share of each batch's rows that are two-stream autoregressive rows",
+        help="share of each batch's rows trained autoregressively on the whole answer "
+        "(LLaDA: two-stream rows; I-DLM: the answer clean, no MASK)",
     )
     p.add_argument("--init", type=Path, help="start from this checkpoint's weights")
     p.add_argument(

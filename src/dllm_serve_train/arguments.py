@@ -40,7 +40,7 @@ _AT_LEAST = {
 }
 # The longest canvas a --tail-rows row is drawn at (objectives.llada_tail_batch's default).
 TAIL_MAX_CANVAS = 1024
-_LLADA_ONLY = ("causal_steps", "ar_fraction", "tail_rows", "tail_min_canvas")
+_LLADA_ONLY = ("causal_steps", "tail_rows", "tail_min_canvas")
 
 
 def parse_weights(text: str) -> dict[str, int]:
@@ -90,6 +90,11 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                     f"--{name.replace('_', '-')} is for --family llada (the I-DLM and tri-mode "
                     "objectives are causal)"
                 )
+    if args.family == "nemotron" and args.ar_fraction:
+        parser.error(
+            "--ar-fraction is for --family llada and idlm (the tri-mode objective trains every "
+            "row autoregressively already)"
+        )
     # Values that would do nothing, or be clamped, are refused rather than ignored.
     if args.composed and not args.phrasing:
         parser.error("--composed is a share of the phrased reversals: add --phrasing")

@@ -70,7 +70,7 @@ class BatchStream(torch.utils.data.IterableDataset):
                 dlm_weight=float(config.get("dlm_loss_weight") or 1.0),
             )
         else:
-            self.make = idlm_batch
+            self.make = functools.partial(idlm_batch, ar_fraction=ar_fraction)
 
     def __iter__(self) -> Iterator[TrainBatch | tuple[TrainBatch, ...]]:
         info = torch.utils.data.get_worker_info()

@@ -157,7 +157,7 @@ def train(args: argparse.Namespace) -> dict:
         "tail_rows": args.tail_rows if family == "llada" else None,
         "tail_min_canvas": getattr(args, "tail_min_canvas", 0) if family == "llada" else None,
         "causal_steps": args.causal_steps if family == "llada" else None,
-        "ar_fraction": args.ar_fraction if family == "llada" else None,
+        "ar_fraction": args.ar_fraction if family in ("llada", "idlm") else None,
         "weighting": args.weighting if family == "llada" else None,
         "parameters": sum(p.numel() for p in model.parameters()),
         "seconds": round(time.monotonic() - started),

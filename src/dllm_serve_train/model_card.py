@@ -60,7 +60,7 @@ def write_model_card(
     layers = f"{n_layers} layer" + ("" if n_layers == 1 else "s")
     operands = operands_text(report)
     objective = _OBJECTIVE[family].format(weighting=_WEIGHTING[report.get("weighting")])
-    objective += _recipe(report)
+    objective += _recipe(report, family)
     kind = "LLaDA-format masked diffusion" if family == "llada" else "I-DLM-format causal"
     weights = report.get("task_weights") or {"addition": report["addition_weight"]}
     mix = ", ".join(f"{t} {w}" for t, w in weights.items() if w)
@@ -317,10 +317,17 @@ def operands_text(report: dict[str, Any]) -> str:
     return f"\n  Additions{stage}: {how}."
 
 
-def _recipe(report: dict[str, Any]) -> str:
-    """The LLaDA recipe's departures from plain random masking, when used."""
+def _recipe(report: dict[str, Any], family: str) -> str:
+    """The recipe's departures from the family's plain objective, when used."""
     text = ""
-    if report.get("ar_fraction"):
+    if report.get("ar_fraction") and family == "idlm":
+        text += (
+            f"\n  {report['ar_fraction']:.0%} of each batch's rows keep the whole answer clean "
+            "and no MASK: next-token prediction over every answer token (the greedy "
+            "autoregressive answer the server decodes), where a row cut at random trains it "
+            "on half its answer on average."
+        )
+    elif report.get("ar_fraction"):
         text += (
             f"\n  {report['ar_fraction']:.0%} of each batch's rows are two-stream "
             "autoregressive rows instead: the answer follows the prompt clean, then a MASK "

@@ -211,12 +211,28 @@ def two_stream_row(
 
 
 def idlm_batch(
-    loaded: LoadedModel, examples: list[Example], rng: random.Random, max_stride: int = 8
+    loaded: LoadedModel,
+    examples: list[Example],
+    rng: random.Random,
+    max_stride: int = 8,
+    ar_fraction: float = 0.0,
 ) -> TrainBatch:
+    """Rows for the I-DLM objective (causal attention, logit shift): the prompt, the answer
+    clean up to a random cut, then up to ``max_stride - 1`` MASKs. Every clean position
+    predicts the next token (the autoregressive verify the server decodes with), every MASK
+    the answer token past it (a self-speculative draft).
+
+    ``ar_fraction``: that share of the rows keep the whole answer clean and no MASK, so each
+    of them trains next-token prediction over the whole answer; the random cut gives a row
+    that signal for half its answer on average, and the served answer is the greedy
+    autoregressive one (greedy ISD is token-identical to it)."""
     rows, targets, weights = [], [], []
-    for ex in examples:
+    n_ar = round(ar_fraction * len(examples))
+    for i, ex in enumerate(examples):
         prompt, answer = encode(loaded, ex)
         cut = rng.randint(0, len(answer) - 1)  # answer[:cut] is clean, then masks
+        if i < n_ar:
+            cut = len(answer) - 1  # all clean: the last position predicts the final token
         n_masks = min(rng.randint(0, max_stride - 1), len(answer) - cut - 1)
         clean = prompt + answer[:cut]
         row = clean + [loaded.mask_id] * n_masks

@@ -129,6 +129,16 @@ def test_card_states_a_stage_that_grew_the_model(tmp_path: Path) -> None:
     assert "grew the model" not in (out / "README.md").read_text()
 
 
+def test_an_idlm_card_states_its_autoregressive_rows(tmp_path: Path) -> None:
+    out = write_tiny("idlm", tmp_path / "m")
+    write_model_card(out, "demo-idlm", "idlm", _report(ar_fraction=0.5))
+    card = (out / "README.md").read_text()
+    assert "50% of each batch's rows keep the whole answer clean and no MASK" in card
+    assert "two-stream" not in card
+    write_model_card(out, "demo-idlm", "idlm", _report())
+    assert "keep the whole answer clean" not in (out / "README.md").read_text()
+
+
 def test_card_states_what_the_run_did_not_a_fixed_recipe(tmp_path: Path) -> None:
     """Found by QA: the card said max_new_tokens 32 for --canvas 16, a 16-1024 tail canvas for
     --tail-min-canvas 64, "a lower learning rate ... another seed" for a second stage run with

@@ -83,6 +83,29 @@ def test_idlm_batch_is_causal_shifted_with_trailing_masks(models: dict[str, Load
                 assert t == full[j + 1] and j + 1 >= len(prompt)
 
 
+def test_idlm_ar_rows_train_next_token_prediction_over_the_whole_answer(
+    models: dict[str, LoadedModel],
+) -> None:
+    m = models["idlm"]
+    exs = held_out_set(8)
+    plain = idlm_batch(m, exs, random.Random(1))
+    batch = idlm_batch(m, exs, random.Random(1), ar_fraction=0.5)
+    for row, ex in enumerate(exs[:4]):  # the first half: the answer clean, no MASK
+        prompt, answer = encode(m, ex)
+        full, p = prompt + answer, len(prompt)
+        length = int(batch.attn_mask[row, 0, -1].sum())  # the row's own tokens (then padding)
+        assert batch.input_ids[row, :length].tolist() == full[:-1]  # the final token: a target
+        want = [-100] * (p - 1) + answer + [-100] * (batch.targets.shape[1] - len(full) + 1)
+        assert batch.targets[row].tolist() == want  # position j predicts token j + 1
+    # The other rows are the plain objective's (the same random draws as without AR rows).
+    for row in range(4, 8):
+        length = int(plain.attn_mask[row, 0, -1].sum())
+        assert batch.input_ids[row, :length].tolist() == plain.input_ids[row, :length].tolist()
+        assert batch.targets[row, :length].tolist() == plain.targets[row, :length].tolist()
+    assert batch.normalizer == (batch.targets != -100).sum().item()
+    assert any(m.mask_id in plain.input_ids[r].tolist() for r in range(4))
+
+
 @pytest.mark.parametrize("family", ["llada", "idlm"])
 def test_a_few_steps_overfit_one_batch(models: dict[str, LoadedModel], family: str) -> None:
     torch.manual_seed(0)
@@ -165,7 +188,7 @@ def test_two_stream_rows_need_a_mask_free_weighting(models: dict[str, LoadedMode
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--family", "idlm", "--ar-fraction", "0.5"], "for --family llada"),
+        (["--family", "nemotron", "--ar-fraction", "0.5"], "for --family llada and idlm"),
         (["--family", "llada", "--ar-fraction", "1.5"], "between 0 and 1"),
     ],
 )
