@@ -3,10 +3,14 @@ and a busy port refused before the model loads."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +20,7 @@ from remote_server import RemoteServer
 from safetensors import safe_open
 
 import dllm_serve
+from dllm_serve import local_server
 
 
 def test_help_lists_every_flag() -> None:
@@ -191,3 +196,47 @@ def test_start_up_log_names_the_draft_lora_and_the_kv_pool_it_took(tmp_path: Pat
         "at what --max-running-requests 2 "
         f"requests of the longest context, {longest:,} tokens each, can use)"
     )
+
+
+
+class _Healthy(http.server.BaseHTTPRequestHandler):
+    """Answers 200 to anything: another process's server on the port."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_test_server_that_loses_its_port_starts_again_on_another(tmp_path: Path) -> None:
+    """free_port() frees the port it found before the child binds it, and a server another
+    test starts at that moment can take it. The helper must not take that server's /health
+    for its own child's, and starts the child again on another port."""
+    other = http.server.HTTPServer(("127.0.0.1", 0), _Healthy)
+    taken = other.server_address[1]
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    real = local_server.free_port
+    ports = iter([taken])
+    mp = pytest.MonkeyPatch()
+    mp.setattr(local_server, "free_port", lambda: next(ports, None) or real())
+    try:
+        server = RemoteServer.start(["--log-level", "warning"], tmp_path / "log")
+    finally:
+        mp.undo()
+        other.shutdown()
+        other.server_close()
+    try:
+        assert server.port != taken
+        assert local_server.listens(server.process.pid, server.port) is True
+        assert server.client().models.list().data[0].id == "tiny-llada"
+    finally:
+        server.stop()
+    # listens() tells a listening socket of a process from a bound, silent one.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        assert local_server.listens(os.getpid(), port) is False
+        sock.listen()
+        assert local_server.listens(os.getpid(), port) is True
