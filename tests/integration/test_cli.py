@@ -198,7 +198,6 @@ def test_start_up_log_names_the_draft_lora_and_the_kv_pool_it_took(tmp_path: Pat
     )
 
 
-
 class _Healthy(http.server.BaseHTTPRequestHandler):
     """Answers 200 to anything: another process's server on the port."""
 
