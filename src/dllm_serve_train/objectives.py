@@ -230,6 +230,8 @@ def idlm_batch(
     n_ar = round(ar_fraction * len(examples))
     for i, ex in enumerate(examples):
         prompt, answer = encode(loaded, ex)
+        # Drawn for every row, AR rows too, so the other rows get the draws they got without
+        # --ar-fraction (a recorded command reproduces its run).
         cut = rng.randint(0, len(answer) - 1)  # answer[:cut] is clean, then masks
         if i < n_ar:
             cut = len(answer) - 1  # all clean: the last position predicts the final token
