@@ -49,7 +49,7 @@ from _common import (
 )
 
 from dllm_serve.local_server import LocalServer
-from dllm_serve_train.evaluation import phrasing_sets, score_phrasings
+from dllm_serve_train.evaluation import by_phrasing, phrasing_sets, score_phrasings
 from dllm_serve_train.off_topic import CAPABILITY_REPLY, HELD_OUT_FAMILY
 from dllm_serve_train.tasks import Example, is_held_out, words
 
@@ -121,11 +121,8 @@ def score_fresh(generate, n: int) -> dict[str, Any]:
     fresh = fresh_reversals(n)
     got = generate([e.messages() for e in fresh])
     rights = [a.strip() == e.answer for a, e in zip(got, fresh, strict=True)]
-    by = {t: [0, 0] for t in FRESH_REVERSALS}
-    for e, right in zip(fresh, rights, strict=True):
-        by[e.template][0] += right
-        by[e.template][1] += 1
     right = sum(rights)
+    by = by_phrasing(fresh, rights)
     return {"right": right, "of": n, "accuracy": round(right / n, 4), "by_phrasing": by}
 
 

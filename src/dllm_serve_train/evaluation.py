@@ -86,6 +86,17 @@ def phrasing_sets(n: int = N_PHRASED) -> dict[str, list[Example]]:
     return {task: held_out_phrasings(task, n) for task in PHRASING_SETS}
 
 
+def by_phrasing(exs: list[Example], rights: list[bool]) -> dict[str, list[int]]:
+    """[right, asked] per template, in the order the templates first occur: which phrasings
+    a model misses, not only how many questions."""
+    by: dict[str, list[int]] = {}
+    for e, right in zip(exs, rights, strict=True):
+        row = by.setdefault(e.template, [0, 0])
+        row[0] += right
+        row[1] += 1
+    return by
+
+
 def score_phrasings(generate, sets: dict[str, list[Example]]) -> dict:
     """Exact match per held-out phrasing set, and how many answers a held-out system prompt
     or one earlier turn changes. ``generate`` maps a list of conversations to answer texts.
@@ -100,8 +111,11 @@ def score_phrasings(generate, sets: dict[str, list[Example]]) -> dict:
     start = 0
     for name, exs in sets.items():
         got = alone[start : start + len(exs)]
-        right = sum(a.strip() == e.answer for a, e in zip(got, exs, strict=True))
+        rights = [a.strip() == e.answer for a, e in zip(got, exs, strict=True)]
+        right = sum(rights)
         scores[name] = {"right": right, "of": len(exs), "accuracy": round(right / len(exs), 4)}
+        if name in ("addition", "reverse_word"):
+            scores[name]["by_phrasing"] = by_phrasing(exs, rights)
         start += len(exs)
     systems = held_out_system_prompts()
     with_system = [

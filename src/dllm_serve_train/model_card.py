@@ -238,6 +238,21 @@ def phrasing_table(columns: list[tuple[str, dict]], typed_from: dict | None = No
         "and the server's default settings. The earlier turn is another question of the set "
         "with the model's own answer to it, as a client sends it back.\n\n" + "\n".join(lines)
     )
+    source = typed_from or columns[-1][1]
+    for key, label in (
+        ("reverse_word", "held-out reversal phrasing"),
+        ("reverse_word_fresh", "fresh reversal phrasing"),
+    ):
+        by = (source.get(key) or {}).get("by_phrasing")
+        if by:
+            worst_first = sorted(by.items(), key=lambda item: item[1][0] / item[1][1])
+            text += (
+                f"\n\nRight of asked, per {label}, worst first: "
+                + ", ".join(
+                    f"`{template}` {right}/{asked}" for template, (right, asked) in worst_first
+                )
+                + "."
+            )
     typed = (typed_from or {}).get("typed_by_hand")
     if typed:
         wrong = [row for row in typed if not row["right"]]

@@ -15,6 +15,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from dllm_serve_train.phrasings import REVERSAL
+
 BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
@@ -409,6 +411,10 @@ def test_demo_phrasings_scores_sets_context_and_typed_prompts(
     assert scores["typed_by_hand_right"] == len(bench.UNPLANNED)
     assert scores["reverse_word_fresh"]["right"] == 20
     assert scores["reverse_word_fresh"]["by_phrasing"]["Can I get {w} backwards?"] == [2, 2]
+    held_out = {t.text for t in REVERSAL if t.split == "held_out"}
+    by = scores["reverse_word"]["by_phrasing"]
+    assert set(by) <= held_out and sum(asked for _, asked in by.values()) == 20
+    assert all(right == asked for right, asked in by.values())
 
     def confused(conversations: list) -> list[str]:
         return [
@@ -418,6 +424,16 @@ def test_demo_phrasings_scores_sets_context_and_typed_prompts(
 
     scores = bench.measure(confused, 20)
     assert scores["system_prompt"]["same"] == 0 and scores["earlier_turn"]["same"] > 0
+
+    def no_give(conversations: list) -> list[str]:
+        return [
+            "?" if c[-1]["content"].lower().lstrip().startswith("give me") else a
+            for c, a in zip(conversations, right(conversations), strict=True)
+        ]
+
+    by = bench.measure(no_give, 20)["reverse_word"]["by_phrasing"]
+    assert by["Give me {w} reversed."][0] == 0 < by["Give me {w} reversed."][1]
+    assert all(right == asked for t, (right, asked) in by.items() if not t.startswith("Give"))
     monkeypatch.setattr(sys, "argv", ["demo_phrasings.py", "--out", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit) as exit_info:
         bench.main()

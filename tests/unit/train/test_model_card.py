@@ -213,3 +213,42 @@ def test_trimode_card_states_the_run_without_a_lora_and_a_slower_linear_spec(
     assert "draft LoRA takes" not in card and "- No draft LoRA." in card
     assert "operands uniform in 0-999" in card and "digit count" not in card
     assert "spelled one character" not in card and "the format's BPE merges" in card
+
+
+def test_card_lists_each_reversal_phrasing_worst_first(tmp_path: Path) -> None:
+    """Which held-out and fresh reversal phrasings a demo misses, from the server's measurement
+    (not only the run's), worst first."""
+    out = write_tiny("idlm", tmp_path / "m")
+    cell = {"right": 26, "of": 51, "accuracy": 0.5098}
+    run = {"reverse_word": {**cell, "by_phrasing": {"Say {w} backwards.": [0, 1]}}}
+    phrasings = {
+        "modes": {
+            "default": {
+                "reverse_word": {
+                    **cell,
+                    "by_phrasing": {
+                        "Say {w} backwards.": [25, 25],
+                        "Give me {w} reversed.": [1, 26],
+                    },
+                },
+                "reverse_word_fresh": {
+                    "right": 9,
+                    "of": 33,
+                    "accuracy": 0.2727,
+                    "by_phrasing": {"Do {w} in reverse.": [9, 16], "{w} but backwards": [0, 17]},
+                },
+            }
+        }
+    }
+    write_model_card(
+        out, "demo-x", "idlm", _report(held_out_phrasings=run), server_phrasings=phrasings
+    )
+    card = (out / "README.md").read_text()
+    assert (
+        "Right of asked, per held-out reversal phrasing, worst first: "
+        "`Give me {w} reversed.` 1/26, `Say {w} backwards.` 25/25." in card
+    )
+    assert (
+        "Right of asked, per fresh reversal phrasing, worst first: "
+        "`{w} but backwards` 0/17, `Do {w} in reverse.` 9/16." in card
+    )
