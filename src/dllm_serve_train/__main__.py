@@ -23,7 +23,7 @@ from dllm_serve_train.evaluation import (
     evaluate_phrasings,
     server_params,
 )
-from dllm_serve_train.loop import train
+from dllm_serve_train.loop import earlier_stages, train
 from dllm_serve_train.model_card import write_model_card
 from dllm_serve_train.skeleton import SIZES
 from dllm_serve_train.tasks import STRATA, WEIGHTS, held_out_additions, held_out_set
@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-layers", type=int, default=0)
     p.add_argument("--mlp", type=int, default=0, help="MLP hidden size")
     p.add_argument("--heads", type=int, default=0, help="attention heads (0: d_model / 32)")
+    p.add_argument(
+        "--kv-heads", type=int, default=0, help="I-DLM, tri-mode: KV heads (0: half the heads)"
+    )
     p.add_argument(
         "--addition-weight",
         type=int,
@@ -180,13 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = train(args)
-    if args.init and (args.init / "training_report.json").is_file():
-        first = json.loads((args.init / "training_report.json").read_text())
-        report["init_from"] = {  # the whole chain of earlier stages
-            k: first[k]
-            for k in ("command", "steps", "seconds", "cpu_seconds", "init_from", "draft_lora")
-            if k in first
-        }
+    if args.init and (earlier := earlier_stages(args.init)):  # the whole chain of stages
+        report["init_from"] = earlier
     if args.family == "nemotron":  # the draft LoRA, then every decoding mode evaluated
         print(json.dumps(finish(args, report, command_line(vars(args), defaults)), indent=2))
         return

@@ -26,6 +26,7 @@ _AT_LEAST = {
     "n_layers": 0,
     "mlp": 0,
     "heads": 0,
+    "kv_heads": 0,
     "threads": 0,
     "workers": 0,
     "addition_weight": 0,

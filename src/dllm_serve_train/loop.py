@@ -4,6 +4,7 @@ loop on the task mix, and the weights saved under the family's tensor names."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import shutil
@@ -32,6 +33,17 @@ def save(model: torch.nn.Module, loaded, out: Path) -> None:
         for theirs, ours in loaded.family.weight_map(model.config).items()
     }
     save_weights(out, tensors, num_shards=1)
+
+
+def earlier_stages(init: Path) -> dict | None:
+    """The record of the run that wrote ``init`` (its own earlier stages nested under
+    ``init_from``), for a run that continues from it; None when ``init`` has no report."""
+    path = init / "training_report.json"
+    if not path.is_file():
+        return None
+    first = json.loads(path.read_text())
+    keys = ("command", "steps", "seconds", "cpu_seconds", "init_from", "draft_lora")
+    return {k: first[k] for k in keys if k in first}
 
 
 def grown_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
@@ -69,7 +81,8 @@ def _as_tuple(drawn):
 def train(args: argparse.Namespace) -> dict:
     family, out, steps = args.family, args.out, args.steps
     torch.manual_seed(args.seed)
-    size = sizes(family, args.d_model, args.n_layers, args.mlp, args.heads)
+    kv_heads = getattr(args, "kv_heads", 0)
+    size = sizes(family, args.d_model, args.n_layers, args.mlp, args.heads, kv_heads)
     write_skeleton(
         family, out, args.seed, args.canvas, size, args.rope_theta, getattr(args, "block_size", 0)
     )

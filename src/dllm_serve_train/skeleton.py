@@ -34,10 +34,16 @@ SIZES = {
 
 
 def sizes(
-    family: str, d_model: int | None, n_layers: int | None, mlp: int | None, heads: int = 0
+    family: str,
+    d_model: int | None,
+    n_layers: int | None,
+    mlp: int | None,
+    heads: int = 0,
+    kv_heads: int = 0,
 ) -> dict:
     """The family's default size, with any overrides (heads of 32 dimensions unless
-    ``heads`` is given; I-DLM keeps two query heads per KV head)."""
+    ``heads`` is given; I-DLM and tri-mode keep two query heads per KV head unless
+    ``kv_heads`` is given; LLaDA has a KV head per head)."""
     out = dict(SIZES[family])
     if d_model:
         out |= {"d_model": d_model, "n_heads": d_model // 32}
@@ -48,6 +54,12 @@ def sizes(
             raise ValueError(f"d_model {out['d_model']} is not divisible by {out['n_heads']} heads")
         if "n_kv_heads" in out:
             out["n_kv_heads"] = max(1, out["n_heads"] // 2)
+    if kv_heads:
+        if "n_kv_heads" not in out:
+            raise ValueError(f"--kv-heads: {family} has one KV head per attention head")
+        if out["n_heads"] % kv_heads:
+            raise ValueError(f"{out['n_heads']} heads are not divisible by {kv_heads} KV heads")
+        out["n_kv_heads"] = kv_heads
     if n_layers:
         out["n_layers"] = n_layers
     if mlp:
@@ -217,7 +229,14 @@ def check_model_files(
     """``parser.error`` (exit 2) unless the sizes make a model, every canvas leaves room for
     a prompt in its context, and ``--init`` holds weights of exactly this model's shapes."""
     try:
-        size = sizes(args.family, args.d_model, args.n_layers, args.mlp, args.heads)
+        size = sizes(
+            args.family,
+            args.d_model,
+            args.n_layers,
+            args.mlp,
+            args.heads,
+            getattr(args, "kv_heads", 0),
+        )
     except ValueError as exc:
         parser.error(str(exc))
     with tempfile.TemporaryDirectory() as tmp:
