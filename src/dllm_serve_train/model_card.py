@@ -194,6 +194,12 @@ def phrasings_section(report: dict[str, Any], server: dict | None) -> str:
     return f"\n{table}" if table else ""
 
 
+def _question_counts(cells: list[dict | None]) -> str:
+    """The questions column: each measurement's count, once each, in column order (the
+    training run's sets and the server's can differ by a few questions)."""
+    return " / ".join(str(n) for n in dict.fromkeys(c["of"] for c in cells if c))
+
+
 def phrasing_table(columns: list[tuple[str, dict]], typed_from: dict | None = None) -> str:
     """Rows of held-out phrasing sets, a column per measurement (``evaluation.score_phrasings``
     or ``benchmarks/demo_phrasings.py`` results), and the typed-by-hand list of
@@ -218,20 +224,18 @@ def phrasing_table(columns: list[tuple[str, dict]], typed_from: dict | None = No
         cells = [c.get(key) for _, c in columns]
         if not any(cells):
             continue
-        of = next(c["of"] for c in cells if c)
         text = " | ".join(
             f"{c['accuracy'] * 100:.1f}% ({c['right']}/{c['of']})" if c else "-" for c in cells
         )
-        lines.append(f"| {label} | {text} | {of} |")
+        lines.append(f"| {label} | {text} | {_question_counts(cells)} |")
     for key, label in (
         ("system_prompt", "same answer after a held-out system prompt"),
         ("earlier_turn", "same answer after one earlier turn"),
     ):
         cells = [c.get(key) for _, c in columns]
         if any(cells):
-            of = next(c["of"] for c in cells if c)
             text = " | ".join(f"{c['same']}/{c['of']}" if c else "-" for c in cells)
-            lines.append(f"| {label} | {text} | {of} |")
+            lines.append(f"| {label} | {text} | {_question_counts(cells)} |")
     text = (
         "**How people ask.** Questions asked in phrasings that training never used, about "
         "operands and words it never saw (`dllm_serve_train/phrasings.py`), at temperature 0 "

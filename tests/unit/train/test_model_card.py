@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dllm_serve_train.model_card import write_model_card
+from dllm_serve_train.model_card import phrasing_table, write_model_card
 from dllm_serve_train.tasks import TASKS
 from dllm_serve_train.tiny_checkpoints import write_tiny
 
@@ -252,3 +252,15 @@ def test_card_lists_each_reversal_phrasing_worst_first(tmp_path: Path) -> None:
         "Right of asked, per fresh reversal phrasing, worst first: "
         "`{w} but backwards` 0/17, `Do {w} in reverse.` 9/16." in card
     )
+
+
+def test_card_question_counts_name_each_measurement_s_own() -> None:
+    """The training run's held-out sets and the server's can differ by a few questions: the
+    questions column gives each count once, in column order, not the first column's alone."""
+    run = {"addition": {"right": 9, "of": 10, "accuracy": 0.9}}
+    run["system_prompt"] = {"same": 580, "of": 600}
+    server = {"addition": {"right": 9, "of": 10, "accuracy": 0.9}}
+    server["system_prompt"] = {"same": 585, "of": 603}
+    table = phrasing_table([("the run", run), ("the server", server)])
+    assert "| additions, operands of 1-3 digits | 90.0% (9/10) | 90.0% (9/10) | 10 |" in table
+    assert "| same answer after a held-out system prompt | 580/600 | 585/603 | 600 / 603 |" in table
