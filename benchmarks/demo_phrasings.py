@@ -189,8 +189,13 @@ def run_model(family: str, model: str, n: int, workers: int) -> dict[str, Any]:
     try:
         for mode, extra in modes:
             results["modes"][mode] = measure(asker(client, workers, extra), n)
-            summary = {k: v for k, v in results["modes"][mode].items() if isinstance(v, dict)}
-            print(model, mode, {k: v for k, v in summary.items() if k != "examples"}, flush=True)
+            scores = results["modes"][mode].items()
+            summary = {
+                k: {f: n for f, n in v.items() if f != "changed"}
+                for k, v in scores
+                if isinstance(v, dict) and k != "examples"
+            }
+            print(model, mode, summary, flush=True)
     finally:
         server.stop()
     return results

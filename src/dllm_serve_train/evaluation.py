@@ -103,7 +103,8 @@ def score_phrasings(generate, sets: dict[str, list[Example]]) -> dict:
 
     The earlier turn is the next question of the pooled sets with the model's own answer to
     it, as a chat client would send it back; each question is asked alone, after a system
-    prompt (held-out ones in turn) and after that turn, and the three answers compared.
+    prompt (held-out ones in turn) and after that turn, and the three answers compared; each
+    answer a context changed is listed with it (``changed``).
     """
     pool = [e for exs in sets.values() for e in exs]
     alone = generate([e.messages() for e in pool])
@@ -132,7 +133,19 @@ def score_phrasings(generate, sets: dict[str, list[Example]]) -> dict:
         answers = generate(conversations)
         same = sum(a == b for a, b in zip(answers, alone, strict=True))
         right = sum(a.strip() == e.answer for a, e in zip(answers, pool, strict=True))
-        scores[name] = {"same": same, "right": right, "of": len(pool)}
+        # Each changed answer beside its context, so that what a context moves can be read.
+        changed = [
+            {
+                "context": c[:-1],
+                "question": e.question,
+                "expected": e.answer,
+                "alone": before,
+                "answer": after,
+            }
+            for c, e, before, after in zip(conversations, pool, alone, answers, strict=True)
+            if before != after
+        ]
+        scores[name] = {"same": same, "right": right, "of": len(pool), "changed": changed}
     return scores
 
 

@@ -408,6 +408,7 @@ def test_demo_phrasings_scores_sets_context_and_typed_prompts(
     for name in sets:
         assert scores[name]["accuracy"] == 1.0, name
     assert scores["system_prompt"]["same"] == scores["system_prompt"]["of"]
+    assert scores["system_prompt"]["changed"] == [] and scores["earlier_turn"]["changed"] == []
     assert scores["typed_by_hand_right"] == len(bench.UNPLANNED)
     assert scores["reverse_word_fresh"]["right"] == 20
     assert scores["reverse_word_fresh"]["by_phrasing"]["Can I get {w} backwards?"] == [2, 2]
@@ -424,6 +425,11 @@ def test_demo_phrasings_scores_sets_context_and_typed_prompts(
 
     scores = bench.measure(confused, 20)
     assert scores["system_prompt"]["same"] == 0 and scores["earlier_turn"]["same"] > 0
+    changed = scores["system_prompt"]["changed"]
+    assert len(changed) == scores["system_prompt"]["of"] and scores["earlier_turn"]["changed"] == []
+    first = changed[0]
+    assert first["answer"] == "?" and first["alone"] == first["expected"] != "?"
+    assert [m["role"] for m in first["context"]] == ["system"]
 
     def no_give(conversations: list) -> list[str]:
         return [
