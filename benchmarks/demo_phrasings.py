@@ -189,11 +189,11 @@ def run_model(family: str, model: str, n: int, workers: int) -> dict[str, Any]:
     try:
         for mode, extra in modes:
             results["modes"][mode] = measure(asker(client, workers, extra), n)
-            scores = results["modes"][mode].items()
+            # The counts of each set; the listed examples and changed answers stay in the file.
             summary = {
-                k: {f: n for f, n in v.items() if f != "changed"}
-                for k, v in scores
-                if isinstance(v, dict) and k != "examples"
+                name: {field: value for field, value in score.items() if field != "changed"}
+                for name, score in results["modes"][mode].items()
+                if isinstance(score, dict) and name != "examples"
             }
             print(model, mode, summary, flush=True)
     finally:
