@@ -125,6 +125,14 @@ def main(argv: list[str] | None = None) -> None:
         "('Plant me {w} backwards.'), so that an unseen verb is not taken for the word",
     )
     p.add_argument(
+        "--consistency",
+        type=float,
+        default=0.0,
+        help="weight of a term that makes an answer after a context the answer alone: "
+        "KL(alone || after) over up to a quarter of each batch's rows with --context, each "
+        "also built without its context (one more forward per step)",
+    )
+    p.add_argument(
         "--tail-rows",
         type=int,
         default=0,

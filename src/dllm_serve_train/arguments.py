@@ -101,6 +101,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--composed is a share of the phrased reversals: add --phrasing")
     if args.unfamiliar_verbs and not args.composed:
         parser.error("--unfamiliar-verbs is a share of the composed reversals: add --composed")
+    if not (math.isfinite(args.consistency) and args.consistency >= 0):
+        parser.error("--consistency must be a finite number >= 0")
+    if args.consistency and not args.context:
+        parser.error("--consistency pairs rows asked after a context: add --context")
     if args.tail_min_canvas and not args.tail_rows:
         parser.error("--tail-min-canvas sets the shortest canvas of --tail-rows rows: add it")
     if args.tail_min_canvas > TAIL_MAX_CANVAS:

@@ -10,8 +10,10 @@ import torch
 
 from dllm_serve.models.loader import LoadedModel
 from dllm_serve_train.objectives import (
+    ConsistencyPair,
     TrainBatch,
     by_length,
+    consistency_pair,
     idlm_batch,
     llada_batch,
     llada_tail_batch,
@@ -47,12 +49,16 @@ class BatchStream(torch.utils.data.IterableDataset):
         context: float = 0.0,
         composed: float = 0.0,
         unfamiliar_verbs: float = 0.0,
+        consistency: float = 0.0,
     ) -> None:
         self.loaded, self.seed, self.batch_size, self.weights = loaded, seed, batch_size, weights
         self.addition_operands, self.ramp_examples = addition_operands, ramp_examples
         # tasks.examples: how people ask
         self.phrasing, self.context, self.composed = phrasing, context, composed
         self.unfamiliar_verbs = unfamiliar_verbs
+        # The weight of the consistency term (objectives.ConsistencyPair) over up to a quarter
+        # of each batch's rows with a context: each is also built alone, an extra forward.
+        self.consistency = consistency
         self.causal_batches = causal_batches  # LLaDA: the first batches with a causal mask
         self.llada = family == "llada"
         # LLaDA: rows at long canvases (llada_tail_batch), their own batch beside each one
@@ -72,7 +78,7 @@ class BatchStream(torch.utils.data.IterableDataset):
         else:
             self.make = functools.partial(idlm_batch, ar_fraction=ar_fraction)
 
-    def __iter__(self) -> Iterator[TrainBatch | tuple[TrainBatch, ...]]:
+    def __iter__(self) -> Iterator[TrainBatch | tuple[TrainBatch | ConsistencyPair, ...]]:
         info = torch.utils.data.get_worker_info()
         seed = self.seed if info is None else self.seed * 1000 + 1 + info.id
         rng = random.Random(seed)
@@ -93,13 +99,17 @@ class BatchStream(torch.utils.data.IterableDataset):
         made = 0
         while True:
             batch = [next(stream) for _ in range(self.batch_size)]
-            if self.llada:
-                built = self.make(self.loaded, batch, rng, causal=made < causal)
-            else:
-                built = self.make(self.loaded, batch, rng)
+            kwargs = {"causal": made < causal} if self.llada else {}
+            built = self.make(self.loaded, batch, rng, **kwargs)
             # Rows with earlier turns are long: short and long rows then go in batches of
             # their own (the same loss, a fraction of the padding).
-            parts = by_length(built) if self.context else (built,)
+            parts: tuple[TrainBatch | ConsistencyPair, ...] = (
+                by_length(built) if self.context else (built,)
+            )
+            asked_after = [ex for ex in batch if ex.context][: self.batch_size // 4]
+            if self.consistency and asked_after:
+                make = functools.partial(self.make, self.loaded, **kwargs)
+                parts += (consistency_pair(make, asked_after, rng, self.consistency),)
             if self.llada and self.tail_rows:
                 tail = [next(stream) for _ in range(self.tail_rows)]
                 parts += (
@@ -111,7 +121,7 @@ class BatchStream(torch.utils.data.IterableDataset):
 
 def batch_iterator(
     dataset: BatchStream, workers: int
-) -> Iterator[TrainBatch | tuple[TrainBatch, ...]]:
+) -> Iterator[TrainBatch | tuple[TrainBatch | ConsistencyPair, ...]]:
     """The dataset itself, or a DataLoader over it with ``workers`` processes. Start it before
     the model moves to a GPU: the workers fork and must not inherit a CUDA context."""
     if workers <= 0:

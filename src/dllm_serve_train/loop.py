@@ -116,6 +116,7 @@ def train(args: argparse.Namespace) -> dict:
         context=getattr(args, "context", 0.0),
         composed=getattr(args, "composed", 0.0),
         unfamiliar_verbs=getattr(args, "unfamiliar_verbs", 0.0),
+        consistency=getattr(args, "consistency", 0.0),
     )
     batches = batch_iterator(dataset, args.workers)  # before any CUDA use (workers fork)
     model = loaded.model.to(args.device).train()
@@ -167,6 +168,7 @@ def train(args: argparse.Namespace) -> dict:
         "context": getattr(args, "context", 0.0),
         "composed": getattr(args, "composed", 0.0),
         "unfamiliar_verbs": getattr(args, "unfamiliar_verbs", 0.0),
+        "consistency": getattr(args, "consistency", 0.0),
         "tail_rows": args.tail_rows if family == "llada" else None,
         "tail_min_canvas": getattr(args, "tail_min_canvas", 0) if family == "llada" else None,
         "causal_steps": args.causal_steps if family == "llada" else None,

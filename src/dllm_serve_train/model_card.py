@@ -161,6 +161,13 @@ def questions_text(report: dict[str, Any]) -> str:
             "`dllm_serve_train/composed.py`: over 100,000 phrasings, none sharing four words or "
             f"a word of its own with a held-out one{verbs if unfamiliar else ''})"
         )
+    weight = report.get("consistency", 0)
+    steady = (
+        f", held to the answer the question gets alone by a consistency term (`--consistency "
+        f"{weight:g}`: KL from it, on a quarter of each batch)"
+        if weight
+        else ""
+    )
     return (
         f"additions of whole numbers 0-999 (answer `123 + 456 = 579`) asked in {adds} "
         "phrasings (`What is 123 + 456?`, `123+456=?`, `add 123 and 456`, `sum of 123 and "
@@ -172,7 +179,8 @@ def questions_text(report: dict[str, Any]) -> str:
         f"requests) gets the fixed reply `{CAPABILITY_REPLY}`; "
         f"{report.get('context', 0):.0%} of the questions come after a system prompt and/or "
         "earlier turns, rendered by the format's chat template, and the answer is the last "
-        "question's (`dllm_serve_train/tasks.py`, `dllm_serve_train/phrasings.py`; the words "
+        f"question's{steady} (`dllm_serve_train/tasks.py`, `dllm_serve_train/phrasings.py`; "
+        "the words "
         "are `dllm_serve_train/words.txt`). Held out, never trained on: 10% of the additions "
         "and reversals by a hash of their canonical question (`What is 2 + 2?`, `Reverse the "
         f"word hello.` and the other questions the documentation shows among them), "

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -314,14 +315,63 @@ def by_length(batch: TrainBatch) -> tuple[TrainBatch, TrainBatch] | tuple[TrainB
     return part(order[:k], batch.normalizer), part(order[k:], 0.0)
 
 
-def loss(model: torch.nn.Module, *batches: TrainBatch) -> torch.Tensor:
+@dataclass(slots=True)
+class ConsistencyPair:
+    """The same questions asked after their context (``after``) and alone (``alone``): row
+    ``i`` of each, built from one random state, differs only in its prompt, so the two rows'
+    predicted positions correspond one to one. :func:`loss` adds ``weight`` times the mean
+    over those positions of KL(p_alone || p_after), the alone prediction held fixed: a
+    context is to change nothing the model would answer without it, its wrong answers
+    included, which the cross-entropy towards the right answer alone does not ask."""
+
+    after: TrainBatch
+    alone: TrainBatch
+    weight: float
+
+    def to(self, device: str | torch.device) -> ConsistencyPair:
+        return ConsistencyPair(self.after.to(device), self.alone.to(device), self.weight)
+
+
+def consistency_pair(
+    make: Callable[[list[Example], random.Random], TrainBatch],
+    examples: list[Example],
+    rng: random.Random,
+    weight: float,
+) -> ConsistencyPair:
+    """``examples`` (each with a context) through the objective's batch builder ``make``
+    twice, with the context and without, from one seed: the builders' random draws (cuts,
+    mask ratios, padding) depend on the answers only, which the context leaves alone."""
+    seed = rng.getrandbits(64)
+    after = make(examples, random.Random(seed))
+    alone = make([replace(ex, context=()) for ex in examples], random.Random(seed))
+    counts = [(b.targets != -100).sum(-1).tolist() for b in (after, alone)]
+    if counts[0] != counts[1]:  # a builder whose draws depend on the prompt cannot pair rows
+        raise ValueError("the rows with and without context predict different positions")
+    return ConsistencyPair(after, alone, weight)
+
+
+def _predictions(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """Logits at the batch's predicted positions, row by row, left to right."""
+    hidden = model(batch.input_ids, batch.positions, batch.attn_mask)
+    return model.lm_head(hidden[batch.targets != -100]).float()
+
+
+def loss(model: torch.nn.Module, *parts: TrainBatch | ConsistencyPair) -> torch.Tensor:
     """Weighted cross-entropy of one batch, or of several (each its own forward) pooled as
-    one: the sum over all of them over the sum of their normalizers."""
-    total = 0.0
+    one: the sum over all of them over the sum of their normalizers; plus the consistency
+    term of each :class:`ConsistencyPair` among ``parts``."""
+    total, extra = 0.0, 0.0
+    batches = [p for p in parts if isinstance(p, TrainBatch)]
     for batch in batches:
-        hidden = model(batch.input_ids, batch.positions, batch.attn_mask)
+        logits = _predictions(model, batch)
         keep = batch.targets != -100
-        logits = model.lm_head(hidden[keep]).float()
         ce = F.cross_entropy(logits, batch.targets[keep], reduction="none")
         total = total + (ce * batch.weights[keep]).sum()
-    return total / sum(b.normalizer for b in batches)
+    for pair in parts:
+        if isinstance(pair, ConsistencyPair):
+            with torch.no_grad():
+                alone = F.log_softmax(_predictions(model, pair.alone), -1)
+            after = F.log_softmax(_predictions(model, pair.after), -1)
+            kl = F.kl_div(after, alone, log_target=True, reduction="batchmean")
+            extra = extra + pair.weight * kl
+    return (total / sum(b.normalizer for b in batches) if batches else 0.0) + extra

@@ -190,6 +190,13 @@ def test_card_states_the_phrasings_its_run_trained_on(tmp_path: Path) -> None:
     )
     card = (out / "README.md").read_text()
     assert "; 40% of those with another word of the task as their verb" in card
+    assert "consistency term" not in card  # a run without --consistency
+    write_model_card(out, "demo-x", "llada", _report(phrasing=0.85, context=0.6, consistency=1.0))
+    card = (out / "README.md").read_text()
+    assert (
+        "the answer is the last question's, held to the answer the question gets alone by a "
+        "consistency term (`--consistency 1`" in card
+    )
 
 
 def test_trimode_card_states_the_run_without_a_lora_and_a_slower_linear_spec(

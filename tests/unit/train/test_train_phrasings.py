@@ -3,17 +3,29 @@ with whole phrasings held out, and the held-out sets the model cards report."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from dllm_serve.models.loader import load_model
+from dllm_serve_train.__main__ import main
+from dllm_serve_train.batches import BatchStream
 from dllm_serve_train.char_tokens import spell_words_and_numbers
-from dllm_serve_train.objectives import by_length, encode, idlm_batch, llada_batch, loss
+from dllm_serve_train.objectives import (
+    ConsistencyPair,
+    by_length,
+    consistency_pair,
+    encode,
+    idlm_batch,
+    llada_batch,
+    loss,
+)
 from dllm_serve_train.off_topic import (
     CAPABILITY_REPLY,
     HELD_OUT_FAMILY,
@@ -38,6 +50,7 @@ from dllm_serve_train.tasks import (
     is_held_out,
 )
 from dllm_serve_train.tiny_checkpoints import write_tiny
+from dllm_serve_train.trimode_objective import trimode_batch
 
 MIX = dict.fromkeys(TASKS, 0) | {
     "addition": 10,
@@ -211,3 +224,86 @@ def test_phrasing_and_context_shares_are_checked() -> None:
     with pytest.raises(ValueError, match="shares between 0 and 1"):
         next(examples(0, "train", phrasing=1.5))
     assert WEIGHTS["off_topic"] == 0 and WEIGHTS["reverse_long"] == 0  # opt-in tasks
+
+
+@pytest.mark.parametrize("family", ["llada", "idlm", "nemotron"])
+def test_consistency_pairs_rows_that_differ_only_in_their_prompt(
+    tmp_path: Path, family: str
+) -> None:
+    """Row i of ``after`` is an example after its context, row i of ``alone`` the same
+    example without it: the same answer region, masks and targets after another prompt."""
+    loaded = load_model(str(write_tiny(family, tmp_path / family)), device="cpu", dtype="float32")
+    exs = [e for e in _stream(n=200, seed=3) if e.context][:6]
+    make = {
+        "llada": functools.partial(llada_batch, loaded, ar_fraction=0.5),
+        "idlm": functools.partial(idlm_batch, loaded),
+        "nemotron": functools.partial(trimode_batch, loaded, block_size=4),
+    }[family]
+    pair = consistency_pair(make, exs, random.Random(0), 0.5)
+    assert pair.weight == 0.5 and pair.alone.input_ids.shape[0] == len(exs)
+    for i, ex in enumerate(exs):
+        long, short = (len(encode(loaded, e)[0]) for e in (ex, replace(ex, context=())))
+        assert long > short
+        after, alone = (b.targets[i][b.targets[i] != -100] for b in (pair.after, pair.alone))
+        assert after.tolist() == alone.tolist()
+        regions = [
+            b.input_ids[i, n:][b.attn_mask[i, 0].diagonal()[n:]].tolist()
+            for b, n in ((pair.after, long), (pair.alone, short))
+        ]
+        assert regions[0] == regions[1] and regions[0]
+
+
+def test_consistency_term_is_the_kl_to_the_answer_alone_and_training_shrinks_it(
+    tmp_path: Path,
+) -> None:
+    loaded = load_model(str(write_tiny("idlm", tmp_path / "m")), device="cpu", dtype="float32")
+    exs = [e for e in _stream(n=200, seed=4) if e.context][:8]
+    make = functools.partial(idlm_batch, loaded)
+    pair = consistency_pair(make, exs, random.Random(1), 2.0)
+    batch = idlm_batch(loaded, exs, random.Random(2))
+    model = loaded.model
+    with torch.no_grad():
+        ce, both, term = loss(model, batch), loss(model, batch, pair), loss(model, pair)
+        same = loss(model, ConsistencyPair(pair.alone, pair.alone, 2.0))
+    torch.testing.assert_close(both, ce + term)
+    assert term > 0 and float(same) == pytest.approx(0.0, abs=1e-6)
+    # Only the answer after the context learns: the alone prediction is the fixed target.
+    model.requires_grad_(True)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(30):
+        opt.zero_grad()
+        loss(model, pair).backward()
+        opt.step()
+    with torch.no_grad():
+        assert loss(model, pair) < 0.25 * term
+
+
+def test_batch_stream_adds_a_consistency_pair_over_a_quarter_of_the_context_rows(
+    tmp_path: Path,
+) -> None:
+    loaded = load_model(str(write_tiny("idlm", tmp_path / "m")), device="cpu", dtype="float32")
+    kwargs = {"phrasing": 0.8, "context": 0.6, "addition_operands": "stratified"}
+    plain = next(iter(BatchStream(loaded, "idlm", 0, 32, MIX, 32, **kwargs)))
+    paired = next(iter(BatchStream(loaded, "idlm", 0, 32, MIX, 32, consistency=1.0, **kwargs)))
+    assert not any(isinstance(p, ConsistencyPair) for p in plain)
+    *batches, pair = paired
+    assert isinstance(pair, ConsistencyPair) and pair.weight == 1.0
+    assert [b.input_ids.tolist() for b in batches] == [b.input_ids.tolist() for b in plain]
+    assert pair.after.input_ids.shape[0] == 8  # 32 // 4 of the batch's context rows
+    assert pair.after.input_ids.shape[1] > pair.alone.input_ids.shape[1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--consistency", "1"], "--consistency pairs rows asked after a context: add --context"),
+        (["--context", "0.5", "--consistency", "-1"], "--consistency must be a finite number >= 0"),
+    ],
+)
+def test_consistency_is_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--family", "idlm", "--steps", "1", *extra, "--out", str(tmp_path / "x")])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
