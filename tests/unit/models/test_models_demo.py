@@ -118,8 +118,9 @@ TYPED = [
 
 # Issue 39's bar (docs/training.md): demo-llada and demo-idlm meet it here (every typed prompt,
 # also after a system prompt or an earlier turn, and 10+ of these 12 per held-out set);
-# demo-trimode, retrained too, misses reversals in unseen phrasings (55.0% of 200; `reverse
-# hello` -> `ollleh`). Strict: the day it passes, its marker must go.
+# demo-trimode, retrained too, misses reversals in unseen phrasings (67.0% of 200, 9 of these 12;
+# `Reverse the word hello` after an earlier turn -> `oleh`). Strict: the day it passes, its
+# marker must go.
 NOT_YET = pytest.mark.xfail(strict=True, reason="issue 39: this demo does not meet the bar yet")
 
 
