@@ -116,18 +116,12 @@ TYPED = [
 ]
 
 
-# Issue 39's bar (docs/training.md): demo-llada and demo-idlm meet it here (every typed prompt,
-# also after a system prompt or an earlier turn, and 10+ of these 12 per held-out set);
-# demo-trimode, retrained too, misses reversals in unseen phrasings (67.0% of 200, 9 of these 12;
-# `Reverse the word hello` after an earlier turn -> `oleh`). Strict: the day it passes, its
-# marker must go.
-NOT_YET = pytest.mark.xfail(strict=True, reason="issue 39: this demo does not meet the bar yet")
+# Issue 39's bar (docs/training.md): every typed prompt, also after a system prompt or an earlier
+# turn, and 10+ of these 12 per held-out set. All three demos meet it; on the cards' 200 held-out
+# reversals demo-trimode answers 77.0% (the other two 91.5% and 95.5%).
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["demo-llada", "demo-idlm", pytest.param("demo-trimode", marks=NOT_YET)],
-)  # fmt: skip
+@pytest.mark.parametrize("name", DEMOS)
 def test_demo_understands_how_people_ask(name: str) -> None:
     """The issue's prompts, a dozen held-out phrasings per task (at least 10 of 12 right, the
     cards report 90%+ on 200), and a system prompt or an earlier turn that change nothing."""
