@@ -123,8 +123,9 @@ TYPED = [
 
 @pytest.mark.parametrize("name", DEMOS)
 def test_demo_understands_how_people_ask(name: str) -> None:
-    """The issue's prompts, a dozen held-out phrasings per task (at least 10 of 12 right, the
-    cards report 90%+ on 200), and a system prompt or an earlier turn that change nothing."""
+    """The issue's prompts, a dozen held-out phrasings per task (at least 10 of 12 right; the
+    cards report each demo's rate on 200), and a system prompt or an earlier turn that change
+    nothing."""
     sets = {t: held_out_phrasings(t, 12) for t in ("addition", "reverse_word", "off_topic")}
     with LLM(name, device="cpu", dtype="float32") as llm:
         outs = llm.generate([[{"role": "user", "content": q}] for q, _ in TYPED])
